@@ -1,0 +1,1 @@
+"""sfi_jax: Slow-Fast Inference for long-context decoding in JAX."""
