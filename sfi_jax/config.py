@@ -1,0 +1,104 @@
+"""SFI parameters (SFI_METHOD.md), validated once so the jitted code can trust them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+POLICIES = ("sfi", "tmax", "streaming", "prefill_only", "oracle")
+"""Refresh policies.
+
+- "sfi": slow step on the first decode step, after a trigger token, and every t_max steps.
+- "tmax": slow step on the first decode step and every t_max steps; no trigger tokens.
+- "streaming": sink + recent window only; never selects.
+- "prefill_only": select once from the prefill window, never refresh (SnapKV-like).
+- "oracle": every step selects from a fresh dense pass and computes its token sparsely.
+"""
+
+
+def _int_field(cfg, name, lo):
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"SFIConfig.{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"SFIConfig.{name} must be >= {lo}, got {value!r}")
+    object.__setattr__(cfg, name, int(value))
+
+
+def _float_field(cfg, name, lo=None, hi=None, lo_open=False, hi_open=False):
+    raw = getattr(cfg, name)
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
+        raise ValueError(f"SFIConfig.{name} must be a real number, got {raw!r}")
+    value = float(raw)
+    lo_txt = "-inf" if lo is None else f"{lo:g}"
+    hi_txt = "inf" if hi is None else f"{hi:g}"
+    allowed = f"{'(' if lo_open or lo is None else '['}{lo_txt}, {hi_txt}{')' if hi_open or hi is None else ']'}"
+    bad = not math.isfinite(value)
+    if lo is not None:
+        bad |= value <= lo if lo_open else value < lo
+    if hi is not None:
+        bad |= value >= hi if hi_open else value > hi
+    if bad:
+        raise ValueError(f"SFIConfig.{name} must be a finite number in {allowed}, got {raw!r}")
+    object.__setattr__(cfg, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFIConfig:
+    """Every SFI knob with its default from SFI_METHOD.md.
+
+    Frozen and hashable because it is passed to jit as a static argument.
+    A budget larger than a row's context is allowed: that row is simply dense.
+    """
+
+    n_sink: int = 4
+    n_recent: int = 256
+    k_select: int = 2048
+    t_max: int = 64
+    power_alpha: float = 0.5
+    lam_clip: float = 0.02
+    alpha_soft: float = 0.5
+    alpha_cross: float = 0.35
+    cross_temp: float = 2.0
+    nms_radius: int = 16
+    gamma: float = 0.5
+    beta: float = -math.log(0.6) / 0.9
+    p: float = 1.8
+    eta: float = 0.4
+    eps: float = 1e-8
+    prefill_window: int = 16
+    policy: str = "sfi"
+    refresh_rows: int | None = None
+
+    def __post_init__(self):
+        _int_field(self, "n_sink", 0)
+        _int_field(self, "n_recent", 0)
+        _int_field(self, "k_select", 1)
+        _int_field(self, "t_max", 1)
+        _int_field(self, "nms_radius", 0)
+        _int_field(self, "prefill_window", 1)
+        _float_field(self, "power_alpha", 0.0, 1.0, lo_open=True)
+        _float_field(self, "lam_clip", 0.0, 1.0)
+        _float_field(self, "alpha_soft", 0.0)
+        _float_field(self, "alpha_cross", 0.0)
+        _float_field(self, "cross_temp", 0.0, lo_open=True)
+        _float_field(self, "gamma", 0.0)
+        _float_field(self, "beta", 0.0)
+        _float_field(self, "p", 0.0, lo_open=True)
+        _float_field(self, "eta", 0.0)
+        _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
+            raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.refresh_rows is not None:
+            _int_field(self, "refresh_rows", 1)
+
+    @property
+    def budget(self) -> int:
+        """KV positions a fast step reads per head (besides the current token)."""
+        return self.n_sink + self.k_select + self.n_recent
+
+    @property
+    def compact_size(self) -> int:
+        """Static length of the compact sink + selected buffer."""
+        return self.n_sink + self.k_select
