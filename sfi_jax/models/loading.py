@@ -1,0 +1,145 @@
+"""`load_model` and `load_tokenizer`: presets, local HF directories, Orbax, GGUF, hub ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from sfi_jax.models import gguf_loader
+from sfi_jax.models.config import PRESETS, ModelConfig
+from sfi_jax.models.modeling import Model, param_shapes
+from sfi_jax.models.params import params_from_getter, random_params, safetensors_getter
+
+EMBEDDED_DEFAULT = "smollm2-135m"
+ORBAX_CONFIG = "sfi_jax_model_config.json"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_dtype(dtype):
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {_DTYPES}")
+    return name
+
+
+def _resolve_hub(source: str) -> str:
+    """Local snapshot of a hub id: the cache first, then a download; a clear error offline."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return snapshot_download(source, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(source, allow_patterns=patterns)
+    except Exception as e:
+        raise ValueError(
+            f"model {source!r} is not a preset ({', '.join(PRESETS)}), not a local directory, "
+            f"and could not be downloaded from the Hugging Face hub ({type(e).__name__}). "
+            "Offline? Pass a local directory with config.json and *.safetensors.") from None
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+
+
+def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0) -> Model:
+    """Load a model from a preset name, a local HF or Orbax directory, a .gguf file or a hub id.
+
+    Presets other than the embedded `smollm2-135m` are config-only: their weights are random,
+    created on the device in `dtype` (for benchmarks). `mesh` places each shard on its devices.
+    """
+    dtype = _check_dtype(dtype)
+    if source in PRESETS:
+        cfg = PRESETS[source]
+        if source == EMBEDDED_DEFAULT:
+            path = gguf_loader.embedded_gguf_path()
+            return Model(cfg, params_from_getter(cfg, gguf_loader.gguf_getter(path, cfg),
+                                                 dtype, mesh))
+        return Model(cfg, random_params(cfg, dtype, seed, mesh))
+    path = os.path.expanduser(source)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        cfg = gguf_loader.gguf_config(path, name=os.path.basename(path))
+        return Model(cfg, params_from_getter(cfg, gguf_loader.gguf_getter(path, cfg), dtype, mesh))
+    if not os.path.exists(path):
+        if _looks_like_hub_id(source):
+            path = _resolve_hub(source)
+        else:
+            raise ValueError(f"unknown model {source!r}: not a preset ({', '.join(PRESETS)}), "
+                             "not an existing path, not a hub id (owner/name)")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is a file; expected a directory or a .gguf file")
+    if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
+        return restore_orbax(path, dtype=dtype, mesh=mesh)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path} has no config.json (and is not an Orbax checkpoint "
+                                f"written by sfi_jax)")
+    with open(config_path) as f:
+        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    return Model(cfg, params_from_getter(cfg, safetensors_getter(path), dtype, mesh))
+
+
+def load_tokenizer(source: str = EMBEDDED_DEFAULT):
+    """The transformers tokenizer that belongs to `source` (a clear error for config-only presets)."""
+    from transformers import AutoTokenizer
+
+    if source == EMBEDDED_DEFAULT:
+        path = gguf_loader.embedded_gguf_path()
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if source in PRESETS:
+        raise ValueError(f"preset {source!r} has random weights and no tokenizer; pass token ids, "
+                         "or load a real checkpoint directory")
+    path = os.path.expanduser(source)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                             gguf_file=os.path.basename(path))
+    if not os.path.exists(path) and _looks_like_hub_id(source):
+        path = _resolve_hub(source)
+    if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
+        tok_dir = os.path.join(path, "tokenizer")
+        if os.path.isdir(tok_dir):
+            return AutoTokenizer.from_pretrained(tok_dir)
+        raise ValueError(f"Orbax checkpoint {path} was saved without a tokenizer")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_orbax(model: Model, directory: str, tokenizer=None) -> str:
+    """Write `model` as an Orbax checkpoint (+ its config, + the tokenizer when given)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(directory, "params"), model.params, force=True)
+    ckpt.wait_until_finished()
+    with open(os.path.join(directory, ORBAX_CONFIG), "w") as f:
+        json.dump(dataclasses.asdict(model.config), f, indent=1)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+    return directory
+
+
+def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None) -> Model:
+    """Restore an Orbax checkpoint, each shard straight onto its devices."""
+    import orbax.checkpoint as ocp
+
+    from sfi_jax.models.params import default_shardings
+
+    directory = os.path.abspath(directory)
+    with open(os.path.join(directory, ORBAX_CONFIG)) as f:
+        raw = json.load(f)
+    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
+    if raw.get("rope_scaling"):
+        raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
+    cfg = ModelConfig(**raw)
+    shardings = default_shardings(cfg, mesh)
+    target = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh),
+                          param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
+    return Model(cfg, params)

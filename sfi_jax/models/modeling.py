@@ -1,0 +1,194 @@
+"""Flax NNX decoder for Qwen3 (dense and MoE) and Llama-family checkpoints.
+
+Layer weights are stacked along a leading layer axis and the layers run under `lax.scan`, so
+compile time does not grow with depth. The layer is split in two halves around attention
+(`attention_inputs` and `attention_output_and_mlp`) so the runtime can put its own KV cache
+and decode kernels in between; `forward` is the plain full-sequence causal path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers, each weight stacked along axis 0 (the layer axis)."""
+
+    def __init__(self, weights: dict[str, jax.Array]):
+        for name, value in weights.items():
+            setattr(self, name, nnx.Param(value))
+
+
+class Model(nnx.Module):
+    """A decoder with its config. `model.params` is the pure pytree the runtime jits over."""
+
+    def __init__(self, config: ModelConfig, params: dict):
+        self.config = config
+        self.embed = nnx.Param(params["embed"])
+        self.layers = DecoderLayers(params["layers"])
+        self.final_norm = nnx.Param(params["final_norm"])
+        if "lm_head" in params:
+            self.lm_head = nnx.Param(params["lm_head"])
+
+    @property
+    def params(self) -> dict:
+        return nnx.state(self, nnx.Param).to_pure_dict()
+
+    @property
+    def dtype(self):
+        return self.embed[...].dtype
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model({c.name}: {c.num_layers} layers, hidden {c.hidden_size}, heads "
+                f"{c.num_q_heads}/{c.num_kv_heads}x{c.head_dim}, "
+                f"{'MoE %d experts top-%d, ' % (c.num_experts, c.num_experts_per_tok) if c.is_moe else ''}"
+                f"dtype {self.dtype})")
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every parameter: the contract between loaders and the model."""
+    L, H, D = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    layers = {
+        "attn_norm": (L, H), "mlp_norm": (L, H),
+        "wq": (L, H, cfg.num_q_heads * D), "wk": (L, H, cfg.num_kv_heads * D),
+        "wv": (L, H, cfg.num_kv_heads * D), "wo": (L, cfg.num_q_heads * D, H),
+    }
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, D), k_norm=(L, D))
+    if cfg.is_moe:
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        layers.update(router=(L, H, E), we_gate=(L, E, H, I), we_up=(L, E, H, I),
+                      we_down=(L, E, I, H))
+    else:
+        I = cfg.intermediate_size
+        layers.update(w_gate=(L, H, I), w_up=(L, H, I), w_down=(L, I, H))
+    shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _matmul(x, w):
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def apply_rope(x, positions, cfg: ModelConfig):
+    """Rotary embedding in the Hugging Face (rotate-half) layout. x [B, T, N, D], positions [B, T]."""
+    inv_freq, mscale = rope_inv_freq_and_scale(cfg)
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = (jnp.cos(angles) * mscale)[:, :, None, :]
+    sin = (jnp.sin(angles) * mscale)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_inputs(w: dict, cfg: ModelConfig, x, positions):
+    """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x."""
+    B, T, _ = x.shape
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q = _matmul(h, w["wq"]).reshape(B, T, cfg.num_q_heads, cfg.head_dim)
+    k = _matmul(h, w["wk"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = _matmul(h, w["wv"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
+
+
+def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn):
+    """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D]."""
+    B, T = attn.shape[:2]
+    x = x + _matmul(attn.reshape(B, T, -1).astype(x.dtype), w["wo"])
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    if cfg.is_moe:
+        return x + moe_mlp(w, cfg, h.reshape(B * T, -1)).reshape(B, T, -1)
+    return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
+
+
+def moe_mlp(w: dict, cfg: ModelConfig, x):
+    """Top-k routed experts via grouped matmuls (`lax.ragged_dot`) over expert-sorted tokens."""
+    n, k = x.shape[0], cfg.num_experts_per_tok
+    router_logits = jnp.matmul(x, w["router"], preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top_p, top_e = jax.lax.top_k(probs, k)
+    if cfg.norm_topk_prob:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e)
+    token_of = order // k
+    xs = x[token_of]
+    group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                                  preferred_element_type=jnp.float32).astype(x.dtype)
+
+    hidden = jax.nn.silu(grouped(xs, w["we_gate"])) * grouped(xs, w["we_up"])
+    ys = grouped(hidden, w["we_down"]).astype(jnp.float32)
+    weights = top_p.reshape(-1)[order][:, None]
+    out = jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(ys * weights)
+    return out.astype(x.dtype)
+
+
+def embed_tokens(params: dict, tokens):
+    return params["embed"][tokens]
+
+
+def output_logits(params: dict, cfg: ModelConfig, x):
+    """Final norm and LM head (tied to the embedding when the config says so); float32."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.matmul(h, head, preferred_element_type=jnp.float32)
+
+
+def grouped_attention(q, k, v, mask):
+    """Plain GQA attention. q [B,T,Hq,D]; k, v [B,S,Hkv,D]; mask bool [B,T,S] -> [B,T,Hq,D]."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.where(mask[:, None, None], s / np.sqrt(D), -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask[:, None, None], p, 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+@jax.jit(static_argnums=(1,))
+def _forward(params, cfg: ModelConfig, tokens):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+    def layer(x, w):
+        q, k, v = attention_inputs(w, cfg, x, positions)
+        return attention_output_and_mlp(w, cfg, x, grouped_attention(q, k, v, causal)), None
+
+    x, _ = jax.lax.scan(layer, embed_tokens(params, tokens), params["layers"])
+    return output_logits(params, cfg, x)
+
+
+def forward(model: Model, tokens) -> jax.Array:
+    """Full causal forward: tokens int [B, T] -> float32 logits [B, T, vocab]."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    if tokens.shape[1] > model.config.max_position_embeddings:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context "
+                         f"{model.config.max_position_embeddings}")
+    return _forward(model.params, model.config, tokens)
