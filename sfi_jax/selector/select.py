@@ -1,0 +1,228 @@
+"""The SFI selector (SFI_METHOD.md §4), vectorised over batch, KV heads and positions.
+
+Shapes: logits [B, Hkv, R, S], key_norms [B, Hkv, S], allowed range J = [lo[b], hi[b]) per
+batch row. Everything outside J is masked to -inf (scores) or 0 (probabilities), so empty and
+one-element ranges give no NaN. `selector_scores` and `topk_positions` are the two halves of
+`select`, kept separate so they can be tested and profiled on their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sfi_jax.config import SFIConfig
+
+NEG_INF = float("-inf")
+TOPK_IMPLS = ("lax", "threshold")
+
+
+def allowed_mask(size: int, lo, hi):
+    """Bool [B, S]: position s of row b lies in [lo[b], hi[b])."""
+    pos = jnp.arange(size, dtype=jnp.int32)
+    lo = jnp.asarray(lo, jnp.int32)[:, None]
+    hi = jnp.asarray(hi, jnp.int32)[:, None]
+    return (pos >= lo) & (pos < hi)
+
+
+def _masked_softmax(x, mask, axis=-1):
+    """Softmax over the masked entries; all-masked slices give zeros instead of NaN."""
+    x = jnp.where(mask, x, NEG_INF)
+    mx = jnp.max(x, axis=axis, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    e = jnp.exp(x - mx)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def evidence(logits, in_j, power_alpha: float):
+    """f(j): per-row softmax over J, power mean over the R rows, renormalised. [B, H, S].
+
+    Done in the log domain (mu^(1/a) is renormalised through a max-shifted softmax), so tiny
+    probabilities at 128K positions do not underflow to ties.
+    """
+    mask = in_j[:, None, None, :]
+    x = jnp.where(mask, logits.astype(jnp.float32), NEG_INF)
+    mx = jnp.max(x, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    total = jnp.sum(jnp.exp(x - mx), axis=-1, keepdims=True)
+    log_total = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+    logp = x - mx - log_total  # -inf outside J and where a row masks a position
+    mu = jnp.sum(jnp.exp(power_alpha * logp), axis=2)  # the 1/R factor cancels below
+    g = jnp.log(mu) / power_alpha
+    return _masked_softmax(g, in_j[:, None, :] & (mu > 0))
+
+
+def prior(key_norms, lo, hi, in_j, cfg: SFIConfig):
+    """r(j): key-norm prior times position prior, normalised over J. [B, H, S]."""
+    eps = cfg.eps
+    size = key_norms.shape[-1]
+    pos = jnp.arange(size, dtype=jnp.float32)[None, :]
+    lo_f = jnp.asarray(lo, jnp.float32)[:, None]
+    last = jnp.asarray(hi, jnp.float32)[:, None] - 1.0
+    span = jnp.maximum(last - lo_f, 0.0) + eps
+    u = jnp.where(in_j, (pos - lo_f) / span, 0.0)
+    # 1 - u written as (max J - j + eps) / span keeps the newest position's eps^eta exact.
+    one_minus_u = jnp.where(in_j, (last - pos + eps) / span, 1.0)
+    pi_pos = jnp.exp(-cfg.beta * u**cfg.p) * (one_minus_u + eps) ** cfg.eta
+    pi_kn = (key_norms.astype(jnp.float32) + eps) ** (-cfg.gamma)
+    pi = jnp.where(in_j[:, None, :], pi_kn * pi_pos[:, None, :], 0.0)
+    total = jnp.sum(pi, axis=-1, keepdims=True)
+    return pi / jnp.where(total > 0, total, 1.0)
+
+
+def fusion_lambda(f, r, lam_clip: float):
+    """lam = clip((f.f - f.r) / |f - r|^2, 0, lam_clip), 0 when the denominator is 0. [B, H, 1]."""
+    d = f - r
+    den = jnp.sum(d * d, axis=-1, keepdims=True)
+    num = jnp.sum(f * d, axis=-1, keepdims=True)
+    lam = jnp.clip(num / jnp.where(den > 0, den, 1.0), 0.0, lam_clip)
+    return jnp.where(den > 0, lam, 0.0)
+
+
+def window_max(x, radius: int):
+    """Max over |i - j| <= radius along the last axis (-inf padding), by doubling windows:
+    log2(2r+1) elementwise passes instead of 2r+1."""
+    if radius == 0:
+        return x
+    width = 2 * radius + 1
+    size = x.shape[-1]
+    pad = [(0, 0)] * (x.ndim - 1)
+    xp = jnp.pad(x, pad + [(radius, radius)], constant_values=NEG_INF)
+    t, w = xp, 1
+    while 2 * w <= width:  # t[i] = max xp[i : i + w]
+        shifted = jnp.pad(t[..., w:], pad + [(0, w)], constant_values=NEG_INF)
+        t = jnp.maximum(t, shifted)
+        w *= 2
+    return jnp.maximum(t[..., :size], t[..., width - w : width - w + size])
+
+
+def soft_nms(z, in_j, radius: int, alpha_soft: float):
+    """z - alpha_soft * (m - z) with m the local max over |i - j| <= radius inside J."""
+    if alpha_soft == 0.0 or radius == 0:
+        return z
+    m = window_max(z, radius)
+    return jnp.where(in_j[:, None, :], z - alpha_soft * jnp.maximum(m - z, 0.0), NEG_INF)
+
+
+def _reduce(x, op: str, cross_head_reduce):
+    """Finish a per-device reduction over heads: nothing, a collective over an axis name, or a
+    user callable fn(x, op) with op in {"max", "sum"}."""
+    if cross_head_reduce is None:
+        return x
+    if callable(cross_head_reduce):
+        return cross_head_reduce(x, op)
+    return lax.pmax(x, cross_head_reduce) if op == "max" else lax.psum(x, cross_head_reduce)
+
+
+def cross_head(z, in_j, cfg: SFIConfig, cross_head_reduce=None):
+    """z + alpha_cross * log(max(q, eps)), q = softmax over all KV heads of z / T."""
+    if cfg.alpha_cross == 0.0:
+        return z
+    y = z / cfg.cross_temp
+    mx = _reduce(jnp.max(y, axis=1, keepdims=True), "max", cross_head_reduce)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    total = _reduce(jnp.sum(jnp.exp(y - mx), axis=1, keepdims=True), "sum", cross_head_reduce)
+    log_total = jnp.log(jnp.where(total > 0, total, 1.0))
+    log_q = jnp.maximum(y - mx - log_total, math.log(cfg.eps))
+    return jnp.where(in_j[:, None, :], z + cfg.alpha_cross * log_q, NEG_INF)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce"))
+def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, cross_head_reduce=None):
+    """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
+
+    cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
+    mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
+    """
+    size = logits.shape[-1]
+    in_j = allowed_mask(size, allowed_lo, allowed_hi)
+    f = evidence(logits, in_j, cfg.power_alpha)
+    if cfg.lam_clip > 0.0:
+        r = prior(key_norms, allowed_lo, allowed_hi, in_j, cfg)
+        lam = fusion_lambda(f, r, cfg.lam_clip)
+        s = (1.0 - lam) * f + lam * r
+    else:
+        s = f
+    z = jnp.where(in_j[:, None, :], jnp.log(s + cfg.eps), NEG_INF)
+    z = soft_nms(z, in_j, cfg.nms_radius, cfg.alpha_soft)
+    return cross_head(z, in_j, cfg, cross_head_reduce)
+
+
+def _sortable_keys(x):
+    """uint32 keys whose unsigned order is the float order of x."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    sign = bits >> 31
+    return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _kth_largest_key(keys, k: int, radix_bits: int):
+    """Exact k-th largest key per row: a radix search fixing radix_bits per round, each round
+    one fused count of keys >= each candidate digit (no sort, no histogram scatter)."""
+    prefix = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    digits = jnp.arange(1, 2**radix_bits, dtype=jnp.uint32)
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        cand = prefix[..., None] + (digits << shift)  # count(keys >= prefix) >= k holds throughout
+        counts = jnp.sum(keys[..., :, None] >= cand[..., None, :], axis=-2, dtype=jnp.int32)
+        prefix = prefix + (jnp.sum(counts >= k, axis=-1, dtype=jnp.uint32) << shift)
+    return prefix
+
+
+def _topk_threshold(scores, k: int, out_k: int, radix_bits: int):
+    keys = _sortable_keys(scores)
+    t = _kth_largest_key(keys, k, radix_bits)[..., None]
+    gt = keys > t
+    eq = keys == t
+    quota = k - jnp.sum(gt, axis=-1, keepdims=True, dtype=jnp.int32)
+    # Ties at the threshold go to the lowest positions, like lax.top_k.
+    sel = (gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= quota))) & (scores > NEG_INF)
+    slot = jnp.where(sel, jnp.cumsum(sel, axis=-1, dtype=jnp.int32) - 1, out_k)
+    rows = scores.reshape(-1, scores.shape[-1]).shape[0]
+    size = scores.shape[-1]
+    pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (rows, size))
+    row_idx = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, size))
+    out = jnp.full((rows, out_k), -1, jnp.int32)
+    out = out.at[row_idx, slot.reshape(rows, size)].set(pos, mode="drop")
+    return out.reshape(scores.shape[:-1] + (out_k,))
+
+
+def _topk_lax(scores, k: int, out_k: int):
+    size = scores.shape[-1]
+    vals, idx = lax.top_k(scores, k)
+    idx = jnp.sort(jnp.where(vals > NEG_INF, idx, size), axis=-1)
+    idx = jnp.where(idx < size, idx, -1).astype(jnp.int32)
+    if out_k > k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, out_k - k)], constant_values=-1)
+    return idx
+
+
+@functools.partial(jax.jit, static_argnames=("k", "impl", "radix_bits"))
+def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
+    """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
+
+    impl "lax" uses lax.top_k; "threshold" finds the exact k-th largest value by a radix
+    search on the float bits and compacts the positions above it (ties: lowest positions),
+    which avoids a full top-k over long rows. Both return the same set.
+    """
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
+    if radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
+    kk = min(k, scores.shape[-1])
+    scores = scores.astype(jnp.float32)
+    if impl == "lax":
+        return _topk_lax(scores, kk, k)
+    return _topk_threshold(scores, kk, k, radix_bits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "topk_impl", "cross_head_reduce"))
+def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
+           cross_head_reduce=None):
+    """Selected positions int32 [B, H, cfg.k_select]: the top-k of J by z_adj, in ascending
+    position order, -1 in the slots beyond min(k_select, |J|)."""
+    z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg, cross_head_reduce=cross_head_reduce)
+    return topk_positions(z, cfg.k_select, impl=topk_impl)
