@@ -1,0 +1,259 @@
+"""Split-K flash-decoding kernels for NVIDIA GPUs: Pallas with the Triton lowering.
+
+This is the only module that touches `jax.experimental.pallas.triton`; the Triton
+lowering is deprecated upstream in favour of Mosaic GPU, so it stays behind this file.
+
+Layout: one program per (query row, KV head, split). The program loads the KV head's
+query group padded to 16 rows (the smallest tl.dot), walks the key blocks of its split
+that lie inside the row's valid range, and writes a partial (acc, m, l); a small jnp
+combine merges the splits exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as plgpu_triton
+
+_ROWS = 16  # smallest M of tl.dot: query groups are padded to this
+_M_INIT = -1e30  # finite, so exp(m_old - m_new) is never NaN
+_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning knobs; block_k is a power of two, programs is the grid size aimed for."""
+
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs: int = 8 * _NUM_SMS
+
+
+DENSE = Config()
+SPARSE = Config()
+
+
+def _pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _splits(total, pairs, cfg):
+    """Split length (multiple of block_k) and count covering `total` keys per (row, head)."""
+    bk = cfg.block_k
+    want = max(1, -(-cfg.programs // max(pairs, 1)))
+    split = max(bk, -(-max(total, 1) // want))
+    split = -(-split // bk) * bk
+    return split, max(1, -(-max(total, 1) // split))
+
+
+def _attend(q, k_ref, v_ref, at, lo, hi, carry, *, bk, dp, dmask, scale, precision, logits=None):
+    """Online softmax of q [16, dp] over keys [lo, hi) of k_ref[at], v_ref[at], block by block.
+
+    Each access is one indexer (`at` + the block), so interpret mode pads instead of clamping.
+
+    `logits(start, s)` (optional) stores a block of scaled scores as they are made.
+    """
+    n = pl.cdiv(jnp.maximum(hi - lo, 0), bk)
+    idx = jnp.arange(bk)
+
+    def body(i, c):
+        acc, m, l = c
+        start = lo + i * bk
+        kmask = (start + idx) < hi
+        lmask = kmask[:, None] if dmask is None else kmask[:, None] & dmask[None, :]
+        k = plgpu_triton.load(k_ref.at[(*at, pl.ds(start, bk), pl.ds(0, dp))], mask=lmask, other=0.0)
+        s = plgpu_triton.dot(q, k, trans_b=True, precision=precision) * scale
+        s = jnp.where(kmask[None, :], s, -jnp.inf)
+        if logits is not None:
+            logits(start, s)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = plgpu_triton.load(v_ref.at[(*at, pl.ds(start, bk), pl.ds(0, dp))], mask=lmask, other=0.0)
+        acc = acc * alpha[:, None] + plgpu_triton.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l
+
+    return lax.fori_loop(0, n, body, carry)
+
+
+def _init(dp):
+    return (jnp.zeros((_ROWS, dp), jnp.float32), jnp.full((_ROWS,), _M_INIT, jnp.float32),
+            jnp.zeros((_ROWS,), jnp.float32))
+
+
+def _load_q(q_ref, r, h, group, dp, dmask, dtype):
+    gmask = jnp.arange(_ROWS) < group
+    mask = gmask[:, None] if dmask is None else gmask[:, None] & dmask[None, :]
+    q = plgpu_triton.load(q_ref.at[r, pl.ds(h * group, _ROWS), pl.ds(0, dp)], mask=mask, other=0.0)
+    return q.astype(dtype), gmask, mask
+
+
+def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask):
+    acc, m, l = carry
+    rows = pl.ds(h * group, _ROWS)
+    plgpu_triton.store(o_ref.at[r, j, rows, pl.ds(0, dp)], acc, mask=omask)
+    plgpu_triton.store(m_ref.at[r, j, rows], m, mask=gmask)
+    plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask)
+
+
+def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+                  *logit_refs, group, split, s_len, d, dp, bk, scale, precision):
+    r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, row = layer_ref[0], rows_ref[r]
+    dmask = None if dp == d else jnp.arange(dp) < d
+    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
+    start = j * split
+    end = jnp.minimum(start + split, s_len)
+    hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
+    idx = jnp.arange(bk)
+    logits = None
+    if logit_refs:
+
+        def logits(blk, s):
+            cmask = (blk + idx) < end
+            plgpu_triton.store(logit_refs[0].at[r, pl.ds(h * group, _ROWS), pl.ds(blk, bk)], s,
+                               mask=gmask[:, None] & cmask[None, :])
+
+    carry = _attend(q, k_ref, v_ref, (layer, row, h), start, hi, _init(dp), bk=bk, dp=dp,
+                    dmask=dmask, scale=scale, precision=precision, logits=logits)
+    if logit_refs:
+        # Blocks of this split past the row's length: -inf, without reading K.
+        done = start + pl.cdiv(jnp.maximum(hi - start, 0), bk) * bk
+        neg = jnp.full((_ROWS, bk), -jnp.inf, jnp.float32)
+
+        def fill(i, c):
+            logits(done + i * bk, neg)
+            return c
+
+        lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
+
+
+def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, *, group, n_splits, s_len, c_size, d, dp, bk, scale,
+                   precision):
+    r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    dmask = None if dp == d else jnp.arange(dp) < d
+    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
+    c_len = jnp.clip(clen_ref[r, h], 0, c_size)
+    length = jnp.clip(len_ref[r], 0, s_len)
+    rs = jnp.clip(rs_ref[r], 0, length)
+    # Virtual sequence: compact prefix padded to whole blocks, then the recent window.
+    c_pad = pl.cdiv(c_len, bk) * bk
+    total = c_pad + (length - rs)
+    chunk = pl.cdiv(pl.cdiv(total, n_splits), bk) * bk
+    a = j * chunk
+    b = jnp.minimum(a + chunk, total)
+    kw = dict(bk=bk, dp=dp, dmask=dmask, scale=scale, precision=precision)
+    carry = _attend(q, ck_ref, cv_ref, (layer, r, h), a,
+                    jnp.minimum(b, c_len), _init(dp), **kw)
+    carry = _attend(q, k_ref, v_ref, (layer, r, h),
+                    rs + jnp.maximum(a - c_pad, 0), rs + b - c_pad, carry, **kw)
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
+
+
+def _combine(o, m, l, dtype):
+    """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]."""
+    mx = jnp.max(m, axis=1)
+    w = jnp.exp(m - mx[:, None])
+    lsum = jnp.sum(l * w, axis=1)
+    acc = jnp.sum(o * w[..., None], axis=1)
+    ok = lsum > 0
+    out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
+    return out.astype(dtype), lse
+
+
+def _as_stack(k, layer):
+    """A 5-D [L, B, Hkv, S, D] view and the layer index (a free reshape when unstacked)."""
+    if layer is None:
+        return k[None], jnp.zeros((1,), jnp.int32)
+    return k, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _params(cfg):
+    return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
+                 interpret=False, config=None):
+    """Dense decode attention (see kernels.api.dense_decode); one pass over K and V."""
+    cfg = config or DENSE
+    k, layer_arr = _as_stack(k, layer)
+    v, _ = _as_stack(v, layer)
+    n_rows, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    group = hq // hkv
+    if group > _ROWS:
+        raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
+    rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    dp = _pow2(d)
+    bk = min(cfg.block_k, max(16, _pow2(s_len)))
+    split, n_splits = _splits(s_len, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
+    kernel = functools.partial(
+        _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
+        scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+    out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
+    if return_logits:
+        out_shape.append(jax.ShapeDtypeStruct((n_rows, hq, s_len), jnp.float32))
+    res = pl.pallas_call(
+        kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
+        compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
+    )(layer_arr, rows, lengths.astype(jnp.int32), q, k, v)
+    out, lse = _combine(res[0], res[1], res[2], q.dtype)
+    if return_logits:
+        return out, res[3], lse
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
+def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
+                  interpret=False, config=None):
+    """Compact + recent-window decode attention (see kernels.api.sparse_decode)."""
+    cfg = config or SPARSE
+    ck, layer_arr = _as_stack(ck, layer)
+    cv, _ = _as_stack(cv, layer)
+    k, _ = _as_stack(k, layer)
+    v, _ = _as_stack(v, layer)
+    n_rows, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    c_size = ck.shape[3]
+    group = hq // hkv
+    if group > _ROWS:
+        raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
+    dp = _pow2(d)
+    bk = min(cfg.block_k, max(16, _pow2(c_size + (window or s_len))))
+    est = c_size + (s_len if window is None else min(window, s_len))
+    _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
+    kernel = functools.partial(
+        _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
+        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+    out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
+    o, m, l = pl.pallas_call(
+        kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
+        compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
+    )(layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
+      lengths.astype(jnp.int32), q, ck, cv, k, v)
+    return _combine(o, m, l, q.dtype)[0]
