@@ -1,0 +1,321 @@
+"""Jitted prefill and decode.
+
+Prefill is dense and chunked (memory-bounded). Decode runs a chunk of steps inside one
+`lax.while_loop` on device; each step scans over the stacked layers with the KV cache (and the
+SFI state) in the carry, so the cache is updated in place. In SFI mode every row decides per
+step whether it is slow (dense attention + selector + repack of its compact buffer) or fast
+(sparse attention over sink + selected + recent). A static number of refresh slots per step
+bounds the slow work; `lax.cond` skips it when no row needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from sfi_jax.kernels import dense_decode, sparse_decode
+except ImportError:  # kernels package still being assembled
+    from sfi_jax.kernels import reference as _ref
+
+    def dense_decode(*a, impl="auto", **kw):
+        return _ref.dense_decode(*a, **kw)
+
+    def sparse_decode(*a, impl="auto", **kw):
+        return _ref.sparse_decode(*a, **kw)
+from sfi_jax.config import SFIConfig
+from sfi_jax.models.config import ModelConfig
+from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
+                                     output_logits)
+from sfi_jax.runtime.sampling import SamplingConfig, sample
+from sfi_jax.runtime.state import DecodeState, SFIState
+from sfi_jax.selector import select
+
+
+# ----------------------------------------------------------------------------- prefill
+
+def prefill_chunk_size(cfg: ModelConfig, batch: int, max_len: int, longest_prompt: int,
+                       budget_bytes: int = 1 << 30) -> int:
+    """Largest power-of-2 chunk (16..1024) whose float32 attention scores fit `budget_bytes`."""
+    chunk = 1024
+    while chunk > 16 and batch * cfg.num_q_heads * chunk * max_len * 4 > budget_bytes:
+        chunk //= 2
+    while chunk > 16 and chunk // 2 >= longest_prompt:
+        chunk //= 2
+    return chunk
+
+
+def _cache_attention(q, k_cache, v_cache, q_pos, kv_len):
+    """Attention of queries at positions q_pos [B, T] over cache [B, Hkv, S, D] positions
+    <= q_pos and < kv_len[b]. Returns out [B, T, Hq, D] and f32 logits [B, Hkv, G, T, S]."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(D)
+    pos = jnp.arange(S)
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < kv_len[:, None, None])
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_cache.dtype), v_cache,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, D).astype(q.dtype), s
+
+
+def _write_rows(cache, layer, new, start):
+    """cache [L, B, Hkv, S, D] <- new [B, T, Hkv, D] at positions start[b] + t (in place)."""
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, D]
+    upd = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=1))
+    return cache.at[layer].set(upd(cache[layer], new, start))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "with_norms"), donate_argnames=("k", "v", "key_norms"))
+def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, *,
+                  cfg: ModelConfig, with_norms: bool):
+    """Run tokens [B, C] at positions start + [0, C) through all layers, writing the cache.
+
+    Rows are right-padded: positions >= lengths[b] are written but never attended later
+    (decode overwrites them). Returns the residual at each row's last prompt position.
+    """
+    B, C = tokens.shape
+    pos = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+    starts = jnp.full((B,), start, jnp.int32)
+
+    def layer(carry, xs):
+        x, k, v, kn = carry
+        w, l = xs
+        q, kk, vv = attention_inputs(w, cfg, x, pos)
+        k = _write_rows(k, l, kk, starts)
+        v = _write_rows(v, l, vv, starts)
+        if with_norms:
+            norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, C, Hkv]
+            kn = kn.at[l].set(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(
+                c, n, s, axis=1))(kn[l], jnp.swapaxes(norms, 1, 2), starts))
+        attn, _ = _cache_attention(q, k[l], v[l], pos, pos[:, -1] + 1)
+        return (attention_output_and_mlp(w, cfg, x, attn), k, v, kn), None
+
+    x = embed_tokens(params, tokens)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k, v, key_norms), _ = jax.lax.scan(layer, (x, k, v, key_norms),
+                                           (params["layers"], layer_ids))
+    last = jnp.clip(lengths - 1 - start, 0, C - 1)
+    here = (lengths - 1 >= start) & (lengths - 1 < start + C)
+    picked = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return k, v, key_norms, jnp.where(here[:, None], picked, last_hidden)
+
+
+def _allowed(lengths, sfi: SFIConfig):
+    """J = [n_sink, t - n_recent) for a step whose current position is t = lengths[b]."""
+    lo = jnp.full_like(lengths, sfi.n_sink)
+    return lo, jnp.maximum(lo, lengths - sfi.n_recent)
+
+
+def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
+    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D].
+
+    sel [B, Hkv, K] holds selected positions sorted ascending with -1 padding."""
+    B, Hkv = sel.shape[:2]
+    sink = jnp.broadcast_to(jnp.arange(sfi.n_sink, dtype=jnp.int32), (B, Hkv, sfi.n_sink))
+    sink = jnp.where(sink < lengths[:, None, None], sink, -1)
+    pos = jnp.concatenate([sink, sel], axis=-1)
+    # valid slots first, keeping order
+    order = jnp.argsort(pos < 0, axis=-1, stable=True)
+    pos = jnp.take_along_axis(pos, order, axis=-1)
+    c_len = jnp.sum(pos >= 0, axis=-1).astype(jnp.int32)
+    idx = jnp.maximum(pos, 0)[..., None]
+    ck = jnp.take_along_axis(k_layer, idx, axis=2)
+    cv = jnp.take_along_axis(v_layer, idx, axis=2)
+    return ck, cv, c_len, pos
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi"), donate_argnames=("state",))
+def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
+                      cfg: ModelConfig, sfi: SFIConfig) -> SFIState:
+    """Initial selection (SFI_METHOD.md §5): re-run the last W prompt positions through the
+    layers, and select per layer from their logits over the prompt."""
+    B, W = tokens_window.shape
+    q_pos = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
+    valid_q = q_pos >= 0
+    q_pos_c = jnp.maximum(q_pos, 0)
+    lo, hi = _allowed(lengths, sfi)
+
+    def layer(carry, xs):
+        x, st = carry
+        w, l = xs
+        q, _, _ = attention_inputs(w, cfg, x, q_pos_c)
+        attn, logits = _cache_attention(q, k[l], v[l], q_pos_c, lengths)
+        # invalid window rows (prompt shorter than W) carry no evidence
+        logits = jnp.where(valid_q[:, None, None, :, None], logits, -jnp.inf)
+        Hkv, G = logits.shape[1], logits.shape[2]
+        sel = select(logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], lo, hi, sfi)
+        ck, cv, c_len, pos = _compact(k[l], v[l], sel, lengths, sfi)
+        st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
+                         c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
+        return (attention_output_and_mlp(w, cfg, x, attn), st), None
+
+    x = embed_tokens(params, jnp.where(valid_q, tokens_window, 0))
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (_, state), _ = jax.lax.scan(layer, (x, state), (params["layers"], layer_ids))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi"), donate_argnames=("state",))
+def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi: SFIConfig):
+    """Compact buffers holding the sink alone (the StreamingLLM baseline)."""
+    L, B, Hkv = state.c_len.shape
+    empty = jnp.full((B, Hkv, sfi.k_select), -1, jnp.int32)
+
+    def one(l):
+        return _compact(k[l], v[l], empty, lengths, sfi)
+
+    ck, cv, c_len, pos = jax.lax.map(one, jnp.arange(L))
+    return state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def _refresh_slots(slow, done, n_slots):
+    """Up to n_slots rows that take a slow step now (others wait); B marks an empty slot."""
+    B = slow.shape[0]
+    idx = jnp.nonzero(slow & ~done, size=n_slots, fill_value=B)[0].astype(jnp.int32)
+    return idx
+
+
+def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
+    """One layer of one decode step for the whole batch."""
+    x, k, v, st = carry
+    w, l = xs
+    B = x.shape[0]
+    rows = jnp.arange(B)
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
+    k = k.at[l, rows, :, pos].set(kk[:, 0].astype(k.dtype))
+    v = v.at[l, rows, :, pos].set(vv[:, 0].astype(v.dtype))
+    q = q[:, 0]
+    lengths = pos + 1
+    impl = params_impl
+    if sfi is None:
+        attn = dense_decode(q, k, v, lengths, layer=l, impl=impl)
+        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st), None
+
+    norms = jnp.linalg.norm(kk[:, 0].astype(jnp.float32), axis=-1)  # [B, Hkv]
+    st = st._replace(key_norms=st.key_norms.at[l, rows, :, pos].set(norms))
+
+    def fast_attention(st):
+        c_len = jnp.where(dense_rows[:, None], 0, st.c_len[l])
+        recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+        return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
+                                     layer=l, impl=impl)
+
+    n_slots = slots.shape[0]
+
+    def refresh(st):
+        safe = jnp.minimum(slots, B - 1)
+        out_d, logits, _ = dense_decode(q[safe], k, v, lengths[safe], return_logits=True,
+                                                layer=l, rows=safe, impl=impl)
+        Hkv = cfg.num_kv_heads
+        lo, hi = _allowed(pos[safe], sfi)
+        sel = select(logits.reshape(n_slots, Hkv, cfg.group_size, -1), st.key_norms[l, safe],
+                     lo, hi, sfi)
+        ck, cv, c_len, positions = _compact(k[l, safe], v[l, safe], sel, lengths[safe], sfi)
+        st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
+                         cv=st.cv.at[l, slots].set(cv, mode="drop"),
+                         c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
+                         positions=st.positions.at[l, slots].set(positions, mode="drop"))
+        return st, out_d
+
+    if sfi.policy == "oracle":
+        st, _ = refresh(st)
+        attn = fast_attention(st)
+    elif sfi.policy in ("streaming", "prefill_only"):
+        attn = fast_attention(st)
+    else:
+        attn = fast_attention(st)
+
+        def with_refresh(st):
+            st, out_d = refresh(st)
+            return st, out_d
+
+        def without(st):
+            return st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+
+        st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
+        attn = attn.at[slots].set(out_d, mode="drop")
+    return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st), None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "impl",
+                                             "return_logits"),
+                   donate_argnames=("state",))
+def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg: ModelConfig,
+                 sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int, impl: str = "auto",
+                 return_logits: bool = False):
+    """Up to n_steps decode steps on device. Stops early when every row is done.
+
+    eos_mask, trigger_mask: bool [vocab]. forced: int32 [B, n_steps] teacher-forced next tokens
+    (-1 = sample). Returns the new state, tokens [B, n_steps] (-1 after a row ended), the number
+    of steps taken, slow flags [B, n_steps] and optionally logits [B, n_steps, vocab].
+    """
+    B = state.token.shape[0]
+    n_slots = B if sfi is None or sfi.refresh_rows is None else min(sfi.refresh_rows, B)
+    out_tokens = jnp.full((B, n_steps), -1, jnp.int32)
+    out_slow = jnp.zeros((B, n_steps), bool)
+    out_logits = jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+
+    def step(carry):
+        state, i, out_tokens, out_slow, out_logits = carry
+        pos = state.lengths
+        st = state.sfi
+        if sfi is not None:
+            dense_rows = pos + 1 <= sfi.budget
+            if sfi.policy in ("sfi", "tmax"):
+                want = st.pending | (pos == sfi.budget)
+                slots = _refresh_slots(want, state.done, n_slots)
+            elif sfi.policy == "oracle":
+                slots = jnp.arange(B, dtype=jnp.int32)
+            else:
+                slots = jnp.full((n_slots,), B, jnp.int32)
+        else:
+            dense_rows, slots = None, None
+        body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
+                                 pos=pos, dense_rows=dense_rows)
+        x = embed_tokens(params, state.token[:, None])
+        (x, k, v, st), _ = jax.lax.scan(body, (x, state.k, state.v, st),
+                                        (params["layers"], layer_ids))
+        logits = output_logits(params, cfg, x[:, 0])
+        key, sub = jax.random.split(state.key)
+        token = sample(logits, sub, sampling)
+        token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
+        live = ~state.done
+        out_tokens = out_tokens.at[:, i].set(jnp.where(live, token, -1))
+        if return_logits:
+            out_logits = out_logits.at[:, i].set(logits)
+        if sfi is not None:
+            refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+            if sfi.policy == "oracle":
+                refreshed = jnp.ones((B,), bool)
+            out_slow = out_slow.at[:, i].set(refreshed & live)
+            since = jnp.where(refreshed, 1, st.since_slow + 1)
+            pending = (st.pending & ~refreshed) | (since >= sfi.t_max)
+            if sfi.policy == "sfi":
+                pending = pending | trigger_mask[token]
+            st = st._replace(since_slow=since, pending=pending,
+                             slow_steps=st.slow_steps + (refreshed & live),
+                             fast_steps=st.fast_steps + (~refreshed & live))
+        done = state.done | eos_mask[token]
+        state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
+                            step=state.step + 1, key=key, sfi=st)
+        return state, i + 1, out_tokens, out_slow, out_logits
+
+    def cond(carry):
+        state, i = carry[0], carry[1]
+        return (i < n_steps) & ~jnp.all(state.done)
+
+    state, taken, out_tokens, out_slow, out_logits = jax.lax.while_loop(
+        cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits))
+    return state, out_tokens, taken, out_slow, out_logits

@@ -1,0 +1,251 @@
+"""`generate`: the host side of decoding. Validates input, prefills, then runs jitted chunks of
+decode steps, streaming tokens between chunks and stopping when every row has ended."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.models.modeling import Model, output_logits
+from sfi_jax.runtime import engine
+from sfi_jax.runtime.sampling import SamplingConfig, sample
+from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """tokens: generated ids per prompt (EOS included when hit); text: decoded, when a
+    tokenizer is known; stats: timings and per-sequence slow/fast step counts."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    stats: dict
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+def _available_device_bytes(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def _tokenize(prompts, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass tokenizer=load_tokenizer(...)"
+                                 " or token id lists")
+            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty (no tokens)")
+        out.append(ids)
+    return out
+
+
+def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
+    from sfi_jax.selector import trigger_token_ids
+
+    mask = np.zeros((vocab_size,), bool)
+    if tokenizer is not None:
+        ids = trigger_token_ids(tokenizer)
+        mask[ids[ids < vocab_size]] = True
+    return mask
+
+
+def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
+             sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
+             chunk_steps: int = 32, impl: str = "auto", trigger_ids=None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
+             ) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
+
+    prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
+    new token comes from the prefill logits; each further token is one decode step.
+    trigger_ids: override the trigger-token set (default: from the tokenizer; none without one).
+    forced_tokens: [B, max_new_tokens] ids fed instead of sampled ones (teacher forcing; -1 =
+    sample). on_tokens(list of new ids per row) is called after each chunk, for streaming.
+    """
+    cfg = model.config
+    if mode not in ("sfi", "dense"):
+        raise ValueError(f"mode must be 'sfi' or 'dense', got {mode!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if chunk_steps < 1:
+        raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+    if mode == "sfi":
+        sfi = sfi if sfi is not None else SFIConfig()
+        if not isinstance(sfi, SFIConfig):
+            raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
+    else:
+        sfi = None
+    ids = _tokenize(prompts, tokenizer)
+    B = len(ids)
+    lens = np.array([len(p) for p in ids], np.int32)
+    for i, p in enumerate(ids):
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+    need = int(lens.max()) + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"longest prompt ({int(lens.max())} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) = {need} exceeds the model's context "
+                         f"({cfg.max_position_embeddings})")
+    S = max_len or min(_round_up(need, 128), cfg.max_position_embeddings)
+    if S < need:
+        raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need}")
+    dtype = model.dtype
+    sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
+    avail = _available_device_bytes(jax.devices()[0])
+    if avail is not None and sum(sizes.values()) > avail:
+        raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / 2**30:.2f} GiB "
+                          f"({B} rows x {S} positions) but the device has {avail / 2**30:.2f} GiB "
+                          "free; reduce the batch, the prompt length or max_new_tokens")
+    if forced_tokens is not None:
+        forced_tokens = np.asarray(forced_tokens, np.int32)
+        if forced_tokens.shape != (B, max_new_tokens):
+            raise ValueError(f"forced_tokens must have shape {(B, max_new_tokens)}, "
+                             f"got {forced_tokens.shape}")
+
+    params = model.params
+    t0 = time.perf_counter()
+    chunk = engine.prefill_chunk_size(cfg, B, S, int(lens.max()))
+    T = _round_up(int(lens.max()), chunk)
+    tokens = np.zeros((B, T), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, :len(p)] = p
+    k, v = empty_cache(cfg, B, S, dtype)
+    sfi_state = empty_sfi_state(cfg, sfi, B, S, dtype) if sfi is not None else None
+    key_norms = sfi_state.key_norms if sfi is not None else jnp.zeros((0,), jnp.float32)
+    last_hidden = jnp.zeros((B, cfg.hidden_size), dtype)
+    lengths = jnp.asarray(lens)
+    for start in range(0, T, chunk):
+        k, v, key_norms, last_hidden = engine.prefill_chunk(
+            params, k, v, key_norms, jnp.asarray(tokens[:, start:start + chunk]),
+            jnp.int32(start), lengths, last_hidden, cfg=cfg, with_norms=sfi is not None)
+    if sfi is not None:
+        sfi_state = sfi_state._replace(key_norms=key_norms)
+        if sfi.policy == "streaming":
+            sfi_state = engine.sink_only_selection(sfi_state, k, v, lengths, cfg=cfg, sfi=sfi)
+        else:
+            W = sfi.prefill_window
+            win = np.zeros((B, W), np.int32)
+            for i, p in enumerate(ids):
+                tail = p[-W:]
+                win[i, W - len(tail):] = tail
+            sfi_state = engine.prefill_selection(params, sfi_state, k, v, jnp.asarray(win),
+                                                 lengths, cfg=cfg, sfi=sfi)
+    first_logits = output_logits(params, cfg, last_hidden[:, None])[:, 0]
+    if not bool(jnp.all(jnp.isfinite(first_logits))):
+        raise FloatingPointError("prefill produced non-finite logits (NaN/inf); check the "
+                                 "checkpoint and dtype")
+    key = jax.random.key(seed)
+    key, sub = jax.random.split(key)
+    first = sample(first_logits, sub, sampling)
+    if forced_tokens is not None:
+        first = jnp.where(forced_tokens[:, 0] >= 0, forced_tokens[:, 0], first)
+    first = np.asarray(jax.block_until_ready(first))
+    prefill_s = time.perf_counter() - t0
+
+    eos_ids = [t for t in cfg.eos_token_ids if t is not None]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_ids.append(tokenizer.eos_token_id)
+    eos_mask = np.zeros((cfg.vocab_size,), bool)
+    if stop_at_eos:
+        eos_mask[[t for t in eos_ids if 0 <= t < cfg.vocab_size]] = True
+    if trigger_ids is not None:
+        trig = np.zeros((cfg.vocab_size,), bool)
+        trig[np.asarray(trigger_ids, np.int64)] = True
+    else:
+        trig = trigger_mask_for(tokenizer, cfg.vocab_size) if sfi is not None else \
+            np.zeros((cfg.vocab_size,), bool)
+
+    generated = [[int(t)] for t in first]
+    done = eos_mask[first]
+    logits_out = [np.asarray(first_logits)[:, None]] if return_logits else None
+    slow_flags = []
+    if on_tokens:
+        on_tokens([[int(t)] for t in first])
+    state = DecodeState(k=k, v=v, lengths=lengths, token=jnp.asarray(first), done=jnp.asarray(done),
+                        step=jnp.int32(0), key=key, sfi=sfi_state)
+    eos_j, trig_j = jnp.asarray(eos_mask), jnp.asarray(trig)
+    remaining = max_new_tokens - 1
+    decode_s, steps_taken = 0.0, 0
+    t1 = time.perf_counter()
+    while remaining > 0 and not bool(np.all(done)):
+        n = min(chunk_steps, remaining) if remaining < chunk_steps else chunk_steps
+        forced = np.full((B, n), -1, np.int32)
+        if forced_tokens is not None:
+            got = forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
+            forced[:, :got.shape[1]] = got
+        state, toks, taken, slow, lg = engine.decode_chunk(
+            params, state, eos_j, trig_j, jnp.asarray(forced), cfg=cfg, sfi=sfi,
+            sampling=sampling, n_steps=n, impl=impl, return_logits=return_logits)
+        toks, taken = np.asarray(toks), int(taken)
+        new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
+        for g, nw in zip(generated, new):
+            g.extend(nw)
+        if return_logits:
+            logits_out.append(np.asarray(lg)[:, :taken])
+        slow_flags.append(np.asarray(slow)[:, :taken])
+        done = np.asarray(state.done)
+        steps_taken += taken
+        remaining -= taken
+        if on_tokens:
+            on_tokens(new)
+        if taken < n:
+            break
+    jax.block_until_ready(state.lengths)
+    decode_s = time.perf_counter() - t1
+
+    n_decoded = sum(len(g) - 1 for g in generated)
+    stats = {
+        "mode": mode, "batch": B, "prompt_tokens": lens.tolist(), "max_len": S,
+        "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps_taken,
+        "decode_tokens": n_decoded,
+        "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
+        "new_tokens": [len(g) for g in generated],
+        "memory_bytes": sizes,
+    }
+    if sfi is not None:
+        st = state.sfi
+        stats.update(slow_steps=np.asarray(st.slow_steps).tolist(),
+                     fast_steps=np.asarray(st.fast_steps).tolist(),
+                     slow_timeline=(np.concatenate(slow_flags, 1) if slow_flags else
+                                    np.zeros((B, 0), bool)))
+    else:
+        stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
+    if return_logits:
+        stats["logits"] = np.concatenate(logits_out, axis=1)
+    text = None
+    if tokenizer is not None:
+        text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)
+                for g in generated]
+    return GenerateResult(tokens=generated, text=text, stats=stats)

@@ -1,0 +1,66 @@
+"""Decode state: the head-major KV cache with per-row lengths, plus the static-shape SFI state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.models.config import ModelConfig
+
+
+class SFIState(NamedTuple):
+    """Per layer and KV head: compact sink+selected K/V, its valid count, the positions it holds,
+    every cached key's L2 norm (kept incrementally), and per-row refresh bookkeeping."""
+
+    ck: jax.Array  # [L, B, Hkv, C, D]
+    cv: jax.Array  # [L, B, Hkv, C, D]
+    c_len: jax.Array  # [L, B, Hkv] int32
+    positions: jax.Array  # [L, B, Hkv, C] int32, -1 = empty slot
+    key_norms: jax.Array  # [L, B, Hkv, S] float32
+    since_slow: jax.Array  # [B] int32: steps since the row's last slow step
+    pending: jax.Array  # [B] bool: the row wants a slow step
+    slow_steps: jax.Array  # [B] int32
+    fast_steps: jax.Array  # [B] int32
+
+
+class DecodeState(NamedTuple):
+    k: jax.Array  # [L, B, Hkv, S, D]
+    v: jax.Array  # [L, B, Hkv, S, D]
+    lengths: jax.Array  # [B] int32: tokens in the cache = position of the next token
+    token: jax.Array  # [B] int32: the token the next step feeds
+    done: jax.Array  # [B] bool
+    step: jax.Array  # [] int32: decode steps taken
+    key: jax.Array  # PRNG key
+    sfi: SFIState | None
+
+
+def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def empty_sfi_state(cfg: ModelConfig, sfi: SFIConfig, batch: int, max_len: int, dtype) -> SFIState:
+    L, Hkv, D, C = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, sfi.compact_size
+    return SFIState(
+        ck=jnp.zeros((L, batch, Hkv, C, D), dtype), cv=jnp.zeros((L, batch, Hkv, C, D), dtype),
+        c_len=jnp.zeros((L, batch, Hkv), jnp.int32),
+        positions=jnp.full((L, batch, Hkv, C), -1, jnp.int32),
+        key_norms=jnp.zeros((L, batch, Hkv, max_len), jnp.float32),
+        since_slow=jnp.zeros((batch,), jnp.int32), pending=jnp.ones((batch,), bool),
+        slow_steps=jnp.zeros((batch,), jnp.int32), fast_steps=jnp.zeros((batch,), jnp.int32))
+
+
+def state_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype_bytes: int,
+                sfi: SFIConfig | None) -> dict[str, int]:
+    """Bytes of the KV cache and of the SFI state (for the memory check and the reports)."""
+    kv = cfg.kv_cache_bytes(batch, max_len, dtype_bytes)
+    out = {"kv_cache": kv}
+    if sfi is not None:
+        L, Hkv, D, C = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, sfi.compact_size
+        out["sfi_compact"] = 2 * L * batch * Hkv * C * D * dtype_bytes
+        out["sfi_positions"] = L * batch * Hkv * C * 4
+        out["sfi_key_norms"] = L * batch * Hkv * max_len * 4
+    return out
