@@ -140,6 +140,8 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
     """
     size = logits.shape[-1]
+    allowed_lo = jnp.clip(jnp.asarray(allowed_lo, jnp.int32), 0, size)
+    allowed_hi = jnp.clip(jnp.asarray(allowed_hi, jnp.int32), 0, size)
     in_j = allowed_mask(size, allowed_lo, allowed_hi)
     f = evidence(logits, in_j, cfg.power_alpha)
     if cfg.lam_clip > 0.0:
@@ -219,10 +221,13 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     return _topk_threshold(scores, kk, k, radix_bits)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "topk_impl", "cross_head_reduce"))
 def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
            cross_head_reduce=None):
     """Selected positions int32 [B, H, cfg.k_select]: the top-k of J by z_adj, in ascending
-    position order, -1 in the slots beyond min(k_select, |J|)."""
+    position order, -1 in the slots beyond min(k_select, |J|).
+
+    Both halves are jitted with static arguments, so this is cheap to call eagerly and
+    inlines under an outer jit or shard_map.
+    """
     z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg, cross_head_reduce=cross_head_reduce)
     return topk_positions(z, cfg.k_select, impl=topk_impl)

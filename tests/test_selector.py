@@ -1,0 +1,303 @@
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.selector import select, selector_scores, topk_positions, window_max
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain per-head float64 reference of SFI_METHOD.md §4.
+# ---------------------------------------------------------------------------------------------
+def ref_scores(logits, key_norms, lo, hi, cfg):
+    """z_adj [B, H, S] (float64, -inf outside J), written straight from the method text."""
+    B, H, R, S = logits.shape
+    eps, a = cfg.eps, cfg.power_alpha
+    out = np.full((B, H, S), -np.inf)
+    for b in range(B):
+        J = np.arange(max(lo[b], 0), min(hi[b], S))
+        if len(J) == 0:
+            continue
+        z_nms = np.zeros((H, len(J)))
+        for h in range(H):
+            # 1. evidence
+            mu = np.zeros(len(J))
+            for r in range(R):
+                row = logits[b, h, r, J].astype(np.float64)
+                if np.all(np.isneginf(row)):
+                    continue  # a row that sees nothing in J adds no evidence
+                e = np.exp(row - row.max())
+                mu += (e / e.sum()) ** a
+            mu /= R
+            f = mu ** (1.0 / a)
+            f /= f.sum()
+            # 2. prior
+            u = (J - J.min()) / (J.max() - J.min() + eps)
+            pi_kn = (key_norms[b, h, J].astype(np.float64) + eps) ** (-cfg.gamma)
+            pi_pos = np.exp(-cfg.beta * u**cfg.p) * (1 - u + eps) ** cfg.eta
+            rr = pi_kn * pi_pos
+            rr /= rr.sum()
+            # 3. fusion
+            den = f @ f - 2 * (f @ rr) + rr @ rr
+            lam = 0.0 if den == 0 else float(np.clip((f @ f - f @ rr) / den, 0.0, cfg.lam_clip))
+            s = (1 - lam) * f + lam * rr
+            # 4. log score
+            z = np.log(s + eps)
+            # 5. soft-NMS
+            n = cfg.nms_radius
+            m = np.array([z[max(0, i - n): i + n + 1].max() for i in range(len(J))])
+            z_nms[h] = z - cfg.alpha_soft * np.maximum(m - z, 0)
+        # 6. cross-head exclusivity
+        y = z_nms / cfg.cross_temp
+        q = np.exp(y - y.max(axis=0))
+        q /= q.sum(axis=0)
+        out[b][:, J] = z_nms + cfg.alpha_cross * np.log(np.maximum(q, eps))
+    return out
+
+
+def ref_topk_sets(scores, k):
+    """7. top-k of the finite scores per row (ties to the lowest position)."""
+    sets = np.empty(scores.shape[:-1], dtype=object)
+    for idx in np.ndindex(*scores.shape[:-1]):
+        row = scores[idx]
+        finite = np.nonzero(np.isfinite(row))[0]
+        order = finite[np.argsort(-row[finite], kind="stable")]
+        sets[idx] = set(order[:k].tolist())
+    return sets
+
+
+# ---------------------------------------------------------------------------------------------
+def make_inputs(seed, B=3, H=4, R=3, S=160, scale=2.0, lo=None, hi=None):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((B, H, R, S)) * scale).astype(np.float32)
+    key_norms = rng.uniform(0.2, 5.0, (B, H, S)).astype(np.float32)
+    if lo is None:
+        lo = rng.integers(0, 20, B)
+        hi = S - rng.integers(0, 30, B)
+    lo, hi = np.asarray(lo, np.int32), np.asarray(hi, np.int32)
+    for b in range(B):  # the cache is only filled up to some length past J
+        logits[b, :, :, min(S, hi[b] + 5):] = -np.inf
+    return logits, key_norms, lo, hi
+
+
+def check_selection(got, z_ref, lo, hi, k, tol=2e-4):
+    """Properties, then the selected set against the reference set; a swap is accepted only
+    between positions whose reference scores tie within float32 rounding at the k-th value."""
+    got = np.asarray(got)
+    B, H, _ = z_ref.shape
+    assert got.shape == (B, H, k) and got.dtype == np.int32
+    ref_sets = ref_topk_sets(z_ref, k)
+    for b in range(B):
+        size_j = max(0, min(hi[b], z_ref.shape[-1]) - max(lo[b], 0))
+        n = min(k, size_j)
+        for h in range(H):
+            row = got[b, h]
+            assert np.all(row[n:] == -1), (b, h, row)
+            valid = row[:n]
+            assert np.all((valid >= lo[b]) & (valid < hi[b])), (b, h, valid)
+            assert np.all(np.diff(valid) > 0), "ascending and unique"
+            diff = set(valid.tolist()) ^ ref_sets[b, h]
+            if diff:
+                kth = np.sort(z_ref[b, h][np.isfinite(z_ref[b, h])])[::-1][n - 1]
+                gaps = [abs(z_ref[b, h, j] - kth) for j in diff]
+                assert max(gaps) < tol, (b, h, sorted(diff), gaps)
+
+
+def run_both(logits, key_norms, lo, hi, cfg):
+    z_ref = ref_scores(logits, key_norms, lo, hi, cfg)
+    z = np.asarray(selector_scores(logits, key_norms, lo, hi, cfg))
+    finite = np.isfinite(z_ref)
+    np.testing.assert_array_equal(np.isfinite(z), finite)
+    np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
+    return z_ref
+
+
+BASE = SFIConfig(n_sink=4, n_recent=16, k_select=24, nms_radius=3)
+VARIANTS = {
+    "default": {},
+    "power_alpha=1": dict(power_alpha=1.0),
+    "lam_clip=0": dict(lam_clip=0.0),
+    "lam_clip=1": dict(lam_clip=1.0),
+    "lam_clip=1,alpha=1": dict(lam_clip=1.0, power_alpha=1.0),
+    "alpha_soft=0": dict(alpha_soft=0.0),
+    "alpha_cross=0": dict(alpha_cross=0.0),
+    "all_off": dict(power_alpha=1.0, lam_clip=0.0, alpha_soft=0.0, alpha_cross=0.0),
+    "radius16,T1": dict(nms_radius=16, cross_temp=1.0, alpha_soft=1.0),
+    "radius0": dict(nms_radius=0),
+    "paper_defaults": dict(k_select=2048, nms_radius=16),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_against_reference(name):
+    cfg = dataclasses.replace(BASE, **VARIANTS[name])
+    logits, key_norms, lo, hi = make_inputs(seed=len(name))
+    z_ref = run_both(logits, key_norms, lo, hi, cfg)
+    check_selection(select(logits, key_norms, lo, hi, cfg), z_ref, lo, hi, cfg.k_select)
+    z = selector_scores(logits, key_norms, lo, hi, cfg)
+    got = topk_positions(z, cfg.k_select, impl="threshold")
+    check_selection(got, z_ref, lo, hi, cfg.k_select)
+
+
+def test_refinements_change_the_selection():
+    """Each refinement, switched on, moves the reference selection; so the tests above see it."""
+    logits, key_norms, lo, hi = make_inputs(seed=7, B=1, S=400, lo=[0], hi=[400])
+    base = dataclasses.replace(BASE, power_alpha=1.0, lam_clip=0.0, alpha_soft=0.0, alpha_cross=0.0, k_select=40)
+    ref0 = ref_topk_sets(ref_scores(logits, key_norms, lo, hi, base), 40)
+    for change in (dict(power_alpha=0.5), dict(lam_clip=1.0), dict(alpha_soft=0.5), dict(alpha_cross=0.35)):
+        cfg = dataclasses.replace(base, **change)
+        ref1 = ref_topk_sets(ref_scores(logits, key_norms, lo, hi, cfg), 40)
+        assert any(ref0[0, h] != ref1[0, h] for h in range(ref0.shape[1])), change
+        got = select(logits, key_norms, lo, hi, cfg)
+        check_selection(got, ref_scores(logits, key_norms, lo, hi, cfg), lo, hi, 40)
+
+
+def test_range_sizes_and_ragged_rows():
+    """|J| = 0, 1, 2, < K, = K, > K, an out-of-cache range, in one ragged batch."""
+    K, S = 24, 96
+    lo = [10, 7, 30, 3, 40, 0, 90]
+    hi = [10, 8, 32, 3 + K - 5, 40 + K, 96, 200]
+    cfg = dataclasses.replace(BASE, k_select=K)
+    logits, key_norms, lo, hi = make_inputs(seed=3, B=len(lo), S=S, lo=lo, hi=hi)
+    z_ref = run_both(logits, key_norms, lo, hi, cfg)
+    for impl in ("lax", "threshold"):
+        got = np.asarray(select(logits, key_norms, lo, hi, cfg, topk_impl=impl))
+        check_selection(got, z_ref, lo, np.minimum(hi, S), K)
+        assert np.all(got[0] == -1)
+        assert np.all(got[1, :, 0] == 7) and np.all(got[1, :, 1:] == -1)
+        np.testing.assert_array_equal(got[4], np.broadcast_to(np.arange(40, 40 + K), got[4].shape))
+
+
+def test_k_larger_than_cache():
+    cfg = dataclasses.replace(BASE, k_select=300)
+    logits, key_norms, lo, hi = make_inputs(seed=4, B=2, S=100, lo=[0, 20], hi=[100, 70])
+    z_ref = run_both(logits, key_norms, lo, hi, cfg)
+    for impl in ("lax", "threshold"):
+        got = np.asarray(select(logits, key_norms, lo, hi, cfg, topk_impl=impl))
+        check_selection(got, z_ref, lo, hi, 300)
+        np.testing.assert_array_equal(got[1, :, :50], np.broadcast_to(np.arange(20, 70), (4, 50)))
+
+
+def test_causal_rows_and_masked_rows():
+    """Window queries (prefill) see different prefixes; one row sees nothing of J at all."""
+    logits, key_norms, lo, hi = make_inputs(seed=5, B=2, R=4, S=120, lo=[4, 4], hi=[100, 60])
+    for r in range(4):
+        logits[:, :, r, 80 + 5 * r:] = -np.inf
+    logits[1, 2, 0, :] = -np.inf
+    z_ref = run_both(logits, key_norms, lo, hi, BASE)
+    check_selection(select(logits, key_norms, lo, hi, BASE), z_ref, lo, hi, BASE.k_select)
+
+
+def test_long_context_scores_do_not_tie():
+    """At tens of thousands of positions most probabilities are tiny; scores must keep their order."""
+    cfg = dataclasses.replace(BASE, k_select=256, nms_radius=16)
+    logits, key_norms, lo, hi = make_inputs(seed=6, B=1, H=2, R=2, S=40000, scale=4.0, lo=[4], hi=[39000])
+    z_ref = run_both(logits, key_norms, lo, hi, cfg)
+    check_selection(select(logits, key_norms, lo, hi, cfg, topk_impl="threshold"), z_ref, lo, hi, 256)
+
+
+def test_jit_with_static_config_and_one_head():
+    cfg = dataclasses.replace(BASE, k_select=8)
+    logits, key_norms, lo, hi = make_inputs(seed=8, B=2, H=1, R=1, S=50)
+    f = jax.jit(lambda *a: select(*a, cfg))
+    z_ref = run_both(logits, key_norms, lo, hi, cfg)
+    check_selection(f(logits, key_norms, lo, hi), z_ref, lo, hi, 8)
+
+
+def test_cross_head_reduce_over_axis_name():
+    """KV heads split over a named axis give the same scores as all heads in one place."""
+    cfg = BASE
+    logits, key_norms, lo, hi = make_inputs(seed=9, B=2, H=4, S=64)
+    full = np.asarray(selector_scores(logits, key_norms, lo, hi, cfg))
+
+    def split(x):  # [B, 4, ...] -> [2 devices, B, 2, ...]
+        return jnp.moveaxis(x.reshape(x.shape[0], 2, 2, *x.shape[2:]), 1, 0)
+
+    part = jax.vmap(lambda l, k: selector_scores(l, k, lo, hi, cfg, cross_head_reduce="model"),
+                    axis_name="model")(split(jnp.asarray(logits)), split(jnp.asarray(key_norms)))
+    part = np.asarray(jnp.moveaxis(part, 0, 1).reshape(full.shape))
+    np.testing.assert_allclose(part, full, rtol=1e-6, atol=1e-6)
+    local = np.asarray(jax.vmap(lambda l, k: selector_scores(l, k, lo, hi, cfg))(
+        split(jnp.asarray(logits)), split(jnp.asarray(key_norms))))
+    assert not np.allclose(np.moveaxis(local, 0, 1).reshape(full.shape), full)  # the reduce matters
+
+
+SHARD_MAP_SCRIPT = textwrap.dedent("""
+    import numpy as np, jax, jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    from sfi_jax.config import SFIConfig
+    from sfi_jax.selector import select
+    cfg = SFIConfig(k_select=16, n_recent=8, nms_radius=3)
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((2, 4, 3, 200)), jnp.float32)
+    norms = jnp.asarray(rng.uniform(0.5, 2, (2, 4, 200)), jnp.float32)
+    lo, hi = jnp.array([4, 10], jnp.int32), jnp.array([180, 120], jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    f = jax.shard_map(lambda l, k, a, b: select(l, k, a, b, cfg, cross_head_reduce="model"), mesh=mesh,
+                      in_specs=(P(None, "model"), P(None, "model"), P(), P()), out_specs=P(None, "model"))
+    for impl in ("lax", "threshold"):
+        want = select(logits, norms, lo, hi, cfg, topk_impl=impl)
+        got = jax.jit(f)(logits, norms, lo, hi)
+        assert (np.asarray(got) == np.asarray(want)).all()
+    print("ok")
+""")
+
+
+def test_shard_map_over_kv_heads():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k on its own
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 7, 64, 300, 500])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "masked"])
+def test_topk_impls_match_reference(k, kind):
+    rng = np.random.default_rng(k)
+    shape = (2, 3, 300)
+    if kind == "distinct":
+        scores = rng.permutation(np.arange(np.prod(shape))).reshape(shape).astype(np.float32) - 900.5
+    elif kind == "ties":
+        scores = rng.integers(-3, 3, shape).astype(np.float32)
+    else:
+        scores = rng.standard_normal(shape).astype(np.float32) * 1e3
+        scores[rng.random(shape) < 0.6] = -np.inf
+        scores[0, 0] = -np.inf
+    ref = ref_topk_sets(scores, k)
+    for impl in ("lax", "threshold"):
+        for bits in ((2, 4, 8) if k == 64 else (4,)) if impl == "threshold" else (4,):
+            got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl, radix_bits=bits))
+            assert got.shape == shape[:-1] + (k,)
+            for idx in np.ndindex(*shape[:-1]):
+                n = len(ref[idx])
+                assert set(got[idx][:n].tolist()) == ref[idx], (impl, idx)
+                assert np.all(np.diff(got[idx][:n]) > 0) and np.all(got[idx][n:] == -1)
+
+
+def test_topk_threshold_matches_lax_on_long_rows():
+    rng = np.random.default_rng(11)
+    scores = jnp.asarray(rng.standard_normal((4, 20000)).astype(np.float32))
+    scores = scores.at[:, 5000:5100].set(1.5)  # a block of exact ties straddling the threshold
+    a = topk_positions(scores, 2048, impl="lax")
+    b = topk_positions(scores, 2048, impl="threshold")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_window_max_against_loop():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 50)).astype(np.float32)
+    x[0, :10] = -np.inf
+    for radius in (0, 1, 2, 3, 5, 16, 60):
+        want = np.array([[row[max(0, i - radius): i + radius + 1].max() for i in range(50)] for row in x])
+        got = jax.jit(window_max, static_argnums=1)(jnp.asarray(x), radius)
+        np.testing.assert_array_equal(np.asarray(got), want)
