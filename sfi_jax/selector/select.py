@@ -169,7 +169,7 @@ def _kth_largest_key(keys, k: int, radix_bits: int):
     digits = jnp.arange(1, 2**radix_bits, dtype=jnp.uint32)
     for shift in range(32 - radix_bits, -1, -radix_bits):
         cand = prefix[..., None] + (digits << shift)  # count(keys >= prefix) >= k holds throughout
-        counts = jnp.sum(keys[..., :, None] >= cand[..., None, :], axis=-2, dtype=jnp.int32)
+        counts = jnp.sum(keys[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)
         prefix = prefix + (jnp.sum(counts >= k, axis=-1, dtype=jnp.uint32) << shift)
     return prefix
 

@@ -1,0 +1,94 @@
+"""Time the selector on the current JAX backend: top-k alone (lax.top_k vs the radix threshold
+select) over rows x S scores, and the whole selector (scores + top-k) for one layer.
+
+    python scripts/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
+    python scripts/bench_selector.py --smoke    # tiny sizes, for a CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.selector import select, selector_scores, topk_positions
+
+
+def timeit(fn, *args, iters: int, repeats: int) -> float:
+    """Median over repeats of the mean time of `iters` back-to-back calls, in microseconds."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 48], help="B*Hkv rows for the top-k timing")
+    ap.add_argument("--seq", type=int, nargs="+", default=[16384, 131072], help="positions S")
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="radix bits per round to try")
+    ap.add_argument("--heads", type=int, default=8, help="KV heads for the whole-selector timing")
+    ap.add_argument("--group", type=int, default=4, help="query rows R per KV head (decode: GQA group)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and few iterations")
+    ap.add_argument("--json", help="also write the rows to this JSON file")
+    args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.seq, args.k, args.heads = [4], [2048, 8192], 256, 4
+        args.iters, args.repeats = 2, 2
+
+    rng = np.random.default_rng(0)
+    results = []
+
+    def record(part, impl, rows, size, us):
+        results.append(dict(part=part, impl=impl, rows=rows, S=size, k=args.k, us=round(us, 1),
+                            us_per_row=round(us / rows, 2), backend=jax.default_backend()))
+        print(f"{part:<9} {impl:<12} {rows:>5} {size:>8} {args.k:>6} {us:>11.1f} {us / rows:>10.2f}", flush=True)
+
+    print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+    print(f"{'part':<9} {'impl':<12} {'rows':>5} {'S':>8} {'k':>6} {'median_us':>11} {'us/row':>10}")
+    impls = [("lax", "lax", 4)] + [(f"threshold/{b}", "threshold", b) for b in args.bits]
+    for size in args.seq:
+        for rows in args.rows:
+            scores = jnp.asarray(rng.standard_normal((rows, size)).astype(np.float32))
+            scores = scores.at[:, :300].set(-jnp.inf)  # sink + outside J, as in the runtime
+            for name, impl, bits in impls:
+                fn = jax.jit(lambda s, impl=impl, bits=bits: topk_positions(s, args.k, impl=impl, radix_bits=bits))
+                record("topk", name, rows, size, timeit(fn, scores, iters=args.iters, repeats=args.repeats))
+
+        # The whole selector for one refreshed sequence and one layer (B=1, all KV heads).
+        cfg = SFIConfig(k_select=args.k)
+        logits = jnp.asarray(rng.standard_normal((1, args.heads, args.group, size)).astype(np.float32) * 3)
+        norms = jnp.asarray(rng.uniform(0.5, 3.0, (1, args.heads, size)).astype(np.float32))
+        lo = jnp.array([cfg.n_sink], jnp.int32)
+        hi = jnp.array([size - cfg.n_recent], jnp.int32)
+        fn = jax.jit(lambda l, n, a, b: selector_scores(l, n, a, b, cfg))
+        record("scores", "-", args.heads, size, timeit(fn, logits, norms, lo, hi, iters=args.iters, repeats=args.repeats))
+        for name, impl, bits in impls[:1] + [i for i in impls if i[2] == 4 and i[1] == "threshold"]:
+            fn = jax.jit(lambda l, n, a, b, impl=impl: select(l, n, a, b, cfg, topk_impl=impl))
+            record("select", name, args.heads, size, timeit(fn, logits, norms, lo, hi, iters=args.iters, repeats=args.repeats))
+
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(command="scripts/bench_selector.py", device=str(jax.devices()[0]), results=results), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
