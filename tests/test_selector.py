@@ -269,6 +269,7 @@ def test_topk_impls_match_reference(k, kind):
         scores = rng.permutation(np.arange(np.prod(shape))).reshape(shape).astype(np.float32) - 900.5
     elif kind == "ties":
         scores = rng.integers(-3, 3, shape).astype(np.float32)
+        scores[scores == 0] = rng.choice([0.0, -0.0], int((scores == 0).sum()))  # -0.0 ties with 0.0
     else:
         scores = rng.standard_normal(shape).astype(np.float32) * 1e3
         scores[rng.random(shape) < 0.6] = -np.inf

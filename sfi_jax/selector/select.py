@@ -156,8 +156,9 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
 
 
 def _sortable_keys(x):
-    """uint32 keys whose unsigned order is the float order of x."""
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """uint32 keys whose unsigned order is the float order of x (-0.0 counts as 0.0)."""
+    x = jnp.where(x == 0, 0.0, x.astype(jnp.float32))
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits >> 31
     return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
 
