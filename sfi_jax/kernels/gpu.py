@@ -40,8 +40,13 @@ class Config:
     programs: int = 8 * _NUM_SMS
 
 
-DENSE = Config()
-SPARSE = Config()
+# Chosen by scripts/bench_kernels.py's sweep on an H200 (benchmarks/kernels.json).
+DENSE = Config(block_k=128, num_warps=4, num_stages=2, programs=8 * _NUM_SMS)
+DENSE_LOGITS = Config(block_k=128, num_warps=4, num_stages=2, programs=8 * _NUM_SMS)
+SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=3, programs=4 * _NUM_SMS)
+SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
+SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
+PALLAS_COMBINE = True
 
 
 def _pow2(n):
@@ -165,8 +170,27 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine(o, m, l, dtype):
-    """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]."""
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_splits, nsp, d, dp):
+    """One query head of one row: merge its per-split partials exactly."""
+    r, h = pl.program_id(0), pl.program_id(1)
+    jmask = jnp.arange(nsp) < n_splits
+    dmask = jnp.arange(dp) < d
+    m = plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=-jnp.inf)
+    l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
+    o = plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), h, pl.ds(0, dp)],
+                          mask=jmask[:, None] & dmask[None, :], other=0.0)
+    mx = jnp.max(m)
+    w = jnp.exp(m - mx)
+    lsum = jnp.sum(l * w)
+    acc = jnp.sum(o * w[:, None], axis=0)
+    ok = lsum > 0
+    out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
+    plgpu_triton.store(out_ref.at[r, h, pl.ds(0, dp)], out.astype(out_ref.dtype), mask=dmask)
+    plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
+                                                   -jnp.inf))
+
+
+def _combine_xla(o, m, l, dtype):
     mx = jnp.max(m, axis=1)
     w = jnp.exp(m - mx[:, None])
     lsum = jnp.sum(l * w, axis=1)
@@ -175,6 +199,26 @@ def _combine(o, m, l, dtype):
     out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
     return out.astype(dtype), lse
+
+
+def _combine(o, m, l, dtype, interpret):
+    """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq].
+
+    One small kernel: XLA splits the same jnp into several launches, and at short
+    lengths each dependent launch costs about as much as the attention itself.
+    """
+    if not PALLAS_COMBINE:
+        return _combine_xla(o, m, l, dtype)
+    n_rows, n_splits, hq, d = o.shape
+    kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=max(2, _pow2(n_splits)),
+                               d=d, dp=_pow2(d))
+    return pl.pallas_call(
+        kernel, grid=(n_rows, hq),
+        out_shape=[jax.ShapeDtypeStruct((n_rows, hq, d), dtype),
+                   jax.ShapeDtypeStruct((n_rows, hq), jnp.float32)],
+        compiler_params=plgpu_triton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="sfi_decode_combine",
+    )(o, m, l)
 
 
 def _as_stack(k, layer):
@@ -196,7 +240,7 @@ def _params(cfg):
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  interpret=False, config=None):
     """Dense decode attention (see kernels.api.dense_decode); one pass over K and V."""
-    cfg = config or DENSE
+    cfg = config or (DENSE_LOGITS if return_logits else DENSE)
     k, layer_arr = _as_stack(k, layer)
     v, _ = _as_stack(v, layer)
     n_rows, hq, d = q.shape
@@ -220,7 +264,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(layer_arr, rows, lengths.astype(jnp.int32), q, k, v)
-    out, lse = _combine(res[0], res[1], res[2], q.dtype)
+    out, lse = _combine(res[0], res[1], res[2], q.dtype, interpret)
     if return_logits:
         return out, res[3], lse
     return out
@@ -230,7 +274,6 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
                   interpret=False, config=None):
     """Compact + recent-window decode attention (see kernels.api.sparse_decode)."""
-    cfg = config or SPARSE
     ck, layer_arr = _as_stack(ck, layer)
     cv, _ = _as_stack(cv, layer)
     k, _ = _as_stack(k, layer)
@@ -242,8 +285,9 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     if group > _ROWS:
         raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
     dp = _pow2(d)
-    bk = min(cfg.block_k, max(16, _pow2(c_size + (window or s_len))))
     est = c_size + (s_len if window is None else min(window, s_len))
+    cfg = config or (SPARSE_SMALL if est <= SMALL_KEYS else SPARSE)
+    bk = min(cfg.block_k, max(16, _pow2(est)))
     _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
@@ -256,4 +300,4 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
       lengths.astype(jnp.int32), q, ck, cv, k, v)
-    return _combine(o, m, l, q.dtype)[0]
+    return _combine(o, m, l, q.dtype, interpret)[0]
