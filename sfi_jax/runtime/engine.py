@@ -234,8 +234,8 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
     elif sfi.policy in ("streaming", "prefill_only"):
         attn = fast_attention(st)
     else:
-        attn = fast_attention(st)
-
+        # Refresh first, then read: a read of the compact buffers before an in-place update
+        # inside the cond would force XLA to copy them every step.
         def with_refresh(st):
             st, out_d = refresh(st)
             return st, out_d
@@ -244,7 +244,7 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
             return st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
 
         st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
-        attn = attn.at[slots].set(out_d, mode="drop")
+        attn = fast_attention(st).at[slots].set(out_d, mode="drop")
     return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st), None
 
 
