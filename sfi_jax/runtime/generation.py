@@ -66,6 +66,20 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
     return out
 
 
+_COMPILED: dict = {}
+
+
+def _compiled_decode(args, statics):
+    """Ahead-of-time compiled decode chunk, cached, so compile time stays out of decode_s."""
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), args)
+    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)), tuple(sorted(statics.items())))
+    if key not in _COMPILED:
+        if len(_COMPILED) > 32:
+            _COMPILED.clear()
+        _COMPILED[key] = engine.decode_chunk.lower(*args, **statics).compile()
+    return _COMPILED[key]
+
+
 def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
     from sfi_jax.selector import trigger_token_ids
 
@@ -197,7 +211,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         step=jnp.int32(0), key=key, sfi=sfi_state)
     eos_j, trig_j = jnp.asarray(eos_mask), jnp.asarray(trig)
     remaining = max_new_tokens - 1
-    decode_s, steps_taken = 0.0, 0
+    decode_s, steps_taken, compile_s = 0.0, 0, 0.0
     t1 = time.perf_counter()
     while remaining > 0 and not bool(np.all(done)):
         n = min(chunk_steps, remaining) if remaining < chunk_steps else chunk_steps
@@ -205,9 +219,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if forced_tokens is not None:
             got = forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
             forced[:, :got.shape[1]] = got
-        state, toks, taken, slow, lg = engine.decode_chunk(
-            params, state, eos_j, trig_j, jnp.asarray(forced), cfg=cfg, sfi=sfi,
-            sampling=sampling, n_steps=n, impl=impl, return_logits=return_logits)
+        args = (params, state, eos_j, trig_j, jnp.asarray(forced))
+        statics = dict(cfg=cfg, sfi=sfi, sampling=sampling, n_steps=n, impl=impl,
+                       return_logits=return_logits)
+        tc = time.perf_counter()
+        step_fn = _compiled_decode(args, statics)
+        compile_s += time.perf_counter() - tc
+        state, toks, taken, slow, lg = step_fn(*args)
         toks, taken = np.asarray(toks), int(taken)
         new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
         for g, nw in zip(generated, new):
@@ -223,12 +241,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if taken < n:
             break
     jax.block_until_ready(state.lengths)
-    decode_s = time.perf_counter() - t1
+    decode_s = time.perf_counter() - t1 - compile_s
 
     n_decoded = sum(len(g) - 1 for g in generated)
     stats = {
         "mode": mode, "batch": B, "prompt_tokens": lens.tolist(), "max_len": S,
-        "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps_taken,
+        "prefill_s": prefill_s, "decode_compile_s": compile_s, "decode_s": decode_s, "decode_steps": steps_taken,
         "decode_tokens": n_decoded,
         "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
         "new_tokens": [len(g) for g in generated],

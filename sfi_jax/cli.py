@@ -1,0 +1,161 @@
+"""Command line: `python -m sfi_jax.generate` (the entry point lives here so tests can import it
+without shadowing the `sfi_jax.generate` function)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sfi_jax.config import POLICIES
+
+    p = argparse.ArgumentParser(
+        prog="python -m sfi_jax.generate",
+        description="Generate text with Slow-Fast Inference (or dense decoding). With no "
+                    "arguments it runs the embedded SmolLM2-135M-Instruct on an example prompt.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset name (smollm2-135m = embedded real weights; qwen3-* = random "
+                        "weights), local Hugging Face or Orbax directory, .gguf file, or hub id")
+    p.add_argument("--tokenizer", default=None,
+                   help="where to load the tokenizer from (default: the model source)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a prompt; repeat the flag for a batch of prompts")
+    p.add_argument("--prompt-file", default=None,
+                   help="file with one prompt per line, or JSONL with a 'prompt' field per line")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt with the tokenizer's chat template (default: on for "
+                        "the built-in example prompt, off otherwise)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--mode", choices=("sfi", "dense"), default="sfi", help="decoding mode")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
+    p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas_gpu", "pallas_tpu"),
+                   help="attention kernels")
+    p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
+                   help="keep generating after the end-of-sequence token")
+    p.add_argument("--chunk-steps", type=int, default=32,
+                   help="decode steps per device call (text streams between calls)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with tokens, text and stats instead of text")
+    g = p.add_argument_group("SFI (defaults from the paper)")
+    g.add_argument("--n-sink", type=int, default=4, help="sink tokens per head")
+    g.add_argument("--n-recent", type=int, default=256, help="recent-window tokens")
+    g.add_argument("--k-select", type=int, default=2048, help="selected tokens per KV head")
+    g.add_argument("--t-max", type=int, default=64, help="max steps between slow steps")
+    g.add_argument("--policy", choices=POLICIES, default="sfi",
+                   help="refresh policy (sfi; or a baseline: tmax, streaming, prefill_only, oracle)")
+    g.add_argument("--refresh-rows", type=int, default=None,
+                   help="rows refreshed per step at most (default: the whole batch)")
+    d = p.add_argument_group("multi-device / multi-host")
+    d.add_argument("--mesh", default=None,
+                   help="device mesh as data x model, e.g. '2x4' (default: one device)")
+    d.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
+    return p
+
+
+def read_prompts(args) -> tuple[list[str], bool]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    try:
+                        prompts.append(json.loads(line)["prompt"])
+                    except (json.JSONDecodeError, KeyError) as e:
+                        raise SystemExit(f"{args.prompt_file}:{n}: expected a JSON object with a "
+                                         f"'prompt' field ({e})")
+                else:
+                    prompts.append(line)
+    if prompts:
+        return prompts, bool(args.chat)
+    return [DEFAULT_PROMPT], args.chat is not False
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()
+    import jax
+    import numpy as np
+
+    import sfi_jax
+    from sfi_jax.config import SFIConfig
+
+    prompts, chat = read_prompts(args)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    try:
+        sfi = SFIConfig(n_sink=args.n_sink, n_recent=args.n_recent, k_select=args.k_select,
+                        t_max=args.t_max, policy=args.policy, refresh_rows=args.refresh_rows)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    mesh = None
+    if args.mesh:
+        from sfi_jax.runtime.sharding import make_mesh
+
+        mesh = make_mesh(args.mesh)
+    try:
+        model = sfi_jax.load_model(args.model, dtype=dtype, mesh=mesh)
+        tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    stream = not args.json and len(prompts) == 1 and jax.process_index() == 0
+    printed = [""]
+    got: list[int] = []
+
+    def on_tokens(new):
+        if not stream:
+            return
+        got.extend(new[0])
+        text = tokenizer.decode(got, skip_special_tokens=True)
+        if text.startswith(printed[0]):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    try:
+        result = sfi_jax.generate(
+            model, prompts, max_new_tokens=args.max_new_tokens, mode=args.mode, sfi=sfi,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            stop_at_eos=args.stop_at_eos, tokenizer=tokenizer, chunk_steps=args.chunk_steps,
+            impl=args.impl, on_tokens=on_tokens)
+    except (ValueError, MemoryError, FloatingPointError) as e:
+        raise SystemExit(f"error: {e}")
+    if jax.process_index() != 0:
+        return 0
+    s = result.stats
+    if args.json:
+        stats = {k: (v.astype(int).tolist() if isinstance(v, np.ndarray) else v)
+                 for k, v in s.items()}
+        print(json.dumps({"model": args.model, "prompts": prompts, "tokens": result.tokens,
+                          "text": result.text, "stats": stats}))
+        return 0
+    if stream:
+        print()
+    else:
+        for i, text in enumerate(result.text):
+            print(f"--- [{i}] {text}")
+    line = (f"[{args.mode}] prefill {s['prefill_s']:.2f} s | compile {s['decode_compile_s']:.1f} s | decode {s['decode_tokens']} tokens "
+            f"in {s['decode_s']:.2f} s = {s['decode_tokens_per_s']:.1f} tokens/s")
+    if args.mode == "sfi":
+        line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
+    print(line, file=sys.stderr)
+    return 0
