@@ -186,9 +186,38 @@ def _refresh_slots(slow, done, n_slots):
     return idx
 
 
+def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, prev, k_support):
+    """Per KV head: the dense attention mass the step's attended set covers, and the Jaccard
+    overlap of the dense top-k support with the previous step's (for quality evaluation)."""
+    from sfi_jax.kernels import reference
+
+    B, Hq, _ = q.shape
+    Hkv, S = k_layer.shape[1], k_layer.shape[2]
+    _, logits, lse = reference.dense_decode(q, k_layer, k_layer, lengths, return_logits=True)
+    p = jnp.exp(logits - lse[..., None]).reshape(B, Hkv, Hq // Hkv, S)
+    pos = jnp.arange(S)
+    in_set = jnp.zeros((B, Hkv, S + 1), bool)
+    in_set = in_set.at[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],
+                       jnp.where(st_layer_pos >= 0, st_layer_pos, S)].set(True)[..., :S]
+    in_set = in_set | ((pos >= recent_start[:, None]) & (pos < lengths[:, None]))[:, None]
+    covered = jnp.sum(jnp.where(in_set[:, :, None], p, 0.0), axis=-1).mean(axis=-1)
+    coverage = jnp.where(fast_rows[:, None], covered, 1.0)
+    mass = p.mean(axis=2)  # [B, Hkv, S]
+    kk = min(k_support, S)
+    top = jax.lax.top_k(mass, kk)[1]
+    support = jnp.zeros((B, Hkv, S), bool).at[jnp.arange(B)[:, None, None],
+                                              jnp.arange(Hkv)[None, :, None], top].set(True)
+    support = support & (pos < lengths[:, None])[:, None]
+    inter = jnp.sum(support & prev, axis=-1)
+    union = jnp.sum(support | prev, axis=-1)
+    has_prev = jnp.any(prev, axis=-1)
+    jaccard = jnp.where(has_prev & (union > 0), inter / jnp.maximum(union, 1), jnp.nan)
+    return coverage, jaccard.astype(jnp.float32), support
+
+
 def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
     """One layer of one decode step for the whole batch."""
-    x, k, v, st = carry
+    x, k, v, st, diag = carry
     w, l = xs
     B = x.shape[0]
     rows = jnp.arange(B)
@@ -200,14 +229,15 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
     impl = params_impl
     if sfi is None:
         attn = dense_decode(q, k, v, lengths, layer=l, impl=impl)
-        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st), None
+        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), None
 
     norms = jnp.linalg.norm(kk[:, 0].astype(jnp.float32), axis=-1)  # [B, Hkv]
     st = st._replace(key_norms=st.key_norms.at[l, rows, :, pos].set(norms))
 
+    recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+
     def fast_attention(st):
         c_len = jnp.where(dense_rows[:, None], 0, st.c_len[l])
-        recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
         return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
                                      layer=l, impl=impl)
 
@@ -245,7 +275,16 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
 
         st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
         attn = fast_attention(st).at[slots].set(out_d, mode="drop")
-    return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st), None
+    ys = None
+    if diag is not None:
+        refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+        fast_rows = ~dense_rows & (~refreshed if sfi.policy != "oracle" else True)
+        positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
+        cov, jac, support = _diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
+                                         diag[l], sfi.k_select)
+        diag = diag.at[l].set(support)
+        ys = (cov, jac)
+    return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), ys
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "impl",
@@ -254,6 +293,14 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
 def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg: ModelConfig,
                  sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int, impl: str = "auto",
                  return_logits: bool = False):
+    """See `_decode_chunk`; diagnostics are on when state.diag is set (SFI mode only)."""
+    return _decode_chunk(params, state, eos_mask, trigger_mask, forced, cfg=cfg, sfi=sfi,
+                         sampling=sampling, n_steps=n_steps, impl=impl,
+                         return_logits=return_logits)
+
+
+def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg, sfi,
+                  sampling, n_steps, impl, return_logits):
     """Up to n_steps decode steps on device. Stops early when every row is done.
 
     eos_mask, trigger_mask: bool [vocab]. forced: int32 [B, n_steps] teacher-forced next tokens
@@ -265,10 +312,13 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
     out_tokens = jnp.full((B, n_steps), -1, jnp.int32)
     out_slow = jnp.zeros((B, n_steps), bool)
     out_logits = jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32)
+    diagnose = state.diag is not None
+    L, Hkv = cfg.num_layers, cfg.num_kv_heads
+    out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
 
     def step(carry):
-        state, i, out_tokens, out_slow, out_logits = carry
+        state, i, out_tokens, out_slow, out_logits, out_diag = carry
         pos = state.lengths
         st = state.sfi
         if sfi is not None:
@@ -285,8 +335,10 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
                                  pos=pos, dense_rows=dense_rows)
         x = embed_tokens(params, state.token[:, None])
-        (x, k, v, st), _ = jax.lax.scan(body, (x, state.k, state.v, st),
-                                        (params["layers"], layer_ids))
+        (x, k, v, st, diag), ys = jax.lax.scan(body, (x, state.k, state.v, st, state.diag),
+                                               (params["layers"], layer_ids))
+        if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
+            out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
         key, sub = jax.random.split(state.key)
         token = sample(logits, sub, sampling)
@@ -309,13 +361,13 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
                              fast_steps=st.fast_steps + (~refreshed & live))
         done = state.done | eos_mask[token]
         state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
-                            step=state.step + 1, key=key, sfi=st)
-        return state, i + 1, out_tokens, out_slow, out_logits
+                            step=state.step + 1, key=key, sfi=st, diag=diag)
+        return state, i + 1, out_tokens, out_slow, out_logits, out_diag
 
     def cond(carry):
         state, i = carry[0], carry[1]
         return (i < n_steps) & ~jnp.all(state.done)
 
-    state, taken, out_tokens, out_slow, out_logits = jax.lax.while_loop(
-        cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits))
-    return state, out_tokens, taken, out_slow, out_logits
+    state, taken, out_tokens, out_slow, out_logits, out_diag = jax.lax.while_loop(
+        cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag))
+    return state, out_tokens, taken, out_slow, out_logits, out_diag

@@ -96,7 +96,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              chunk_steps: int = 32, impl: str = "auto", trigger_ids=None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
              forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
-             ) -> GenerateResult:
+             diagnostics: bool = False) -> GenerateResult:
     """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
 
     prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
@@ -104,12 +104,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     trigger_ids: override the trigger-token set (default: from the tokenizer; none without one).
     forced_tokens: [B, max_new_tokens] ids fed instead of sampled ones (teacher forcing; -1 =
     sample). on_tokens(list of new ids per row) is called after each chunk, for streaming.
+    diagnostics (SFI mode): stats["coverage"] [B, steps, L, Hkv], the share of the dense
+    attention mass that each step's attended set covers, and stats["support_jaccard"], the
+    overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
     """
     cfg = model.config
     if mode not in ("sfi", "dense"):
         raise ValueError(f"mode must be 'sfi' or 'dense', got {mode!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if diagnostics and mode != "sfi":
+        raise ValueError("diagnostics=True needs mode='sfi' (use a budget >= the context for a "
+                         "dense reference)")
     if chunk_steps < 1:
         raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
@@ -133,8 +139,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                          f"({max_new_tokens}) = {need} exceeds the model's context "
                          f"({cfg.max_position_embeddings})")
     S = max_len or min(_round_up(need, 128), cfg.max_position_embeddings)
-    if S < need:
-        raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need}")
+    chunk = engine.prefill_chunk_size(cfg, B, S, int(lens.max()))
+    T = _round_up(int(lens.max()), chunk)
+    if max_len is None:
+        S = max(S, T)  # the last prefill chunk writes whole chunks into the cache
+    if S < max(need, T):
+        raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need} (or "
+                         f"the padded prompt, {T})")
     dtype = model.dtype
     sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
     avail = _available_device_bytes(jax.devices()[0])
@@ -150,8 +161,6 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
 
     params = model.params
     t0 = time.perf_counter()
-    chunk = engine.prefill_chunk_size(cfg, B, S, int(lens.max()))
-    T = _round_up(int(lens.max()), chunk)
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
@@ -204,11 +213,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     generated = [[int(t)] for t in first]
     done = eos_mask[first]
     logits_out = [np.asarray(first_logits)[:, None]] if return_logits else None
-    slow_flags = []
+    slow_flags, diag_parts = [], []
     if on_tokens:
         on_tokens([[int(t)] for t in first])
     state = DecodeState(k=k, v=v, lengths=lengths, token=jnp.asarray(first), done=jnp.asarray(done),
-                        step=jnp.int32(0), key=key, sfi=sfi_state)
+                        step=jnp.int32(0), key=key, sfi=sfi_state,
+                        diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
+                        if diagnostics else None)
     eos_j, trig_j = jnp.asarray(eos_mask), jnp.asarray(trig)
     remaining = max_new_tokens - 1
     decode_s, steps_taken, compile_s = 0.0, 0, 0.0
@@ -225,7 +236,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         tc = time.perf_counter()
         step_fn = _compiled_decode(args, statics)
         compile_s += time.perf_counter() - tc
-        state, toks, taken, slow, lg = step_fn(*args)
+        state, toks, taken, slow, lg, dg = step_fn(*args)
         toks, taken = np.asarray(toks), int(taken)
         new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
         for g, nw in zip(generated, new):
@@ -233,6 +244,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if return_logits:
             logits_out.append(np.asarray(lg)[:, :taken])
         slow_flags.append(np.asarray(slow)[:, :taken])
+        if diagnostics:
+            diag_parts.append(np.asarray(dg)[:, :, :taken])
         done = np.asarray(state.done)
         steps_taken += taken
         remaining -= taken
@@ -262,6 +275,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
     if return_logits:
         stats["logits"] = np.concatenate(logits_out, axis=1)
+    if diagnostics:
+        d = (np.concatenate(diag_parts, axis=2) if diag_parts else
+             np.zeros((2, B, 0, cfg.num_layers, cfg.num_kv_heads), np.float32))
+        stats["coverage"], stats["support_jaccard"] = d[0], d[1]
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)

@@ -35,6 +35,7 @@ class DecodeState(NamedTuple):
     step: jax.Array  # [] int32: decode steps taken
     key: jax.Array  # PRNG key
     sfi: SFIState | None
+    diag: jax.Array | None = None  # [L, B, Hkv, S] bool: previous dense top-k support
 
 
 def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
