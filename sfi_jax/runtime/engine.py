@@ -16,20 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    from sfi_jax.kernels import dense_decode, sparse_decode
-except ImportError:  # kernels package still being assembled
-    from sfi_jax.kernels import reference as _ref
-
-    def dense_decode(*a, impl="auto", **kw):
-        return _ref.dense_decode(*a, **kw)
-
-    def sparse_decode(*a, impl="auto", **kw):
-        return _ref.sparse_decode(*a, **kw)
+from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
                                      output_logits)
+from sfi_jax.runtime import sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, SFIState
 from sfi_jax.selector import select
@@ -74,13 +66,15 @@ def _write_rows(cache, layer, new, start):
     return cache.at[layer].set(upd(cache[layer], new, start))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "with_norms"), donate_argnames=("k", "v", "key_norms"))
+@functools.partial(jax.jit, static_argnames=("cfg", "with_norms", "plan"),
+                   donate_argnames=("k", "v", "key_norms"))
 def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, *,
-                  cfg: ModelConfig, with_norms: bool):
+                  cfg: ModelConfig, with_norms: bool, plan=None):
     """Run tokens [B, C] at positions start + [0, C) through all layers, writing the cache.
 
     Rows are right-padded: positions >= lengths[b] are written but never attended later
     (decode overwrites them). Returns the residual at each row's last prompt position.
+    On a mesh (plan), the cache keeps its row/head split (GSPMD partitions the rest).
     """
     B, C = tokens.shape
     pos = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
@@ -106,6 +100,10 @@ def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, 
     last = jnp.clip(lengths - 1 - start, 0, C - 1)
     here = (lengths - 1 >= start) & (lengths - 1 < start + C)
     picked = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    if plan is not None:
+        k, v = sharding.constrain((k, v), (sharding.cache_sharding(plan),) * 2)
+        if with_norms:
+            key_norms = sharding.constrain(key_norms, sharding.sfi_state_shardings(plan).key_norms)
     return k, v, key_norms, jnp.where(here[:, None], picked, last_hidden)
 
 
@@ -133,11 +131,17 @@ def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
     return ck, cv, c_len, pos
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi"), donate_argnames=("state",))
+def _select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, head_axis=None):
+    sel = select(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis)
+    return _compact(k_layer, v_layer, sel, lengths, sfi)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "plan"), donate_argnames=("state",))
 def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
-                      cfg: ModelConfig, sfi: SFIConfig) -> SFIState:
+                      cfg: ModelConfig, sfi: SFIConfig, plan=None) -> SFIState:
     """Initial selection (SFI_METHOD.md §5): re-run the last W prompt positions through the
-    layers, and select per layer from their logits over the prompt."""
+    layers, and select per layer from their logits over the prompt (under shard_map on a
+    mesh, with the cross-head term reduced over the devices holding the KV heads)."""
     B, W = tokens_window.shape
     q_pos = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
     valid_q = q_pos >= 0
@@ -152,8 +156,12 @@ def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
         # invalid window rows (prompt shorter than W) carry no evidence
         logits = jnp.where(valid_q[:, None, None, :, None], logits, -jnp.inf)
         Hkv, G = logits.shape[1], logits.shape[2]
-        sel = select(logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], lo, hi, sfi)
-        ck, cv, c_len, pos = _compact(k[l], v[l], sel, lengths, sfi)
+        args = (logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], k[l], v[l], lo, hi, lengths)
+        fn = functools.partial(_select_compact, sfi=sfi)
+        if plan is None:
+            ck, cv, c_len, pos = fn(*args)
+        else:
+            ck, cv, c_len, pos = sharding.select_and_compact(plan, fn, *args)
         st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
                          c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
         return (attention_output_and_mlp(w, cfg, x, attn), st), None
@@ -161,11 +169,14 @@ def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
     x = embed_tokens(params, jnp.where(valid_q, tokens_window, 0))
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (_, state), _ = jax.lax.scan(layer, (x, state), (params["layers"], layer_ids))
+    if plan is not None:
+        state = sharding.constrain(state, sharding.sfi_state_shardings(plan))
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi"), donate_argnames=("state",))
-def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi: SFIConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "plan"), donate_argnames=("state",))
+def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi: SFIConfig,
+                        plan=None):
     """Compact buffers holding the sink alone (the StreamingLLM baseline)."""
     L, B, Hkv = state.c_len.shape
     empty = jnp.full((B, Hkv, sfi.k_select), -1, jnp.int32)
@@ -174,7 +185,10 @@ def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi
         return _compact(k[l], v[l], empty, lengths, sfi)
 
     ck, cv, c_len, pos = jax.lax.map(one, jnp.arange(L))
-    return state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)
+    state = state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)
+    if plan is not None:
+        state = sharding.constrain(state, sharding.sfi_state_shardings(plan))
+    return state
 
 
 # ----------------------------------------------------------------------------- decode
@@ -215,25 +229,21 @@ def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, pre
     return coverage, jaccard.astype(jnp.float32), support
 
 
-def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
-    """One layer of one decode step for the whole batch."""
-    x, k, v, st, diag = carry
-    w, l = xs
-    B = x.shape[0]
+def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, head_axis=None):
+    """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
+    (refresh the rows in `slots` with dense attention + selector + repack, fast reads for the
+    rest). Shapes are whatever is local: under shard_map a device's rows and KV heads, with
+    head_axis the mesh axis the KV heads are split over (the selector reduces over it)."""
+    B = q.shape[0]
     rows = jnp.arange(B)
-    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
-    k = k.at[l, rows, :, pos].set(kk[:, 0].astype(k.dtype))
-    v = v.at[l, rows, :, pos].set(vv[:, 0].astype(v.dtype))
-    q = q[:, 0]
+    k = k.at[l, rows, :, pos].set(kk.astype(k.dtype))
+    v = v.at[l, rows, :, pos].set(vv.astype(v.dtype))
     lengths = pos + 1
-    impl = params_impl
     if sfi is None:
-        attn = dense_decode(q, k, v, lengths, layer=l, impl=impl)
-        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), None
+        return dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st
 
-    norms = jnp.linalg.norm(kk[:, 0].astype(jnp.float32), axis=-1)  # [B, Hkv]
+    norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, Hkv]
     st = st._replace(key_norms=st.key_norms.at[l, rows, :, pos].set(norms))
-
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
     def fast_attention(st):
@@ -247,10 +257,10 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
         safe = jnp.minimum(slots, B - 1)
         out_d, logits, _ = dense_decode(q[safe], k, v, lengths[safe], return_logits=True,
                                                 layer=l, rows=safe, impl=impl)
-        Hkv = cfg.num_kv_heads
+        Hkv = k.shape[2]
         lo, hi = _allowed(pos[safe], sfi)
-        sel = select(logits.reshape(n_slots, Hkv, cfg.group_size, -1), st.key_norms[l, safe],
-                     lo, hi, sfi)
+        sel = select(logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
+                     lo, hi, sfi, cross_head_reduce=head_axis)
         ck, cv, c_len, positions = _compact(k[l, safe], v[l, safe], sel, lengths[safe], sfi)
         st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
@@ -275,8 +285,28 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
 
         st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
         attn = fast_attention(st).at[slots].set(out_d, mode="drop")
+    return attn, k, v, st
+
+
+def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, plan=None):
+    """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
+    x, k, v, st, diag = carry
+    w, l = xs
+    B = x.shape[0]
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
+    q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
+    attend = functools.partial(_attend, cfg=cfg, sfi=sfi, impl=params_impl)
+    if plan is None:
+        attn, k, v, st = attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots)
+    else:
+        attn, k, v, st = sharding.attend(plan, attend, q, kk, vv, k, v, st, l, pos, dense_rows,
+                                         slots)
+    if sfi is None:
+        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), None
     ys = None
     if diag is not None:
+        lengths = pos + 1
+        recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
         refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
         fast_rows = ~dense_rows & (~refreshed if sfi.policy != "oracle" else True)
         positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
@@ -288,19 +318,20 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "impl",
-                                             "return_logits"),
+                                             "return_logits", "plan"),
                    donate_argnames=("state",))
 def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg: ModelConfig,
                  sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int, impl: str = "auto",
-                 return_logits: bool = False):
-    """See `_decode_chunk`; diagnostics are on when state.diag is set (SFI mode only)."""
+                 return_logits: bool = False, plan=None):
+    """See `_decode_chunk`; diagnostics are on when state.diag is set (SFI mode only).
+    plan: a `sharding.ShardPlan` to run on a mesh (None: one device)."""
     return _decode_chunk(params, state, eos_mask, trigger_mask, forced, cfg=cfg, sfi=sfi,
                          sampling=sampling, n_steps=n_steps, impl=impl,
-                         return_logits=return_logits)
+                         return_logits=return_logits, plan=plan)
 
 
 def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg, sfi,
-                  sampling, n_steps, impl, return_logits):
+                  sampling, n_steps, impl, return_logits, plan=None):
     """Up to n_steps decode steps on device. Stops early when every row is done.
 
     eos_mask, trigger_mask: bool [vocab]. forced: int32 [B, n_steps] teacher-forced next tokens
@@ -333,7 +364,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         else:
             dense_rows, slots = None, None
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
-                                 pos=pos, dense_rows=dense_rows)
+                                 pos=pos, dense_rows=dense_rows, plan=plan)
         x = embed_tokens(params, state.token[:, None])
         (x, k, v, st, diag), ys = jax.lax.scan(body, (x, state.k, state.v, st, state.diag),
                                                (params["layers"], layer_ids))
@@ -362,6 +393,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         done = state.done | eos_mask[token]
         state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
                             step=state.step + 1, key=key, sfi=st, diag=diag)
+        if plan is not None:  # keep the loop carry's shardings fixed
+            state = sharding.constrain(state, sharding.decode_state_shardings(plan, state))
         return state, i + 1, out_tokens, out_slow, out_logits, out_diag
 
     def cond(carry):
@@ -370,4 +403,6 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
 
     state, taken, out_tokens, out_slow, out_logits, out_diag = jax.lax.while_loop(
         cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag))
+    out_tokens, taken, out_slow, out_logits, out_diag = sharding.replicate(
+        (out_tokens, taken, out_slow, out_logits, out_diag), plan)
     return state, out_tokens, taken, out_slow, out_logits, out_diag
