@@ -15,7 +15,7 @@ import numpy as np
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.modeling import Model, output_logits
-from sfi_jax.runtime import engine
+from sfi_jax.runtime import engine, sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
 
@@ -96,7 +96,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              chunk_steps: int = 32, impl: str = "auto", trigger_ids=None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
              forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
-             diagnostics: bool = False) -> GenerateResult:
+             diagnostics: bool = False, mesh=None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
 
     prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
@@ -107,6 +107,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     diagnostics (SFI mode): stats["coverage"] [B, steps, L, Hkv], the share of the dense
     attention mass that each step's attended set covers, and stats["support_jaccard"], the
     overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
+    mesh: a device mesh (or 'DxM' spec) to run on; default: the mesh the model's parameters
+    are sharded over (`load_model(..., mesh=...)`), or one device when they are not.
     """
     cfg = model.config
     if mode not in ("sfi", "dense"):
@@ -147,45 +149,64 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need} (or "
                          f"the padded prompt, {T})")
     dtype = model.dtype
+    params = model.params
+    mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(params)
+    plan = sharding.plan_for(cfg, mesh, B)
+    if plan is not None and sharding.mesh_of(params) != plan.mesh:
+        params = jax.device_put(params, sharding.param_shardings(cfg, plan.mesh))
     sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
-    avail = _available_device_bytes(jax.devices()[0])
-    if avail is not None and sum(sizes.values()) > avail:
-        raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / 2**30:.2f} GiB "
-                          f"({B} rows x {S} positions) but the device has {avail / 2**30:.2f} GiB "
-                          "free; reduce the batch, the prompt length or max_new_tokens")
+    split = plan.shard_factor if plan is not None else 1
+    device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
+    avail = _available_device_bytes(device)
+    if avail is not None and sum(sizes.values()) / split > avail:
+        raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / split / 2**30:.2f} "
+                          f"GiB per device ({B} rows x {S} positions, split {split} ways) but the "
+                          f"device has {avail / 2**30:.2f} GiB free; reduce the batch, the prompt "
+                          "length or max_new_tokens")
     if forced_tokens is not None:
         forced_tokens = np.asarray(forced_tokens, np.int32)
         if forced_tokens.shape != (B, max_new_tokens):
             raise ValueError(f"forced_tokens must have shape {(B, max_new_tokens)}, "
                              f"got {forced_tokens.shape}")
 
-    params = model.params
+    # host inputs: replicated over the mesh (every process passes the same values)
+    put = jnp.asarray if plan is None else (lambda a: jax.device_put(np.asarray(a), plan.replicated))
     t0 = time.perf_counter()
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
-    k, v = empty_cache(cfg, B, S, dtype)
-    sfi_state = empty_sfi_state(cfg, sfi, B, S, dtype) if sfi is not None else None
-    key_norms = sfi_state.key_norms if sfi is not None else jnp.zeros((0,), jnp.float32)
-    last_hidden = jnp.zeros((B, cfg.hidden_size), dtype)
-    lengths = jnp.asarray(lens)
+    if plan is None:
+        k, v = empty_cache(cfg, B, S, dtype)
+        sfi_state = empty_sfi_state(cfg, sfi, B, S, dtype) if sfi is not None else None
+    else:  # created in place, each device holding only its rows and heads
+        k, v = sharding.place(lambda: empty_cache(cfg, B, S, dtype),
+                              (sharding.cache_sharding(plan),) * 2)
+        sfi_state = sharding.place(lambda: empty_sfi_state(cfg, sfi, B, S, dtype),
+                                   sharding.sfi_state_shardings(plan)) if sfi is not None else None
+    key_norms = sfi_state.key_norms if sfi is not None else put(np.zeros((0,), np.float32))
+    last_hidden = put(np.zeros((B, cfg.hidden_size), jnp.dtype(dtype)))
+    lengths = put(lens)
     for start in range(0, T, chunk):
         k, v, key_norms, last_hidden = engine.prefill_chunk(
-            params, k, v, key_norms, jnp.asarray(tokens[:, start:start + chunk]),
-            jnp.int32(start), lengths, last_hidden, cfg=cfg, with_norms=sfi is not None)
+            params, k, v, key_norms, put(tokens[:, start:start + chunk]),
+            put(np.int32(start)), lengths, last_hidden, cfg=cfg, with_norms=sfi is not None,
+            plan=plan)
     if sfi is not None:
         sfi_state = sfi_state._replace(key_norms=key_norms)
         if sfi.policy == "streaming":
-            sfi_state = engine.sink_only_selection(sfi_state, k, v, lengths, cfg=cfg, sfi=sfi)
+            sfi_state = engine.sink_only_selection(sfi_state, k, v, lengths, cfg=cfg, sfi=sfi,
+                                                   plan=plan)
         else:
             W = sfi.prefill_window
             win = np.zeros((B, W), np.int32)
             for i, p in enumerate(ids):
                 tail = p[-W:]
                 win[i, W - len(tail):] = tail
-            sfi_state = engine.prefill_selection(params, sfi_state, k, v, jnp.asarray(win),
-                                                 lengths, cfg=cfg, sfi=sfi)
+            sfi_state = engine.prefill_selection(params, sfi_state, k, v, put(win),
+                                                 lengths, cfg=cfg, sfi=sfi, plan=plan)
     first_logits = output_logits(params, cfg, last_hidden[:, None])[:, 0]
+    if plan is not None:  # readable by the host on every process
+        first_logits = jax.device_put(first_logits, plan.replicated)
     if not bool(jnp.all(jnp.isfinite(first_logits))):
         raise FloatingPointError("prefill produced non-finite logits (NaN/inf); check the "
                                  "checkpoint and dtype")
@@ -220,7 +241,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         step=jnp.int32(0), key=key, sfi=sfi_state,
                         diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
                         if diagnostics else None)
-    eos_j, trig_j = jnp.asarray(eos_mask), jnp.asarray(trig)
+    if plan is not None:
+        state = jax.device_put(state, sharding.decode_state_shardings(plan, state))
+    eos_j, trig_j = put(eos_mask), put(trig)
     remaining = max_new_tokens - 1
     decode_s, steps_taken, compile_s = 0.0, 0, 0.0
     t1 = time.perf_counter()
@@ -230,9 +253,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if forced_tokens is not None:
             got = forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
             forced[:, :got.shape[1]] = got
-        args = (params, state, eos_j, trig_j, jnp.asarray(forced))
+        args = (params, state, eos_j, trig_j, put(forced))
         statics = dict(cfg=cfg, sfi=sfi, sampling=sampling, n_steps=n, impl=impl,
-                       return_logits=return_logits)
+                       return_logits=return_logits, plan=plan)
         tc = time.perf_counter()
         step_fn = _compiled_decode(args, statics)
         compile_s += time.perf_counter() - tc
