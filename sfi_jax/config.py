@@ -70,6 +70,7 @@ class SFIConfig:
     prefill_window: int = 16
     policy: str = "sfi"
     refresh_rows: int | None = None
+    topk_impl: str = "lax"  # "lax" (lax.top_k) or "threshold" (radix threshold + compaction)
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)
@@ -90,6 +91,9 @@ class SFIConfig:
         _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.topk_impl not in ("lax", "threshold"):
+            raise ValueError(f"SFIConfig.topk_impl must be 'lax' or 'threshold', got "
+                             f"{self.topk_impl!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
 

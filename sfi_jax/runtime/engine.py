@@ -132,7 +132,8 @@ def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
 
 
 def _select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, head_axis=None):
-    sel = select(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis)
+    sel = select(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis,
+                 topk_impl=sfi.topk_impl)
     return _compact(k_layer, v_layer, sel, lengths, sfi)
 
 
@@ -260,7 +261,7 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
         Hkv = k.shape[2]
         lo, hi = _allowed(pos[safe], sfi)
         sel = select(logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
-                     lo, hi, sfi, cross_head_reduce=head_axis)
+                     lo, hi, sfi, cross_head_reduce=head_axis, topk_impl=sfi.topk_impl)
         ck, cv, c_len, positions = _compact(k[l, safe], v[l, safe], sel, lengths[safe], sfi)
         st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
