@@ -1,0 +1,396 @@
+"""End-to-end decode throughput: SFI against the dense arm of the same engine, with a bytes model.
+
+    python scripts/bench_e2e.py --out benchmarks            # on the GPU (random bf16 weights)
+    python scripts/bench_e2e.py --smoke --out /tmp/e2e      # tiny config on CPU
+
+Both arms run the same jitted decode loop (`sfi_jax.runtime.engine.decode_chunk`) on random
+bf16 weights created on the device. The KV cache is filled with random values instead of a
+prefill (`--fill random`, the default, so 128K contexts fit the time budget). Random weights
+never emit punctuation, so the trigger is driven at a stated rate through teacher-forced
+tokens: row b's token is a trigger every `--trigger-every` steps (staggered by row), plus
+t_max. The dense arm uses our Pallas dense kernel (within a few % of cuDNN, see
+benchmarks/kernels.md) reading the cache in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import sfi_jax  # noqa: E402
+from sfi_jax.config import SFIConfig  # noqa: E402
+from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
+from sfi_jax.runtime import engine  # noqa: E402
+from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
+from sfi_jax.runtime.state import DecodeState, empty_sfi_state  # noqa: E402
+from sfi_jax.selector import select  # noqa: E402
+
+TRIGGER_ID = 13
+
+
+def copy_bandwidth(n_bytes=2 << 30):
+    """Measured device copy bandwidth (read + write bytes per second)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        y.block_until_ready()
+        ts.append((time.perf_counter() - t) / 10)
+    return 2 * n_bytes / statistics.median(ts)
+
+
+def device_bytes():
+    d = jax.devices()[0]
+    st = d.memory_stats() if hasattr(d, "memory_stats") else None
+    return int(st["bytes_limit"]) if st and "bytes_limit" in st else 16 << 30
+
+
+def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, limit: int):
+    weights = cfg.param_count() * 2
+    for b in range(want, 0, -1):
+        kv = cfg.kv_cache_bytes(b, S, 2)
+        state = 2 * cfg.num_layers * b * cfg.num_kv_heads * sfi.compact_size * cfg.head_dim * 2
+        norms = cfg.num_layers * b * cfg.num_kv_heads * S * 4
+        # slow-step scratch: f32 logits for the refreshed rows of one layer, several copies
+        scratch = 6 * b * cfg.num_q_heads * S * 4
+        if weights + kv + state + norms + scratch < 0.9 * limit and (b & (b - 1)) == 0:
+            return b
+    raise SystemExit(f"{cfg.name} at {ctx} does not fit even at batch 1")
+
+
+@jax.jit
+def _random_fill(key, k, v):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, k.shape, jnp.float32).astype(k.dtype),
+            jax.random.normal(k2, v.shape, jnp.float32).astype(v.dtype))
+
+
+def make_state(cfg, B, S, ctx, sfi, seed=0):
+    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
+    k = jnp.zeros(shape, jnp.bfloat16)
+    v = jnp.zeros(shape, jnp.bfloat16)
+    k, v = _random_fill(jax.random.key(seed), k, v)
+    st = None
+    if sfi is not None:
+        st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
+        norms = jax.jit(lambda k: jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), -1)))(k)
+        st = st._replace(key_norms=norms)
+    return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
+                       token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+                       step=jnp.int32(0), key=jax.random.key(seed), sfi=st)
+
+
+def forced_schedule(B, n, start, every, vocab):
+    """Non-trigger tokens, with row b emitting TRIGGER_ID every `every` steps, staggered."""
+    rng = np.random.default_rng(start)
+    toks = rng.integers(100, vocab, size=(B, n)).astype(np.int32)
+    if every > 0:
+        for b in range(B):
+            for i in range(n):
+                if (start + i + b * every // max(B, 1)) % every == every - 1:
+                    toks[b, i] = TRIGGER_ID
+    return toks
+
+
+def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig):
+    """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times)."""
+    eos = jnp.zeros((cfg.vocab_size,), bool)
+    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, impl="auto")
+    fn = engine.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
+                                   **kw).compile()
+    times, slow = [], []
+    for c in range(chunks + 1):
+        forced = jnp.asarray(forced_fn(c))
+        jax.block_until_ready(forced)
+        t = time.perf_counter()
+        state, toks, taken, slow_flags, _, _ = fn(params, state, eos, trig, forced)
+        jax.block_until_ready(toks)
+        if c:
+            times.append(time.perf_counter() - t)
+            slow.append(float(np.asarray(slow_flags).mean()))
+    return state, times, slow
+
+
+def selector_time(cfg, B, ctx, sfi, reps=5):
+    """One layer's selector (scores + top-k) for B refreshed rows, and its repack."""
+    G = cfg.num_q_heads // cfg.num_kv_heads
+    key = jax.random.key(1)
+    logits = jax.random.normal(key, (B, cfg.num_kv_heads, G, ctx), jnp.float32)
+    norms = jax.random.uniform(key, (B, cfg.num_kv_heads, ctx), jnp.float32) + 0.5
+    lo = jnp.full((B,), sfi.n_sink, jnp.int32)
+    hi = jnp.full((B,), ctx - sfi.n_recent, jnp.int32)
+    f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=sfi.topk_impl))
+    f(logits, norms).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(5):
+            out = f(logits, norms)
+        out.block_until_ready()
+        ts.append((time.perf_counter() - t) / 5)
+    return statistics.median(ts)
+
+
+def bytes_model(cfg, B, ctx, sfi, slow_share, bw):
+    """Predicted step times from bytes moved over the measured copy bandwidth."""
+    L, Hkv, D, Hq = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_q_heads
+    if cfg.is_moe:
+        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** B)
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+        attn_w = cfg.hidden_size * D * (2 * Hq + 2 * Hkv) * 2
+        weights = L * (attn_w + touched * per_expert) + cfg.vocab_size * cfg.hidden_size * 2
+    else:
+        weights = cfg.param_count() * 2 - (cfg.vocab_size * cfg.hidden_size * 2
+                                          if not cfg.tie_word_embeddings else 0)
+    dense_kv = 2 * L * B * Hkv * ctx * D * 2
+    fast_kv = 2 * L * B * Hkv * (sfi.compact_size + sfi.n_recent + 1) * D * 2
+    # slow step: dense read + f32 logits written and read twice by the selector + compact repack
+    slow_extra = L * B * (Hq * ctx * 4 * 3 + Hkv * ctx * 4 + 2 * Hkv * sfi.compact_size * D * 2 * 2)
+    t_dense = (weights + dense_kv) / bw
+    t_fast = (weights + fast_kv) / bw
+    t_slow = (weights + fast_kv + dense_kv + slow_extra) / bw
+    t_sfi = (1 - slow_share) * t_fast + slow_share * t_slow
+    return dict(weights_bytes=weights, dense_kv_bytes=dense_kv, fast_kv_bytes=fast_kv,
+                pred_dense_step_s=t_dense, pred_fast_step_s=t_fast, pred_slow_step_s=t_slow,
+                pred_sfi_step_s=t_sfi)
+
+
+def bench_one(name, cfg, params, ctx, args, bw, limit):
+    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl)
+    n = args.chunk_steps
+    chunks = max(1, args.new_tokens // n)
+    S = ctx + (chunks + 3) * n + 128
+    B = pick_batch(cfg, ctx, args.batch, S, sfi, limit)
+    trig = np.zeros((cfg.vocab_size,), bool)
+    trig[TRIGGER_ID] = True
+    trig = jnp.asarray(trig)
+    no_trig = jnp.zeros_like(trig)
+    rec = dict(model=name, context=ctx, batch=B, new_tokens=chunks * n, fill=args.fill,
+               trigger_every=args.trigger_every, t_max=args.t_max, k_select=sfi.k_select,
+               n_recent=sfi.n_recent, n_sink=sfi.n_sink, topk_impl=sfi.topk_impl)
+
+    # dense arm
+    state = make_state(cfg, B, S, ctx, None)
+    state, times, _ = run_chunks(params, state, cfg, None, n, chunks,
+                                 lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size), no_trig)
+    del state
+    dense_step = statistics.median(times) / n
+    rec.update(dense_step_s=dense_step, dense_tokens_per_s=B / dense_step)
+
+    # SFI arm: the stated trigger schedule
+    state = make_state(cfg, B, S, ctx, sfi)
+    state, times, slow = run_chunks(
+        params, state, cfg, sfi, n, chunks,
+        lambda c: forced_schedule(B, n, c * n, args.trigger_every, cfg.vocab_size), trig)
+    sfi_step = statistics.median(times) / n
+    slow_share = float(np.mean(slow))
+    # the same executable with every row slow at every step, then with none
+    eos = jnp.zeros((cfg.vocab_size,), bool)
+    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, impl="auto")
+    all_trig = jnp.full((B, n), TRIGGER_ID, jnp.int32)
+    fn = engine.decode_chunk.lower(params, state, eos, trig, all_trig, **kw).compile()
+    state = state._replace(sfi=state.sfi._replace(pending=jnp.ones((B,), bool)))
+    t = time.perf_counter()
+    state, toks, *_ = fn(params, state, eos, trig, all_trig)
+    jax.block_until_ready(toks)
+    slow_step = (time.perf_counter() - t) / n
+    plain = jnp.asarray(forced_schedule(B, n, 0, 0, cfg.vocab_size))
+    state = state._replace(sfi=state.sfi._replace(
+        pending=jnp.zeros((B,), bool), since_slow=jnp.zeros((B,), jnp.int32)))
+    state, toks, *_ = fn(params, state, eos, no_trig, plain)  # warm the fast path's caches
+    state = state._replace(sfi=state.sfi._replace(
+        pending=jnp.zeros((B,), bool), since_slow=jnp.zeros((B,), jnp.int32)))
+    t = time.perf_counter()
+    state, toks, *_ = fn(params, state, eos, no_trig, plain)
+    jax.block_until_ready(toks)
+    fast_step = (time.perf_counter() - t) / n
+    del state
+    sel = selector_time(cfg, B, ctx, sfi)
+    attn_dense = attention_time(cfg, B, ctx)
+    rec.update(sfi_step_s=sfi_step, sfi_tokens_per_s=B / sfi_step, slow_share=slow_share,
+               fast_step_s=fast_step, slow_step_s=slow_step, selector_layer_s=sel,
+               selector_step_s=sel * cfg.num_layers, dense_attention_step_s=attn_dense,
+               dense_attention_share=attn_dense / dense_step, speedup=dense_step / sfi_step)
+    rec.update(bytes_model(cfg, B, ctx, sfi, slow_share, bw))
+    rec["dense_of_floor"] = rec["pred_dense_step_s"] / dense_step
+    rec["sfi_of_floor"] = rec["pred_sfi_step_s"] / sfi_step
+    return rec
+
+
+def attention_time(cfg, B, ctx, reps=5):
+    """Dense decode attention alone for all layers (our kernel, in place)."""
+    from sfi_jax.kernels import dense_decode
+
+    shape = (B, cfg.num_kv_heads, ctx, cfg.head_dim)
+    k = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(3), (B, cfg.num_q_heads, cfg.head_dim), jnp.bfloat16)
+    lengths = jnp.full((B,), ctx, jnp.int32)
+
+    @jax.jit
+    def f(q):
+        def body(c, _):
+            return c + dense_decode(q + c, k, k, lengths).astype(jnp.float32).mean(), None
+        return jax.lax.scan(body, jnp.float32(0), None, length=cfg.num_layers)[0]
+
+    f(q).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(q).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def engine_check():
+    """On this device: SFI with a budget covering the context equals dense token for token, and
+    with a small budget the platform kernels give the same tokens as the xla path."""
+    cfg = ModelConfig(name="check", num_layers=2, hidden_size=256, intermediate_size=512,
+                      num_q_heads=8, num_kv_heads=2, head_dim=128, vocab_size=512,
+                      max_position_embeddings=4096)
+    from sfi_jax.models.modeling import Model
+    from sfi_jax.models.params import random_params
+
+    model = Model(cfg, random_params(cfg, "float32", 3))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
+    out = {}
+    dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False)
+    full = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
+                            sfi=SFIConfig(k_select=2048))
+    out["full_budget_equals_dense"] = full.tokens == dense.tokens
+    small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
+    a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
+                         impl="xla", trigger_ids=[5, 6, 7])
+    b = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
+                         trigger_ids=[5, 6, 7])
+    out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
+    out["small_budget_differs_from_dense"] = a.tokens != dense.tokens
+    out["slow_steps"] = b.stats["slow_steps"]
+    return out
+
+
+def write_outputs(records, meta, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "e2e.json"), "w") as f:
+        json.dump({"meta": meta, "results": records}, f, indent=1)
+    lines = ["# End-to-end decode throughput: SFI vs dense", "",
+             f"Machine: {meta['device']}; jax {meta['jax']}; measured copy bandwidth "
+             f"{meta['copy_bw_tbs']:.2f} TB/s.", "",
+             f"Command: `{meta['command']}`", "",
+             "Random bf16 weights created on the device; KV cache filled with random values "
+             f"(fill={meta['fill']}); {meta['new_tokens']} timed new tokens per row after a "
+             f"warm-up chunk; triggers every {meta['trigger_every']} tokens per row (staggered) "
+             f"plus t_max={meta['t_max']}; SFI budget sink 4 + selected 2048 + recent 256. "
+             "Dense arm: the same engine with the Pallas dense kernel (no SFI state). "
+             "Floor = bytes-model time (weights + KV bytes read per step / copy bandwidth); "
+             "'of floor' = floor / measured (1.0 = at the bandwidth limit).", "",
+             "| model | ctx | batch | dense tok/s | SFI tok/s | speedup | slow share | "
+             "fast step ms | slow step ms | selector ms/step | dense attn share | "
+             "dense of floor | SFI of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(
+            f"| {r['model']} | {r['context']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | "
+            f"{r['sfi_tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['slow_share']:.3f} | "
+            f"{r['fast_step_s'] * 1e3:.2f} | {r['slow_step_s'] * 1e3:.2f} | "
+            f"{r['selector_step_s'] * 1e3:.2f} | {r['dense_attention_share']:.2f} | "
+            f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
+    with open(os.path.join(out, "e2e.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for m in sorted({r["model"] for r in records}):
+            rs = sorted((r for r in records if r["model"] == m), key=lambda r: r["context"])
+            x = [r["context"] // 1024 for r in rs]
+            a1.plot(x, [r["dense_tokens_per_s"] for r in rs], "o--", label=f"{m} dense")
+            a1.plot(x, [r["sfi_tokens_per_s"] for r in rs], "o-", label=f"{m} SFI")
+            a2.plot(x, [r["speedup"] for r in rs], "o-", label=m)
+        for a in (a1, a2):
+            a.set_xscale("log", base=2)
+            a.set_xlabel("context (K tokens)")
+            a.legend(fontsize=7)
+        a1.set_ylabel("decode tokens/s")
+        a2.set_ylabel("SFI speedup over dense")
+        fig.suptitle(meta["device"])
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "e2e.png"), dpi=120)
+    except Exception as e:  # plots are optional
+        print("plot skipped:", e)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3-4b,qwen3-0.6b,qwen3-30b-a3b")
+    p.add_argument("--contexts", default="8192,16384,32768,65536,131072")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--chunk-steps", type=int, default=64)
+    p.add_argument("--fill", choices=("random",), default="random",
+                   help="KV cache contents (random values instead of a prefill)")
+    p.add_argument("--trigger-every", type=int, default=20)
+    p.add_argument("--t-max", type=int, default=64)
+    p.add_argument("--topk-impl", choices=("lax", "threshold"), default="lax")
+    p.add_argument("--out", default="benchmarks")
+    p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
+    p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
+    args = p.parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
+    if args.smoke:
+        args.new_tokens, args.chunk_steps, args.batch = 16, 8, 2
+    bw = copy_bandwidth(256 << 20 if args.smoke else 2 << 30)
+    limit = device_bytes()
+    meta = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+                jax=jax.__version__, python=platform.python_version(), copy_bw_tbs=bw / 1e12,
+                command="python " + " ".join(sys.argv), fill=args.fill,
+                new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
+    if not args.smoke:
+        meta["engine_check"] = engine_check()
+        print("engine check:", meta["engine_check"], flush=True)
+    records = []
+    models = args.models.split(",")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.smoke:
+        tiny = ModelConfig(name="tiny", num_layers=2, hidden_size=64, intermediate_size=128,
+                           num_q_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256,
+                           max_position_embeddings=8192)
+        models, contexts = ["tiny"], [2560]
+    for name in models:
+        cfg = tiny if args.smoke else PRESETS[name]
+        from sfi_jax.models.params import random_params
+
+        params = random_params(cfg, "bfloat16", 0)
+        for ctx in contexts:
+            t = time.perf_counter()
+            rec = bench_one(name, cfg, params, ctx, args, bw, limit)
+            rec["wall_s"] = time.perf_counter() - t
+            records.append(rec)
+            print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
+                              for k, v in rec.items()}), flush=True)
+            write_outputs(records, meta, args.out)
+        del params
+    print(open(os.path.join(args.out, "e2e.md")).read())
+
+
+if __name__ == "__main__":
+    main()
