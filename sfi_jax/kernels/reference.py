@@ -6,6 +6,7 @@ positions are masked with -inf before one softmax.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -49,6 +50,7 @@ def _softmax_out(s, v, out_dtype):
     return o.reshape(b, hkv * g, -1).astype(out_dtype), lse.reshape(b, hkv * g)
 
 
+@functools.partial(jax.jit, static_argnames=("return_logits",))
 def dense_decode(q, k, v, lengths, *, return_logits=False, layer=None, rows=None):
     """Attention of one query per row over cache positions [0, lengths[b])."""
     k, v = _pick(k, layer, rows), _pick(v, layer, rows)
@@ -70,6 +72,7 @@ def _window(cache, start, window):
     return jax.vmap(lambda c, st: lax.dynamic_slice_in_dim(c, st, window, axis=1))(cache, start), start
 
 
+@functools.partial(jax.jit, static_argnames=("window",))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, layer=None, window=None):
     """Attention over the compact prefix [0, c_len[b, h]) plus the recent window of the cache.
 

@@ -1,0 +1,62 @@
+"""Interpret mode does not prove a kernel compiles: lower the TPU kernels for TPU and
+export the GPU kernels for CUDA, from a CPU-only machine."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sfi_jax.kernels import gpu, tpu
+
+# (Hq, Hkv, D, S, C, dtype): the Qwen3-4B shape in bf16 and an odd small one in f32.
+SHAPES = [(32, 8, 128, 1000, 300, jnp.bfloat16), (5, 1, 64, 4096, 2052, jnp.float32)]
+B, L = 2, 3
+
+
+def _specs(hq, hkv, d, s, c, dtype):
+    sds = jax.ShapeDtypeStruct
+    return dict(q=sds((B, hq, d), dtype), kv=sds((L, B, hkv, s, d), dtype),
+                ckv=sds((L, B, hkv, c, d), dtype), clen=sds((B, hkv), jnp.int32),
+                vec=sds((B,), jnp.int32), layer=sds((), jnp.int32))
+
+
+def _dense_fn(mod, logits):
+    def f(q, k, v, lens, layer, rows):
+        return mod.dense_decode(q, k, v, lens, layer, rows, return_logits=logits)
+    return f
+
+
+def _sparse_fn(mod, window):
+    def f(q, ck, cv, c_len, k, v, rs, lens, layer):
+        return mod.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window)
+    return f
+
+
+def _cases(shape):
+    sp = _specs(*shape)
+    dense_args = (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sp["vec"])
+    sparse_args = (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"], sp["vec"],
+                   sp["vec"], sp["layer"])
+    return dense_args, sparse_args
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tpu_kernels_lower_for_tpu(shape):
+    dense_args, sparse_args = _cases(shape)
+    for logits in (False, True):
+        text = jax.jit(_dense_fn(tpu, logits)).trace(*dense_args).lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
+    for window in (None, 257):
+        text = jax.jit(_sparse_fn(tpu, window)).trace(*sparse_args).lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_kernels_export_for_cuda(shape):
+    dense_args, sparse_args = _cases(shape)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for fn, args in [(_dense_fn(gpu, False), dense_args), (_dense_fn(gpu, True), dense_args),
+                     (_sparse_fn(gpu, 257), sparse_args)]:
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()

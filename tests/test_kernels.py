@@ -1,0 +1,248 @@
+"""Decode kernels against the jnp reference, on CPU (Pallas in interpret mode).
+
+Shapes are small but chosen so that lengths land on block and split edges, caches are
+not multiples of the block, and every GQA group size the models use appears once.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from sfi_jax.kernels import api, gpu, reference, tpu
+from sfi_jax.kernels import dense_decode, sparse_decode
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# Small blocks so that a few hundred keys span several blocks and splits.
+GPU_CFG = gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
+TPU_BLOCK = 128
+IMPLS = ["pallas_gpu", "pallas_tpu"]
+
+
+def _rand(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "NaN in kernel output"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _close_logits(lg, ref, tol):
+    lg, ref = np.asarray(lg), np.asarray(ref)
+    np.testing.assert_array_equal(np.isneginf(lg), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    assert np.isfinite(lg[fin]).all()
+    assert _rel(lg[fin], ref[fin]) <= tol
+
+
+def _dense(impl, q, k, v, lens, **kw):
+    if impl == "pallas_gpu":
+        return gpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
+                                config=GPU_CFG, interpret=True, **kw)
+    return tpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
+                            interpret=pltpu.InterpretParams(), block_k=TPU_BLOCK, **kw)
+
+
+def _sparse(impl, *args, **kw):
+    if impl == "pallas_gpu":
+        return gpu.sparse_decode(*args, kw.pop("layer", None), config=GPU_CFG, interpret=True,
+                                 **kw)
+    return tpu.sparse_decode(*args, kw.pop("layer", None), interpret=pltpu.InterpretParams(),
+                             block_k=TPU_BLOCK, **kw)
+
+
+# (Hq, Hkv, D, S, dtype, lengths): lengths cover 0, 1, odd, block/split edges and S.
+DENSE_CASES = [
+    (2, 2, 64, 130, jnp.float32, [0, 1, 129, 130]),
+    (4, 2, 128, 300, jnp.bfloat16, [128, 256, 97]),
+    (8, 2, 64, 257, jnp.float32, [32, 257, 96]),
+    (10, 2, 64, 200, jnp.bfloat16, [199, 64]),
+    (16, 2, 128, 96, jnp.bfloat16, [95, 33]),
+    (16, 1, 128, 160, jnp.float32, [160, 1, 127]),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", DENSE_CASES)
+def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
+    b = len(lengths)
+    ks = jax.random.split(jax.random.PRNGKey(hq * 1000 + s), 3)
+    q = _rand(ks[0], (b, hq, d), dtype)
+    k, v = _rand(ks[1], (b, hkv, s, d), dtype), _rand(ks[2], (b, hkv, s, d), dtype)
+    lens = jnp.asarray(lengths, jnp.int32)
+    out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True)
+    r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lg.shape == (b, hq, s) and lg.dtype == jnp.float32
+    assert _rel(out, r_out) <= TOL[dtype]
+    _close_logits(lg, r_lg, 1e-5)
+    _close_logits(lse, r_lse, 1e-5)
+    if s == 130:  # the no-logits variant once per implementation (compiles are slow here)
+        assert _rel(_dense(impl, q, k, v, lens), r_out) <= TOL[dtype]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            assert not np.asarray(out[i]).any() and np.isneginf(np.asarray(lse[i])).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dense_layer_and_rows_read_in_place(impl):
+    n_layers, b, hq, hkv, s, d = 3, 4, 8, 2, 200, 64
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    k = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.float32)
+    v = _rand(ks[2], (n_layers, b, hkv, s, d), jnp.float32)
+    rows = jnp.asarray([3, 0, 3], jnp.int32)
+    q = _rand(ks[0], (3, hq, d), jnp.float32)
+    lens = jnp.asarray([200, 65, 7], jnp.int32)
+    layer = jnp.int32(1)
+    out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True, layer=layer, rows=rows)
+    r_out, r_lg, r_lse = reference.dense_decode(q, k[1][rows], v[1][rows], lens,
+                                                return_logits=True)
+    assert _rel(out, r_out) <= 1e-5
+    _close_logits(lg, r_lg, 1e-5)
+    _close_logits(lse, r_lse, 1e-5)
+    # The layer index may be traced (as inside a scan over layers).
+    f = jax.jit(lambda l: _dense(impl, q, k, v, lens, layer=l, rows=rows))
+    assert _rel(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
+
+
+def _sparse_inputs(key, *, b, hq, hkv, s, c, d, dtype, layers=None):
+    ks = jax.random.split(key, 5)
+    pre = (layers,) if layers else ()
+    q = _rand(ks[0], (b, hq, d), dtype)
+    k, v = _rand(ks[1], pre + (b, hkv, s, d), dtype), _rand(ks[2], pre + (b, hkv, s, d), dtype)
+    ck = _rand(ks[3], pre + (b, hkv, c, d), dtype)
+    cv = _rand(ks[4], pre + (b, hkv, c, d), dtype)
+    return q, ck, cv, k, v
+
+
+# (Hq, Hkv, D, S, C, dtype, c_len rows, recent_start, lengths)
+SPARSE_CASES = [
+    # c_len 0..C, an empty window (rs == len), a full window (rs == 0), a 1-key window.
+    (4, 2, 64, 300, 150, jnp.float32, [[0, 150], [77, 1], [129, 128]], [300, 0, 256], [300, 257, 257]),
+    (2, 2, 128, 200, 37, jnp.bfloat16, [[37, 0], [5, 36]], [10, 199], [139, 200]),
+    (10, 2, 64, 100, 60, jnp.float32, [[0, 0], [60, 33]], [50, 0], [50, 100]),
+    (16, 1, 128, 130, 20, jnp.bfloat16, [[20], [0]], [64, 0], [129, 0]),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths", SPARSE_CASES)
+def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
+    b = len(lengths)
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(s + c), b=b, hq=hq, hkv=hkv, s=s, c=c,
+                                     d=d, dtype=dtype)
+    c_len, rs, lens = (jnp.asarray(x, jnp.int32) for x in (c_len, rs, lengths))
+    out = _sparse(impl, q, ck, cv, c_len, k, v, rs, lens)
+    ref = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _rel(out, ref) <= TOL[dtype]
+    empty = (np.asarray(c_len).sum(1) == 0) & (np.asarray(rs) >= np.asarray(lens))
+    assert not np.asarray(out)[empty].any()
+    if s == 300:  # a static bound on the window (what the runtime passes) changes nothing
+        window = int(np.max(np.asarray(lens) - np.asarray(rs)))
+        out = _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, window=window)
+        assert _rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sparse_layer_read_in_place(impl):
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=260, c=140,
+                                     d=64, dtype=jnp.float32, layers=3)
+    c_len = jnp.asarray([[140, 3], [0, 129]], jnp.int32)
+    rs, lens = jnp.asarray([200, 1], jnp.int32), jnp.asarray([260, 130], jnp.int32)
+    f = jax.jit(lambda l: _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, layer=l, window=130))
+    out = f(jnp.int32(2))
+    ref = reference.sparse_decode(q, ck[2], cv[2], c_len, k[2], v[2], rs, lens)
+    assert _rel(out, ref) <= 1e-5
+
+
+def test_sparse_equals_dense_over_the_union():
+    """The compact buffer holding positions [0, P) plus the window [P, len) is dense attention."""
+    b, hq, hkv, s, d, p = 2, 8, 2, 90, 64, 40
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = _rand(ks[0], (b, hq, d), jnp.float32)
+    k, v = _rand(ks[1], (b, hkv, s, d), jnp.float32), _rand(ks[2], (b, hkv, s, d), jnp.float32)
+    lens = jnp.asarray([90, 61], jnp.int32)
+    c_len = jnp.full((b, hkv), p, jnp.int32)
+    rs = jnp.full((b,), p, jnp.int32)
+    want = reference.dense_decode(q, k, v, lens)
+    for impl in ["xla"] + IMPLS:
+        got = sparse_decode(q, k[:, :, :p], v[:, :, :p], c_len, k, v, rs, lens, impl=impl)
+        assert _rel(got, want) <= 1e-5, impl
+
+
+def _np_attention(q, keys, vals):
+    """float64 softmax attention of one query over a list of keys."""
+    if len(keys) == 0:
+        return np.zeros_like(q), -np.inf
+    s = np.asarray(keys) @ q / math.sqrt(q.shape[0])
+    m = s.max()
+    p = np.exp(s - m)
+    return p @ np.asarray(vals) / p.sum(), m + np.log(p.sum())
+
+
+def test_reference_matches_numpy_loops():
+    b, hq, hkv, s, c, d = 2, 6, 3, 20, 7, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(x) for x in [(b, hq, d), (b, hkv, s, d), (b, hkv, s, d)])
+    ck, cv = rng.standard_normal((b, hkv, c, d)), rng.standard_normal((b, hkv, c, d))
+    lens, rs = np.array([13, 0]), np.array([9, 0])
+    c_len = np.array([[0, 7, 3], [2, 0, 1]])
+    out, lg, lse = reference.dense_decode(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                          jnp.asarray(lens), return_logits=True)
+    sp = reference.sparse_decode(*(jnp.asarray(x, jnp.float32) for x in (q, ck, cv)),
+                                 jnp.asarray(c_len), *(jnp.asarray(x, jnp.float32) for x in (k, v)),
+                                 jnp.asarray(rs), jnp.asarray(lens))
+    g = hq // hkv
+    for i in range(b):
+        for h in range(hq):
+            kh = h // g
+            o, l = _np_attention(q[i, h], k[i, kh, :lens[i]], v[i, kh, :lens[i]])
+            np.testing.assert_allclose(out[i, h], o, atol=1e-5)
+            np.testing.assert_allclose(lse[i, h], l, atol=1e-5)
+            want = k[i, kh] @ q[i, h] / math.sqrt(d)
+            np.testing.assert_allclose(lg[i, h, :lens[i]], want[:lens[i]], atol=1e-5)
+            assert np.isneginf(np.asarray(lg[i, h, lens[i]:])).all()
+            keys = np.concatenate([ck[i, kh, :c_len[i, kh]], k[i, kh, rs[i]:lens[i]]])
+            vals = np.concatenate([cv[i, kh, :c_len[i, kh]], v[i, kh, rs[i]:lens[i]]])
+            np.testing.assert_allclose(sp[i, h], _np_attention(q[i, h], keys, vals)[0], atol=1e-5)
+
+
+def test_reference_window_path_matches_full_path():
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(1), b=3, hq=4, hkv=2, s=50, c=9, d=16,
+                                     dtype=jnp.float32)
+    c_len = jnp.asarray([[9, 0], [4, 4], [0, 0]], jnp.int32)
+    rs, lens = jnp.asarray([45, 0, 3], jnp.int32), jnp.asarray([50, 6, 3], jnp.int32)
+    full = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)
+    assert _rel(reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=6), full) < 1e-6
+
+
+def test_api_dispatch_and_defaults():
+    q = _rand(jax.random.PRNGKey(0), (2, 4, 64), jnp.float32)
+    k = _rand(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
+    lens = jnp.asarray([40, 3], jnp.int32)
+    want = reference.dense_decode(q, k, k, lens)
+    assert api._resolve("auto") == "xla"  # CPU
+    for impl in ["auto", "xla"] + IMPLS:
+        assert _rel(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
+
+
+def test_api_rejects_bad_input():
+    q = jnp.zeros((2, 4, 64))
+    k = jnp.zeros((2, 3, 40, 64))
+    lens = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        dense_decode(q, k, k, lens)
+    with pytest.raises(ValueError, match="impl"):
+        dense_decode(q, k[:, :2], k[:, :2], lens, impl="cuda")
+    with pytest.raises(ValueError, match="lengths"):
+        dense_decode(q, k[:, :2], k[:, :2], lens[:1])
+    with pytest.raises(ValueError, match="stacked"):
+        dense_decode(q, k[:, :2], k[:, :2], lens, layer=0)
+    with pytest.raises(ValueError, match="c_len"):
+        sparse_decode(q, k[:, :2], k[:, :2], lens, k[:, :2], k[:, :2], lens, lens)
