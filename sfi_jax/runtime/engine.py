@@ -404,6 +404,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
 
     state, taken, out_tokens, out_slow, out_logits, out_diag = jax.lax.while_loop(
         cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag))
+    if plan is not None:
+        state = sharding.constrain(state, sharding.decode_state_shardings(plan, state))
     out_tokens, taken, out_slow, out_logits, out_diag = sharding.replicate(
         (out_tokens, taken, out_slow, out_logits, out_diag), plan)
     return state, out_tokens, taken, out_slow, out_logits, out_diag
