@@ -156,7 +156,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         params = jax.device_put(params, sharding.param_shardings(cfg, plan.mesh))
     sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
     split = plan.shard_factor if plan is not None else 1
-    device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
+    device = jax.local_devices()[0] if plan is None else \
+        next(d for d in plan.mesh.devices.flat if d.process_index == jax.process_index())
     avail = _available_device_bytes(device)
     if avail is not None and sum(sizes.values()) / split > avail:
         raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / split / 2**30:.2f} "
@@ -210,7 +211,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     if not bool(jnp.all(jnp.isfinite(first_logits))):
         raise FloatingPointError("prefill produced non-finite logits (NaN/inf); check the "
                                  "checkpoint and dtype")
-    key = jax.random.key(seed)
+    key = jax.random.key(seed) if plan is None else \
+        sharding.place(lambda: jax.random.key(seed), plan.replicated)
     key, sub = jax.random.split(key)
     first = sample(first_logits, sub, sampling)
     if forced_tokens is not None:
@@ -237,8 +239,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     slow_flags, diag_parts = [], []
     if on_tokens:
         on_tokens([[int(t)] for t in first])
-    state = DecodeState(k=k, v=v, lengths=lengths, token=jnp.asarray(first), done=jnp.asarray(done),
-                        step=jnp.int32(0), key=key, sfi=sfi_state,
+    state = DecodeState(k=k, v=v, lengths=lengths, token=put(first), done=put(done),
+                        step=put(np.int32(0)), key=key, sfi=sfi_state,
                         diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
                         if diagnostics else None)
     if plan is not None:
