@@ -445,7 +445,8 @@ def write_md(res, path):
          f"Command: `{res['command']}`", "",
          f"Measured copy bandwidth (read + write): {res['copy_bw']['bytes_per_s'] / 1e12:.2f} "
          "TB/s (" + ", ".join(f"{k} {v['bytes_per_s'] / 1e12:.2f}" for k, v in
-                             res["copy_bw"]["variants"].items()) + " TB/s). Setting: batch 16, 32 query / 8 KV heads, head dim 128, bf16, all rows full "
+                             res["copy_bw"]["variants"].items()) + " TB/s). Setting: batch 16, "
+         "32 query / 8 KV heads, head dim 128, bf16, all rows full "
          "length. Times are medians per call, calls chained back to back inside one jit. "
          "Bytes = K/V read for the kept positions + q + out (+ f32 logits written). "
          "Speedups are over the faster cuDNN layout at the same KV length (16K for sparse).",
@@ -578,7 +579,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--no-sweep", action="store_true", help="use the module's default configs")
-    ap.add_argument("--report-only", metavar="JSON", help="rewrite the .md/.png from a results file")
+    ap.add_argument("--report-only", metavar="JSON",
+                    help="rewrite the .md/.png from a results file")
     args = ap.parse_args()
     if args.report_only:
         with open(args.report_only) as f:

@@ -123,7 +123,8 @@ def _sparse_inputs(key, *, b, hq, hkv, s, c, d, dtype, layers=None):
 # (Hq, Hkv, D, S, C, dtype, c_len rows, recent_start, lengths)
 SPARSE_CASES = [
     # c_len 0..C, an empty window (rs == len), a full window (rs == 0), a 1-key window.
-    (4, 2, 64, 300, 150, jnp.float32, [[0, 150], [77, 1], [129, 128]], [300, 0, 256], [300, 257, 257]),
+    (4, 2, 64, 300, 150, jnp.float32, [[0, 150], [77, 1], [129, 128]], [300, 0, 256],
+     [300, 257, 257]),
     (2, 2, 128, 200, 37, jnp.bfloat16, [[37, 0], [5, 36]], [10, 199], [139, 200]),
     (10, 2, 64, 100, 60, jnp.float32, [[0, 0], [60, 33]], [50, 0], [50, 100]),
     (16, 1, 128, 130, 20, jnp.bfloat16, [[20], [0]], [64, 0], [129, 0]),
@@ -170,10 +171,8 @@ def test_sparse_equals_dense_over_the_union():
     lens = jnp.asarray([90, 61], jnp.int32)
     c_len = jnp.full((b, hkv), p, jnp.int32)
     rs = jnp.full((b,), p, jnp.int32)
-    want = reference.dense_decode(q, k, v, lens)
-    for impl in ["xla"] + IMPLS:
-        got = sparse_decode(q, k[:, :, :p], v[:, :, :p], c_len, k, v, rs, lens, impl=impl)
-        assert _rel(got, want) <= 1e-5, impl
+    got = sparse_decode(q, k[:, :, :p], v[:, :, :p], c_len, k, v, rs, lens, impl="xla")
+    assert _rel(got, reference.dense_decode(q, k, v, lens)) <= 1e-5
 
 
 def _np_attention(q, keys, vals):

@@ -5,8 +5,8 @@ lowering is deprecated upstream in favour of Mosaic GPU, so it stays behind this
 
 Layout: one program per (query row, KV head, split). The program loads the KV head's
 query group padded to 16 rows (the smallest tl.dot), walks the key blocks of its split
-that lie inside the row's valid range, and writes a partial (acc, m, l); a small jnp
-combine merges the splits exactly.
+that lie inside the row's valid range, and writes a partial (acc, m, l); a second small
+kernel merges the splits exactly. Split counts aim at a few waves of the 132 SMs.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ DENSE_LOGITS = Config(block_k=128, num_warps=4, num_stages=2, programs=16 * _NUM
 SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
 SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
 SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
-PALLAS_COMBINE = True
+PALLAS_COMBINE = True  # False: merge the splits with jnp (several XLA launches)
 
 
 def _pow2(n):
@@ -78,7 +78,8 @@ def _attend(q, k_ref, v_ref, at, lo, hi, carry, *, bk, dp, dmask, scale, precisi
         start = lo + i * bk
         kmask = (start + idx) < hi
         lmask = kmask[:, None] if dmask is None else kmask[:, None] & dmask[None, :]
-        k = plgpu_triton.load(k_ref.at[(*at, pl.ds(start, bk), pl.ds(0, dp))], mask=lmask, other=0.0)
+        blk = (*at, pl.ds(start, bk), pl.ds(0, dp))
+        k = plgpu_triton.load(k_ref.at[blk], mask=lmask, other=0.0)
         s = plgpu_triton.dot(q, k, trans_b=True, precision=precision) * scale
         s = jnp.where(kmask[None, :], s, -jnp.inf)
         if logits is not None:
@@ -87,7 +88,7 @@ def _attend(q, k_ref, v_ref, at, lo, hi, carry, *, bk, dp, dmask, scale, precisi
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        v = plgpu_triton.load(v_ref.at[(*at, pl.ds(start, bk), pl.ds(0, dp))], mask=lmask, other=0.0)
+        v = plgpu_triton.load(v_ref.at[blk], mask=lmask, other=0.0)
         acc = acc * alpha[:, None] + plgpu_triton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l
 

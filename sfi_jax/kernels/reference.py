@@ -69,7 +69,8 @@ def _window(cache, start, window):
     """Per row, `window` positions of cache [B, Hkv, S, D] from start[b] (clamped inside S)."""
     s_len = cache.shape[2]
     start = jnp.clip(start, 0, s_len - window)
-    return jax.vmap(lambda c, st: lax.dynamic_slice_in_dim(c, st, window, axis=1))(cache, start), start
+    take = jax.vmap(lambda c, st: lax.dynamic_slice_in_dim(c, st, window, axis=1))
+    return take(cache, start), start
 
 
 @functools.partial(jax.jit, static_argnames=("window",))
