@@ -265,6 +265,16 @@ def run_dense(st, args, cfg, cudnn_ok, bw, results):
             arms["cudnn_bnsh"] = (cudnn_bnsh, (k, v, lens), base)
         for name, (fn, ops, nbytes) in arms.items():
             measure(results, "dense", name, s, None, fn, q, [ops], nbytes, est, bw, args)
+        if s == st.s_list[0]:
+            # Layer 1 of a 2-layer stacked cache, read in place: should cost the same.
+            k2, v2 = jnp.stack([v, k]), jnp.stack([k, v])
+
+            def ours_layer(q, k, v, lens, layer):
+                return gpu.dense_decode(q, k, v, lens, layer, config=cfg, interpret=interpret)
+
+            measure(results, "dense", "pallas_layer", s, None, ours_layer, q,
+                    [(k2, v2, lens, jnp.int32(1))], base, est, bw, args)
+            del k2, v2
         if cudnn_ok or args.smoke:
             # The BTNH arms (jax.nn's own layout): a separate [B, S, Hkv, D] cache.
             del k, v, arms
@@ -529,7 +539,7 @@ def plot(res, path):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    arms = sorted({r["arm"] for r in res["results"] if r["kernel"] == "dense"})
+    arms = sorted({r["arm"] for r in res["results"] if r["kernel"] == "dense"} - {"pallas_layer"})
     for arm in arms:
         pts = sorted((r["kv_len"], r["bytes_per_s"] / 1e12) for r in res["results"]
                      if r["kernel"] == "dense" and r["arm"] == arm and "time_us" in r)
