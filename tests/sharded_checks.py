@@ -1,0 +1,342 @@
+"""Sharded-execution checks on 8 simulated CPU devices, run by tests/test_sharding.py in a fresh
+interpreter (the device count must be fixed before jax starts).
+
+    python tests/sharded_checks.py OUT.json [check ...]
+
+Writes {check name: {"ok": bool, "detail": str, "seconds": float}} to OUT.json. Each check
+compares a run on a mesh with the same run on one device. XLA's slower optimisations are off:
+both sides of every comparison compile the same way, and the checks take half the time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+WORKER = len(sys.argv) > 1 and sys.argv[1] == "--worker"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_"
+                           f"count={4 if WORKER else 8}").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import sfi_jax  # noqa: E402
+from sfi_jax.models.config import ModelConfig  # noqa: E402
+from sfi_jax.models.modeling import Model  # noqa: E402
+from sfi_jax.models.params import random_params  # noqa: E402
+from sfi_jax.runtime import sharding  # noqa: E402
+
+MESHES = ("1x8", "2x4", "8x1")
+TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_q_heads=16, num_kv_heads=8,
+            head_dim=16, vocab_size=256, max_position_embeddings=512, qk_norm=True)
+CONFIGS = {
+    "qwen3": ModelConfig(name="tiny-qwen3", **TINY),
+    "qwen3_moe": ModelConfig(name="tiny-qwen3-moe", num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, **TINY),
+    # 3 KV heads split over no mesh axis above 1: heads fall back to replication
+    "odd_heads": ModelConfig(name="tiny-odd", **{**TINY, "num_q_heads": 6, "num_kv_heads": 3}),
+}
+# a budget of 2 + 8 + 8 positions against ~40-token prompts: real sparse steps, and t_max and
+# trigger tokens make several slow steps per row
+SFI = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=8, t_max=3)
+TRIGGERS = [3, 17, 42, 99, 200]
+NEW_TOKENS = 9
+BATCH = 8
+
+
+def prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(24, 48, size=BATCH)]
+
+
+def near_tie(row, rel=1e-4):
+    top2 = np.sort(np.asarray(row, np.float64))[-2:]
+    return top2[1] - top2[0] < rel * max(np.max(np.abs(row)), 1e-6)
+
+
+def same_greedy(got, want, want_logits, what):
+    """Equal token streams, or a first divergence at a near-tie of the reference's top two
+    logits (later tokens are then not compared). Returns a note on the near-tie, if any."""
+    for b, (g, w) in enumerate(zip(got, want)):
+        for i, (x, y) in enumerate(zip(g, w)):
+            if x != y:
+                row = want_logits[b, i]
+                top2 = set(np.argsort(row)[-2:].tolist())
+                if not (near_tie(row) and x in top2):
+                    raise AssertionError(f"{what}: row {b} diverges at token {i} ({x} vs {y}); "
+                                         f"reference top-2 logits {np.sort(row)[-2:]} are no tie")
+                return f"{what}: row {b} near-tie at {i}"
+        if len(g) != len(w):
+            raise AssertionError(f"{what}: row {b} has {len(g)} tokens, reference {len(w)}")
+    return ""
+
+
+def run_generate(model, mode, mesh=None):
+    return sfi_jax.generate(model, prompts(), max_new_tokens=NEW_TOKENS, mode=mode, sfi=SFI,
+                            trigger_ids=TRIGGERS, return_logits=True, chunk_steps=16,
+                            stop_at_eos=False, mesh=mesh)
+
+
+def check_generation(name, modes=("dense", "sfi"), meshes=MESHES):
+    cfg = CONFIGS[name]
+    single = Model(cfg, random_params(cfg, "float32", seed=1))
+    refs = {mode: run_generate(single, mode) for mode in modes}
+    if "sfi" in refs:
+        slow = sum(refs["sfi"].stats["slow_steps"])
+        fast = sum(refs["sfi"].stats["fast_steps"])
+        assert slow > BATCH and fast > 0, f"SFI run has {slow} slow / {fast} fast steps"
+    notes = []
+    for spec in meshes:
+        mesh = sharding.make_mesh(spec)
+        model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
+        for mode in modes:
+            got = run_generate(model, mode)  # the mesh comes from the parameters
+            ref = refs[mode]
+            notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
+                                     f"{name} {mode} {spec}"))
+            if mode == "sfi" and got.tokens == ref.tokens:
+                assert got.stats["slow_steps"] == ref.stats["slow_steps"], (
+                    f"{name} {spec}: slow steps {got.stats['slow_steps']} vs "
+                    f"{ref.stats['slow_steps']}")
+    return "; ".join(n for n in notes if n) or "identical tokens"
+
+
+def check_rules():
+    """Sharding rules: split where an axis divides, replicate where it does not."""
+    from jax.sharding import PartitionSpec as P
+
+    from sfi_jax.models.config import PRESETS
+
+    smol = sharding.param_specs(PRESETS["smollm2-135m"], sharding.make_mesh("2x4"))  # 9/3 heads
+    assert smol["layers"]["wq"] == P(None, None, None) and smol["layers"]["wk"] == P(None, None, None)
+    assert smol["layers"]["wo"] == P(None, None, None)
+    assert smol["layers"]["w_gate"] == P(None, None, "model"), smol["layers"]["w_gate"]
+    assert smol["embed"] == P("model", None) and "lm_head" not in smol
+    big = sharding.param_specs(PRESETS["qwen3-235b-a22b"], sharding.make_mesh("1x8"))  # 64/4 heads
+    assert big["layers"]["wq"] == P(None, None, "model") and big["layers"]["wk"] == P(None, None, None)
+    assert big["layers"]["we_gate"] == P(None, "model", None, None)
+    assert big["lm_head"] == P(None, "model")
+    ep = sharding.param_specs(PRESETS["qwen3-30b-a3b"], sharding.make_mesh("2x2x2"))
+    assert ep["layers"]["we_up"] == P(None, "expert", None, "model")
+    assert ep["layers"]["we_down"] == P(None, "expert", "model", None)
+    mesh = sharding.make_mesh({"data": 2, "model": 4})
+    plan = sharding.plan_for(PRESETS["smollm2-135m"], mesh, 6)
+    assert (plan.batch_axis, plan.head_axis) == ("data", None)
+    plan = sharding.plan_for(PRESETS["qwen3-4b"], mesh, 3)
+    assert (plan.batch_axis, plan.head_axis) == (None, "model")
+    assert sharding.cache_sharding(plan).spec == P(None, None, "model", None, None)
+    for bad in ("2x2", "4x4", "8", "2x4x1x1", "ax4"):
+        try:
+            sharding.make_mesh(bad)
+        except ValueError as e:
+            assert repr(bad) in str(e) or "2x2" in str(e) or "4x4" in str(e), str(e)
+        else:
+            raise AssertionError(f"make_mesh({bad!r}) did not raise")
+    return "ok"
+
+
+def check_selector():
+    """prefill-style selection + compaction with KV heads split over 'model' equals one device,
+    and differs when the cross-head reduction is left out (so the check has teeth)."""
+    import functools
+
+    from jax.sharding import PartitionSpec as P
+
+    from sfi_jax.runtime import engine
+
+    B, H, R, S, D = 4, 8, 4, 96, 8
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(B, H, R, S)) * 3, jnp.float32)
+    norms = jnp.asarray(rng.uniform(0.5, 2.0, size=(B, H, S)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
+    lengths = jnp.asarray([96, 70, 50, 81], jnp.int32)
+    cfg = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=16, alpha_cross=1.0)
+    lo, hi = engine._allowed(lengths, cfg)
+    fn = functools.partial(engine._select_compact, sfi=cfg)
+    want = jax.jit(fn)(logits, norms, k, v, lo, hi, lengths)
+    for spec in ("2x4", "1x8"):
+        plan = sharding.plan_for(CONFIGS["qwen3"], sharding.make_mesh(spec), B)
+        assert plan.head_axis == "model"
+        got = jax.jit(lambda *a: sharding.select_and_compact(plan, fn, *a))(
+            logits, norms, k, v, lo, hi, lengths)
+        for a, b, what in zip(got, want, ("ck", "cv", "c_len", "positions")):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"{spec}: {what} differs"
+    # without the reduction each device would see only its own heads
+    mesh = sharding.make_mesh("2x4")
+    local = jax.shard_map(lambda *a: fn(*a), mesh=mesh, check_vma=False,
+                          in_specs=(P("data", "model"),) * 4 + (P("data"),) * 3,
+                          out_specs=(P("data", "model"),) * 4)
+    wrong = jax.jit(local)(logits, norms, k, v, lo, hi, lengths)
+    assert not np.array_equal(np.asarray(wrong[3]), np.asarray(want[3])), \
+        "the cross-head term made no difference: the check cannot see a missing reduction"
+    return "equal on 2x4 and 1x8"
+
+
+def _hf_tensors(cfg, params):
+    """Our stacked params back in Hugging Face names and layout (for the getter check)."""
+    from sfi_jax.models.params import _hf_plan
+
+    p = jax.tree.map(np.asarray, params)
+    out = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+    if "lm_head" in p:
+        out["lm_head.weight"] = p["lm_head"].T
+    for name, w in p["layers"].items():
+        template, transpose = _hf_plan(cfg)[name]
+        for l in range(cfg.num_layers):
+            if name.startswith("we_"):
+                for e in range(cfg.num_experts):
+                    out[template.format(l, e)] = w[l, e].T if transpose else w[l, e]
+            else:
+                out[template.format(l)] = w[l].T if transpose else w[l]
+    return out
+
+
+def check_loading():
+    """Checkpoint tensors placed shard by shard on a mesh equal the one-device load."""
+    from sfi_jax.models.params import params_from_getter
+
+    for name in ("qwen3", "qwen3_moe"):
+        cfg = CONFIGS[name]
+        ref = random_params(cfg, "float32", seed=3)
+        tensors = _hf_tensors(cfg, ref)
+        for spec in ("2x4", "1x2x4"):
+            mesh = sharding.make_mesh(spec)
+            got = params_from_getter(cfg, tensors.__getitem__, "float32", mesh)
+            want_sh = sharding.param_shardings(cfg, mesh)
+            for (path, a), b, sh in zip(jax.tree_util.tree_leaves_with_path(got),
+                                        jax.tree.leaves(ref), jax.tree.leaves(want_sh)):
+                assert a.sharding == sh, f"{name} {spec} {path}: sharding {a.sharding} vs {sh}"
+                assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name} {spec} {path}"
+    return "HF-layout tensors placed on 2x4 and 1x2x4 meshes"
+
+
+def check_orbax():
+    """Save a sharded model, restore it on other meshes (one built by jax.make_mesh with its
+    default axis types): identical parameters and logits."""
+    cfg = CONFIGS["qwen3_moe"]
+    mesh = sharding.make_mesh("2x4")
+    model = Model(cfg, random_params(cfg, "float32", seed=2, mesh=mesh))
+    tokens = np.asarray(prompts(1)[0][:16])[None].repeat(2, 0)
+    want = np.asarray(sfi_jax.forward(model, tokens))
+    with tempfile.TemporaryDirectory() as d:
+        from sfi_jax.models import save_orbax
+
+        save_orbax(model, d)
+        user_mesh = jax.make_mesh((8, 1), ("data", "model"))
+        for m in (mesh, user_mesh, None):
+            restored = sfi_jax.load_model(d, dtype="float32", mesh=m)
+            for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), "parameters differ"
+            if m is mesh:
+                got = np.asarray(sfi_jax.forward(restored, tokens))
+                assert np.array_equal(got, want), "logits differ after the round trip"
+        leaf = restored.params["layers"]["we_gate"]
+        assert len(leaf.devices()) == 1
+        r2 = sfi_jax.load_model(d, dtype="float32", mesh=user_mesh).params["layers"]["wq"]
+        assert r2.sharding.spec == sharding.param_specs(cfg, user_mesh)["layers"]["wq"]
+    return "round trip 2x4 -> 2x4, 8x1 (Explicit axes), one device"
+
+
+def check_explicit_mesh():
+    """A user mesh from jax.make_mesh (Explicit axes on new jax) works end to end."""
+    cfg = CONFIGS["qwen3"]
+    user_mesh = jax.make_mesh((2, 4), ("data", "model"))
+    model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=user_mesh))
+    got = run_generate(model, "dense")
+    ref = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)), "dense")
+    return same_greedy(got.tokens, ref.tokens, ref.stats["logits"], "explicit 2x4") or "equal"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def worker(process_id: int, port: int, out_path: str):
+    """One of two processes (4 CPU devices each) of a multi-controller run on a 2x4 mesh."""
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception:  # newer jax: gloo is the default
+        pass
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                               process_id=process_id, initialization_timeout=120)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    cfg = CONFIGS["qwen3"]
+    mesh = sharding.make_mesh("2x4")
+    model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
+    out = run_generate(model, "sfi")
+    with open(out_path, "w") as f:
+        json.dump({"tokens": out.tokens, "slow_steps": out.stats["slow_steps"]}, f)
+    jax.distributed.shutdown()
+
+
+def check_multiprocess():
+    """Two processes x 4 devices (jax.distributed over localhost) give the one-device tokens,
+    and both processes read the same results."""
+    import subprocess
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as d:
+        outs = [os.path.join(d, f"p{i}.json") for i in range(2)]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), outs[i]],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for i in range(2)]
+        cfg = CONFIGS["qwen3"]
+        ref = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)), "sfi")
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, log in zip(procs, logs):
+            assert p.returncode == 0, f"worker exited with {p.returncode}:\n{log[-3000:]}"
+        got = [json.load(open(o)) for o in outs]
+    assert got[0] == got[1], "the two processes disagree"
+    return same_greedy(got[0]["tokens"], ref.tokens, ref.stats["logits"], "2 processes") or "equal"
+
+
+CHECKS = {
+    "rules": check_rules,
+    "selector": check_selector,
+    "loading": check_loading,
+    "orbax": check_orbax,
+    "generate_qwen3": lambda: check_generation("qwen3"),
+    "generate_qwen3_moe": lambda: check_generation("qwen3_moe"),
+    "generate_odd_heads": lambda: check_generation("odd_heads", modes=("sfi",), meshes=("2x4",)),
+    "explicit_mesh": check_explicit_mesh,
+    "multiprocess": check_multiprocess,
+}
+
+
+def main(argv):
+    if argv[0] == "--worker":
+        worker(int(argv[1]), int(argv[2]), argv[3])
+        return 0
+    out_path, names = argv[0], argv[1:] or list(CHECKS)
+    assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
+    results = {}
+    for name in names:
+        t = time.perf_counter()
+        try:
+            results[name] = {"ok": True, "detail": CHECKS[name]()}
+        except Exception as e:  # reported to pytest, which fails the matching test
+            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n"
+                                                    f"{traceback.format_exc()}"}
+        results[name]["seconds"] = round(time.perf_counter() - t, 1)
+        print(name, results[name]["ok"], results[name]["seconds"], "s", flush=True)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
