@@ -11,12 +11,17 @@ bounds the slow work; `lax.cond` skips it when no row needs it.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.kernels import dense_decode, sparse_decode
+
+# Layers unrolled per decode-scan iteration: fewer loop trips (each a host-visible loop
+# condition on GPU) at the cost of compile time.
+LAYER_UNROLL = int(os.environ.get("SFI_JAX_LAYER_UNROLL", "1"))
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
@@ -368,7 +373,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                                  pos=pos, dense_rows=dense_rows, plan=plan)
         x = embed_tokens(params, state.token[:, None])
         (x, k, v, st, diag), ys = jax.lax.scan(body, (x, state.k, state.v, st, state.diag),
-                                               (params["layers"], layer_ids))
+                                               (params["layers"], layer_ids),
+                                               unroll=LAYER_UNROLL)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
