@@ -56,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows refreshed per step at most (default: the whole batch)")
     d = p.add_argument_group("multi-device / multi-host")
     d.add_argument("--mesh", default=None,
-                   help="device mesh as data x model, e.g. '2x4' (default: one device)")
+                   help="device mesh as data x model (x expert), e.g. '2x4' or '1x4x2'; the "
+                        "sizes multiply to the number of devices (default: one device)")
     d.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
+                   help="call jax.distributed.initialize() first (multi-host TPU / GPU: run "
+                        "the same command on every host; needs --mesh)")
     return p
 
 
@@ -105,10 +107,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     mesh = None
+    if args.distributed and not args.mesh and jax.process_count() > 1:
+        raise SystemExit(f"error: --distributed with {jax.process_count()} processes needs "
+                         f"--mesh DxM covering all {jax.device_count()} devices")
     if args.mesh:
         from sfi_jax.runtime.sharding import make_mesh
 
-        mesh = make_mesh(args.mesh)
+        try:
+            mesh = make_mesh(args.mesh)
+        except ValueError as e:
+            raise SystemExit(f"error: --mesh: {e}")
     try:
         model = sfi_jax.load_model(args.model, dtype=dtype, mesh=mesh)
         tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
