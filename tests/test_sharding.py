@@ -22,6 +22,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the checker imports sfi_jax from this checkout, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE),
+                                                    env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_checks.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=1200)
     if not out.exists():
