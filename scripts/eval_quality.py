@@ -43,13 +43,27 @@ def parse_args(argv=None):
                    help="retention the targets and the stability statistic refer to")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--tf-samples", type=int, default=4, help="teacher-forced texts per context")
-    p.add_argument("--tf-tokens", type=int, default=128, help="teacher-forced continuation length")
+    p.add_argument("--tf-tokens", type=int, default=129,
+                   help="teacher-forced continuation length (the first comes from the prefill)")
     p.add_argument("--tasks", nargs="+", default=None, help="retrieval tasks (default: all)")
     p.add_argument("--rt-samples", type=int, default=8, help="retrieval samples per task+context")
+    p.add_argument("--rt-tokens", type=int, default=33,
+                   help="tokens generated per retrieval sample (lead-in + answer)")
+    p.add_argument("--chunk-steps", type=int, default=32,
+                   help="decode steps per jitted chunk; teacher-forced and retrieval calls "
+                        "share compiled chunks when (tokens - 1) is a multiple of it")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model source for load_model / load_tokenizer (e.g. a .gguf path)")
+    p.add_argument("--dense-only", action="store_true",
+                   help="retrieval with dense decoding only (checks which tasks the model solves)")
     p.add_argument("--min-dense-acc", type=float, default=0.5,
                    help="compare policies only on task+context cells where dense reaches this")
     p.add_argument("--t-max", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="rows per generate call")
+    p.add_argument("--answer-modes", nargs="+", default=["onset"], choices=("onset", "lead_in"),
+                   help="onset: the prompt ends with the lead-in (' ... The pass key is') and the "
+                        "answer is generated at once; lead_in: the lead-in is fed through the "
+                        "decoder first. The targets use onset")
     p.add_argument("--chat", action="store_true", help="retrieval prompts in the chat template")
     p.add_argument("--impl", default="auto", help="attention kernels: auto, xla, pallas_gpu, ...")
     p.add_argument("--no-tf", action="store_true", help="skip the teacher-forced part")
@@ -66,7 +80,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.smoke:
         a.contexts, a.retention, a.ref_retention = [1024], [0.15], 0.15
-        a.tf_samples, a.tf_tokens, a.rt_samples = 2, 24, 2
+        a.tf_samples, a.tf_tokens, a.rt_samples = 2, 33, 2
         a.tasks = a.tasks or ["passkey"]
         a.batch = 2
     a.tasks = a.tasks or None
@@ -134,8 +148,8 @@ def run_teacher_forced(model, tok, text, args, context, bar, log):
         prompts = [w[:P] for w in rows]
         targets = np.asarray([w[P:] for w in rows], np.int32)
         common = dict(max_new_tokens=N, forced_tokens=targets, return_logits=True,
-                      stop_at_eos=False, tokenizer=tok, chunk_steps=N - 1, max_len=context,
-                      impl=args.impl)
+                      stop_at_eos=False, tokenizer=tok, chunk_steps=args.chunk_steps,
+                      max_len=context, impl=args.impl)
         with shared_prefill() as cache:
             t0 = time.perf_counter()
             dense = sfi_jax.generate(model, prompts, mode="dense", **common)
@@ -214,14 +228,15 @@ def _answer_rows(samples, results_tokens, slow_timeline, tok):
     rows = []
     for i, s in enumerate(samples):
         n_lead = len(s.lead_in_ids)
-        gen = results_tokens[i][n_lead:n_lead + s.answer_tokens]
+        gen = results_tokens[i][n_lead:n_lead + s.answer_tokens]  # capped by --rt-tokens
         text = tok.decode(gen, skip_special_tokens=True)
         ok, part = answer_correct(s.task, s.answers, text)
-        # generated token j comes from decode step j - 1; token n_lead is the first answer token
+        # generated token j comes from decode step j - 1 (token 0 from the dense prefill)
         slow = None
         if slow_timeline is not None:
-            steps = slow_timeline[i][n_lead - 1:n_lead - 1 + len(gen)]
-            slow = float(np.mean(steps)) if len(steps) else 0.0
+            steps = [True if j == 0 else bool(slow_timeline[i][j - 1])
+                     for j in range(n_lead, n_lead + len(gen))]
+            slow = float(np.mean(steps)) if steps else 0.0
         rows.append({"ok": ok, "partial": part, "text": text, "slow_share": slow})
     return rows
 
@@ -233,14 +248,20 @@ def run_retrieval(model, tok, text, args, context, bar, log):
 
     out = {}
     tasks = args.tasks or list(TASKS)
-    for task in tasks:
+    for task, mode in [(t, m) for m in args.answer_modes for t in tasks]:
         samples = []
         for i in range(args.rt_samples):
             depth = 0.05 + 0.85 * (i + 0.5) / args.rt_samples  # spread over the haystack
-            samples.append(make_sample(task, text, tok, context, seed=args.seed * 1000 + i,
-                                       depth=depth, chat=args.chat))
-        M = max(s.max_new_tokens for s in samples)
-        cell = {"samples": len(samples), "depths": [round(s.depth, 3) for s in samples],
+            s = make_sample(task, text, tok, context, seed=args.seed * 1000 + i, depth=depth,
+                            chat=args.chat, new_tokens=args.rt_tokens)
+            samples.append(s.onset() if mode == "onset" else s)
+        name = task if mode == "onset" else f"{task} ({mode})"
+        M = args.rt_tokens
+        short = [s for s in samples if len(s.lead_in_ids) + 8 > M]  # answer room
+        if short:
+            raise ValueError(f"--rt-tokens {M} leaves no room for the answer after the lead-in "
+                             f"of {task} ({len(short[0].lead_in_ids)} tokens)")
+        cell = {"task": task, "answer_mode": mode, "samples": len(samples), "depths": [round(s.depth, 3) for s in samples],
                 "prompt_tokens": [len(s.prompt_ids) for s in samples], "configs": []}
         per = {"dense": []}
         t0 = time.perf_counter()
@@ -252,19 +273,22 @@ def run_retrieval(model, tok, text, args, context, bar, log):
                 forced[j, :len(s.lead_in_ids)] = s.lead_in_ids
             calls.append(([s.prompt_ids for s in batch], dict(
                 max_new_tokens=M, forced_tokens=forced, stop_at_eos=False, tokenizer=tok,
-                chunk_steps=M - 1, max_len=context, impl=args.impl)))
+                chunk_steps=args.chunk_steps, max_len=context, impl=args.impl,
+                return_logits=True)))
         with shared_prefill(max_entries=len(batches)):
             for batch, (prompts, common) in zip(batches, calls):
                 res = sfi_jax.generate(model, prompts, mode="dense", **common)
                 per["dense"] += _answer_rows(batch, res.tokens, None, tok)
                 bar.update(1)
             dense_acc = float(np.mean([x["ok"] for x in per["dense"]]))
-            if dense_acc < args.min_dense_acc:  # not a usable cell: skip the policies
+            if dense_acc < args.min_dense_acc or args.dense_only:  # skip the policies
                 bar.update(len(batches) * (len(_configs(args, context))))
             else:
                 for batch, (prompts, common) in zip(batches, calls):
                     for policy, r, cfg in _configs(args, context):
-                        res = sfi_jax.generate(model, prompts, mode="sfi", sfi=cfg, **common)
+                        # diagnostics on: the same compiled decode chunk as teacher forcing
+                        res = sfi_jax.generate(model, prompts, mode="sfi", sfi=cfg,
+                                               diagnostics=True, **common)
                         per.setdefault((policy, r), []).extend(
                             _answer_rows(batch, res.tokens, res.stats["slow_timeline"], tok))
                         bar.update(1)
@@ -287,8 +311,8 @@ def run_retrieval(model, tok, text, args, context, bar, log):
                 "agree_with_dense": float(np.mean(agree)),
                 "answer_slow_share": _summ([x["slow_share"] for x in rows]),
                 "examples": [x["text"] for x in rows[:3]]})
-        out[task] = cell
-        log(f"retrieval {task} @ {context}: dense {dense_acc:.2f} "
+        out[name] = cell
+        log(f"retrieval {name} @ {context}: dense {dense_acc:.2f} "
             f"({time.perf_counter() - t0:.0f}s)")
     return out
 
@@ -338,7 +362,8 @@ def evaluate_targets(res: dict, ref: float) -> dict:
                 p: {"sfi": c["top1"], "baseline": b["top1"], "met": c["top1"] > b["top1"]}
                 for p, b in base.items() if b}
     for ctx, tasks in res.get("retrieval", {}).items():
-        ok = {k: v for k, v in tasks.items() if v["dense_ok"]}
+        ok = {k: v for k, v in tasks.items()
+              if v["dense_ok"] and v.get("answer_mode", "onset") == "onset"}
         if not ok:
             continue
         dense = float(np.mean([v["dense"]["acc"] for v in ok.values()]))
@@ -589,17 +614,19 @@ def write_plots(res: dict, folder: str):
 
 RETRIEVAL_DESIGN = (
     "Design: the haystack is King James text with the needle sentence(s) inserted between verses "
-    "at depths spread over 5-90 %; the question follows the haystack, then `Answer:`. The "
-    "decoder is then fed (teacher-forced) a fixed lead-in such as ` The pass key is` before the "
-    "answer is generated greedily. Why: the first generated token comes from the prefill "
-    "logits, which are dense for every policy, and SFI's first decode step is slow (dense) too; "
-    "scoring the token after the question would measure dense attention. With the lead-in, the "
-    "first decode step only feeds the lead-in's first token, the lead-in has no trigger token, "
-    "and the answer is short (< t_max), so every answer token comes from a fast step reading the "
-    "set that the slow step selected (the `answer_slow_share` column of the JSON is 0 for SFI). "
-    "The oracle re-selects at every step (its timeline is all slow, but its tokens are computed "
-    "sparsely). For these short answers t_max refresh behaves exactly like SFI (no trigger and "
-    "no t_max expiry inside the answer).")
+    "at depths spread evenly over 5-90 %; the question follows the haystack, then `Answer:` and "
+    "a fixed lead-in such as ` The pass key is`. The first generated token comes from the "
+    "prefill logits, which are dense for every policy, and SFI's first decode step is slow "
+    "(dense) too, so at most the first two answer tokens (the space and the first digit of a "
+    "number) can come from dense attention; every further token is produced by a fast step "
+    "that reads only the set the slow step selected (the JSON's `answer_slow_share`), so the "
+    "remaining 4-6 digits are right only if the selection kept the needle. Answers are short "
+    "(< t_max) and hold no trigger token. Mode `lead_in` (where run) instead feeds the lead-in "
+    "through the decoder (teacher-forced) before the answer, so SFI's one slow step sees only "
+    "the lead-in's first token (` The`) and every answer token is fast: the harder setting for "
+    "a selection made from a single query. For these short answers t_max refresh behaves "
+    "exactly like SFI (no trigger and no t_max expiry inside the answer); the oracle re-selects "
+    "at every step (its timeline is all slow, but its tokens are computed sparsely).")
 
 
 def main(argv=None):
@@ -622,14 +649,16 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
-    model = sfi_jax.load_model("smollm2-135m", dtype="float32")
-    tok = sfi_jax.load_tokenizer("smollm2-135m")
+    if args.dense_only:
+        args.no_tf = True
+    model = sfi_jax.load_model(args.model, dtype="float32")
+    tok = sfi_jax.load_tokenizer(args.model)
     source = load_text()
     text = TokenText(source, tok, max_verses=4000 if args.smoke else 12000)
     from sfi_jax.eval import TASKS
 
     n_cfg = len(args.retention) * len(args.policies) + 1
-    n_tasks = len(args.tasks or TASKS)
+    n_tasks = len(args.tasks or TASKS) * len(args.answer_modes)
     total = 0
     for ctx in args.contexts:
         if not args.no_tf:

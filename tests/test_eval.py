@@ -122,6 +122,13 @@ def test_sample_fits_and_needles_are_where_they_say(task, context, text, tok):
     assert not set(s.lead_in_ids) & set(trigger_token_ids(tok).tolist())
 
 
+def test_onset_moves_the_lead_in_into_the_prompt(text, tok):
+    s = make_sample("passkey", text, tok, 512, seed=0)
+    o = s.onset()
+    assert o.prompt_ids == s.prompt_ids + s.lead_in_ids and o.lead_in_ids == []
+    assert tok.decode(o.prompt_ids).endswith("Answer: The pass key is")
+
+
 def test_samples_are_deterministic_and_vary_by_seed(text, tok):
     a = make_sample("passkey", text, tok, 512, seed=1)
     b = make_sample("passkey", text, tok, 512, seed=1)
@@ -220,7 +227,7 @@ def _fake_results(mod):
                                                  for k in ("within", "into_trigger",
                                                            "after_trigger")}}},
             "retrieval": {"1024": {"passkey": {
-                "samples": 4, "depths": [0.5], "prompt_tokens": [1000], "answers": [["1"]],
+                "task": "passkey", "answer_mode": "onset", "samples": 4, "depths": [0.5], "prompt_tokens": [1000], "answers": [["1"]],
                 "dense": {"acc": 1.0, "partial": 1.0, "examples": ["1"]}, "dense_ok": True,
                 "configs": [rtcell(p, 0.15, a) for p, a in acc.items()]}}}}
 
@@ -267,5 +274,6 @@ def test_shared_prefill_gives_the_same_decode(tok):
         dense2 = sfi_jax.generate(model, [prompt], mode="dense", **kw)
     assert counts == {"hits": 2, "misses": 1}
     assert got.tokens == ref.tokens
-    np.testing.assert_allclose(got.stats["logits"], ref.stats["logits"], rtol=1e-5, atol=1e-5)
+    # the cached prefill runs each chunk on the causal prefix: float reassociation only
+    np.testing.assert_allclose(got.stats["logits"], ref.stats["logits"], rtol=1e-4, atol=2e-4)
     np.testing.assert_array_equal(dense.stats["logits"], dense2.stats["logits"])

@@ -4,7 +4,8 @@ An evaluation decodes the same prompts under a dozen policies and budgets; the d
 identical for all of them and dominates the cost on a CPU. Inside `shared_prefill()`, the chunk
 calls `generate` makes to `engine.prefill_chunk` are recorded; at the last chunk the whole
 prompt batch is looked up, and a cached result (copied, since decode donates the cache) is
-returned; otherwise the recorded chunks are run for real. The decode path is untouched.
+returned; otherwise the recorded chunks are run for real, each on the causal prefix of the
+cache it can see. The decode path is untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.runtime import engine
+
+
+def _replay(real, params, pending, lengths, cfg, kw):
+    """Run the recorded chunks. A chunk at [s, s + C) only needs cache positions < s + C, so it
+    runs on the cache's prefix of that length (causal: the rest is masked anyway), which halves
+    the attention work of a long prompt; the prefix is then written into the full cache."""
+    k, v, _, lh = pending[0]
+    L, B, Hkv, S, D = k.shape
+    kk = vv = jnp.zeros((L, B, Hkv, 0, D), k.dtype)
+    kn = jnp.zeros((L, B, Hkv, 0), jnp.float32)
+    for toks, s in pending[1:]:
+        n = min(s + toks.shape[1], S)
+        grow = n - kk.shape[3]
+        kk = jnp.pad(kk, ((0, 0),) * 3 + ((0, grow), (0, 0)))
+        vv = jnp.pad(vv, ((0, 0),) * 3 + ((0, grow), (0, 0)))
+        kn = jnp.pad(kn, ((0, 0),) * 3 + ((0, grow),))
+        kk, vv, kn, lh = real(params, kk, vv, kn, jnp.asarray(toks), jnp.int32(s), lengths, lh,
+                              cfg=cfg, with_norms=True, **kw)
+    rest = S - kk.shape[3]
+    return (jnp.pad(kk, ((0, 0),) * 3 + ((0, rest), (0, 0))),
+            jnp.pad(vv, ((0, 0),) * 3 + ((0, rest), (0, 0))),
+            jnp.pad(kn, ((0, 0),) * 3 + ((0, rest),)), lh)
 
 
 @contextlib.contextmanager
@@ -51,13 +74,7 @@ def shared_prefill(max_entries: int = 2):
             pending.clear()
             return jnp.copy(kk), jnp.copy(vv), out_kn, lh
         counts["misses"] += 1
-        kk, vv, kn, lh = pending[0]
-        if not with_norms:
-            L, B, Hkv, S = kk.shape[:4]
-            kn = jnp.zeros((L, B, Hkv, S), jnp.float32)
-        for toks, s in pending[1:]:
-            kk, vv, kn, lh = real(params, kk, vv, kn, jnp.asarray(toks), jnp.int32(s), lengths,
-                                  lh, cfg=cfg, with_norms=True, **kw)
+        kk, vv, kn, lh = _replay(real, params, pending, lengths, cfg, kw)
         if len(store) >= max_entries:
             store.pop(next(iter(store)))
         store[key] = (jnp.copy(kk), jnp.copy(vv), jnp.copy(kn), lh)

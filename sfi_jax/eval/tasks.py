@@ -40,6 +40,12 @@ class RetrievalSample:
     def max_new_tokens(self) -> int:
         return len(self.lead_in_ids) + self.answer_tokens
 
+    def onset(self) -> "RetrievalSample":
+        """The same sample with the lead-in moved into the prompt: the answer is the first thing
+        generated (its first token from the prefill, its second from the first decode step)."""
+        return dataclasses.replace(self, prompt_ids=self.prompt_ids + self.lead_in_ids,
+                                   lead_in_ids=[])
+
 
 def _number(rng, digits):
     return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
@@ -72,21 +78,20 @@ def _spec(task, rng):
         k, v = _key(rng, used), _number(rng, 7)
         needles = [f" One of the special magic numbers for {k} is: {v}."]
         return (needles, f"What is the special magic number for {k} mentioned in the provided text?",
-                f" The special magic number for {k} mentioned in the provided text is", [v])
+                f" The special magic number for {k} is", [v])
     if task == "niah_multikey":
         keys = [_key(rng, used) for _ in range(4)]
         vals = [_number(rng, 7) for _ in keys]
         needles = [f" One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, vals)]
         k = keys[0]
         return (needles, f"What is the special magic number for {k} mentioned in the provided text?",
-                f" The special magic number for {k} mentioned in the provided text is", [vals[0]])
+                f" The special magic number for {k} is", [vals[0]])
     if task == "niah_multivalue":
         k = _key(rng, used)
         vals = [_number(rng, 7) for _ in range(2)]
         needles = [f" One of the special magic numbers for {k} is: {v}." for v in vals]
         return (needles, f"What are all the special magic numbers for {k} mentioned in the provided "
-                "text?", f" The special magic numbers for {k} mentioned in the provided text are",
-                vals)
+                "text?", f" The special magic numbers for {k} are", vals)
     if task == "vartrack":
         names = [_var(rng, used) for _ in range(3)]
         value = _number(rng, 5)
@@ -98,13 +103,13 @@ def _spec(task, rng):
 
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vartrack")
-ANSWER_TOKENS = {"passkey": 8, "niah_single": 10, "niah_multikey": 10, "niah_multivalue": 22,
+ANSWER_TOKENS = {"passkey": 8, "niah_single": 10, "niah_multikey": 10, "niah_multivalue": 20,
                  "vartrack": 16}
 
 
 def make_sample(task: str, text, tokenizer, context: int, *, seed: int, depth: float | None = None,
-                chat: bool = False) -> RetrievalSample:
-    """A sample whose prompt + lead-in + answer fit in `context` tokens.
+                chat: bool = False, new_tokens: int | None = None) -> RetrievalSample:
+    """A sample whose prompt + lead-in + answer (or + new_tokens, if larger) fit in `context`.
 
     text: a `TokenText`. Needles go between whole verses: at `depth` (fraction of the haystack;
     random in [0.05, 0.9] when None) for one needle, spread over the haystack for several (the
@@ -122,8 +127,8 @@ def make_sample(task: str, text, tokenizer, context: int, *, seed: int, depth: f
         tail = enc("\n" + question + "\nAnswer:")
         lead = enc(lead_in)
     needle_ids = [enc(n) for n in needles]
-    budget = context - len(head) - len(tail) - len(lead) - ANSWER_TOKENS[task] - sum(
-        len(n) for n in needle_ids)
+    reserve = max(len(lead) + ANSWER_TOKENS[task], new_tokens or 0)
+    budget = context - len(head) - len(tail) - reserve - sum(len(n) for n in needle_ids)
     if budget < 64:
         raise ValueError(f"context {context} is too short for task {task!r}")
     start = rng.randrange(len(text.starts))
