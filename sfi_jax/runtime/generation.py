@@ -4,6 +4,7 @@ decode steps, streaming tokens between chunks and stopping when every row has en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -90,6 +91,20 @@ def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
     return mask
 
 
+def _on_own_mesh(fn):
+    """Run generate under the mesh it uses (Auto axes) or none, whatever mesh the caller has
+    set with jax.set_mesh: an outer Explicit-axes context would clash with our shardings."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, mesh=None, **kw):
+        mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model.params)
+        with jax.set_mesh(mesh):
+            return fn(model, *args, mesh=mesh, **kw)
+
+    return wrapper
+
+
+@_on_own_mesh
 def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
