@@ -64,3 +64,29 @@ def test_mesh_axis_names_checked():
     mesh = jax.make_mesh((jax.device_count(),), ("tensor",))
     with pytest.raises(ValueError, match="'tensor'"):
         sharding.make_mesh(mesh)
+
+
+def _launcher():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "scripts", "tpu_pod", "launch.py")
+    spec = importlib.util.spec_from_file_location("tpu_pod_launch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tpu_pod_launcher_dry_run(capsys):
+    launch = _launcher()
+    assert [launch.devices_for(t) for t in ("v4-32", "v5p-16", "v5litepod-16", "v6e-8", "v3-8")] \
+        == [16, 8, 16, 8, 8]
+    assert launch.main(["--project", "proj", "--zone", "us-central2-b", "--accelerator-type",
+                        "v4-32", "--name", "pod", "--dry-run", "--delete"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("+ gcloud")]
+    assert [line.split()[5] for line in lines] == ["create", "scp", "ssh", "ssh", "delete"]
+    assert "--accelerator-type=v4-32" in lines[0] and "--project=proj" in lines[0]
+    assert all("--worker=all" in line for line in lines[1:4])
+    assert "sfi_jax.generate --distributed --mesh 1x16" in lines[3]
+    with pytest.raises(SystemExit, match="--command"):
+        launch.main(["--zone", "z", "--accelerator-type", "tpu7x-what", "--dry-run"])
