@@ -92,8 +92,8 @@ def parse_args(argv=None):
 def budget_config(policy: str, retention: float, context: int, t_max: int):
     """SFIConfig for `policy` with n_sink + k_select + n_recent = round(retention * context).
 
-    Selecting policies keep about 1/8 of the budget as the recent window (the paper's defaults,
-    256 of 2308, are 11 %); streaming spends everything but the sink on the recent window.
+    Selecting policies keep the paper's recent window of 256 positions (half the budget when
+    that is smaller); streaming spends everything but the sink on the recent window.
     """
     from sfi_jax import SFIConfig
 
@@ -101,7 +101,7 @@ def budget_config(policy: str, retention: float, context: int, t_max: int):
     if policy == "streaming":
         return SFIConfig(n_sink=N_SINK, k_select=1, n_recent=budget - N_SINK - 1, t_max=t_max,
                          policy=policy)
-    n_recent = max(8, budget // 8)
+    n_recent = min(256, budget // 2)
     return SFIConfig(n_sink=N_SINK, k_select=budget - N_SINK - n_recent, n_recent=n_recent,
                      t_max=t_max, policy=policy)
 
@@ -398,7 +398,8 @@ def write_markdown(res: dict, path: str):
           f"({m['text']['license']}); read offline from the package's data file.", ""]
     L += ["Budgets: every sparse policy reads the same number of KV positions per head and step "
           "(sink 4 + selected + recent; retention = budget / context). Selecting policies keep "
-          "1/8 of the budget as the recent window; streaming spends all but the sink on it. "
+          "the paper's recent window of 256 (half the budget when that is smaller); streaming "
+          "spends all but the sink on it. "
           f"t_max = {m['args']['t_max']}. Policies: " +
           "; ".join(f"`{p}` = {LABELS[p]}" for p in POLICIES) + ".", ""]
     tg = res.get("targets", {})
@@ -534,6 +535,8 @@ def write_plots(res: dict, folder: str):
             ax[1, j].set_ylabel("KL(dense || policy), nats")
             ax[1, j].set_yscale("log")
             ax[1, j].set_xlabel("retention (budget / context, %)")
+            ax[0, j].set_xlim(0, 35)
+            ax[1, j].set_xlim(0, 35)
         ax[0, 0].legend(fontsize=8)
         fig.suptitle("Teacher-forced continuation (SmolLM2-135M)")
         fig.tight_layout()
@@ -584,6 +587,7 @@ def write_plots(res: dict, folder: str):
                     ax[0, j].plot([100 * r for r in rets], ys, "o-", color=colors[p], label=p)
             ax[0, j].set_title(f"context {ctx} ({', '.join(sorted(ok))})", fontsize=8)
             ax[0, j].set_xlabel("retention (%)")
+            ax[0, j].set_xlim(0, 35)
             ax[0, j].set_ylabel("accuracy (%)")
             ax[0, j].set_ylim(-5, 105)
         ax[0, 0].legend(fontsize=8)
