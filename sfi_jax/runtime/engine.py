@@ -264,41 +264,41 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
 
     n_slots = slots.shape[0]
 
-    def refresh(st, n):
-        """Refresh the rows in slots[:n]; slots equal to B are empty (no reads, dropped)."""
-        slot = slots[:n]
-        safe = jnp.minimum(slot, B - 1)
-        row_len = jnp.where(slot < B, lengths[safe], 0)
+    def refresh(st):
+        safe = jnp.minimum(slots, B - 1)
+        # empty slots (== B) attend to nothing: the kernel reads no keys for them
+        row_len = jnp.where(slots < B, lengths[safe], 0)
         out_d, logits, _ = dense_decode(q[safe], k, v, row_len, return_logits=True,
-                                        layer=l, rows=safe, impl=impl)
+                                                layer=l, rows=safe, impl=impl)
         Hkv = k.shape[2]
         lo, hi = _allowed(pos[safe], sfi)
-        sel = select(logits.reshape(n, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
+        sel = select(logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
                      lo, hi, sfi, cross_head_reduce=head_axis, topk_impl=sfi.topk_impl)
         ck, cv, c_len, positions = _compact(k[l, safe], v[l, safe], sel, lengths[safe], sfi)
-        st = st._replace(ck=st.ck.at[l, slot].set(ck, mode="drop"),
-                         cv=st.cv.at[l, slot].set(cv, mode="drop"),
-                         c_len=st.c_len.at[l, slot].set(c_len, mode="drop"),
-                         positions=st.positions.at[l, slot].set(positions, mode="drop"))
-        return st, jnp.pad(out_d, ((0, n_slots - n), (0, 0), (0, 0)))
+        st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
+                         cv=st.cv.at[l, slots].set(cv, mode="drop"),
+                         c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
+                         positions=st.positions.at[l, slots].set(positions, mode="drop"))
+        return st, out_d
 
     if sfi.policy == "oracle":
-        st, _ = refresh(st, n_slots)
+        st, _ = refresh(st)
         attn = fast_attention(st)
     elif sfi.policy in ("streaming", "prefill_only"):
         attn = fast_attention(st)
     else:
-        # The slow work is sized by the rows that need it: one branch per power-of-2 bucket
-        # of refreshed rows (branch 0 does nothing), so a step's cost grows with the number of
-        # refreshed rows, not with the batch. Refresh first, then read: a read of the compact
-        # buffers before an in-place update inside the switch would force XLA to copy them.
-        sizes = sorted({min(2 ** i, n_slots) for i in range(n_slots.bit_length() + 1)})
-        branches = [lambda st: (st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype))]
-        branches += [functools.partial(refresh, n=n) for n in sizes]
-        count = jnp.sum(slots < B)
-        index = jnp.where(count == 0, 0,
-                          1 + jnp.searchsorted(jnp.asarray(sizes), count, side="left"))
-        st, out_d = jax.lax.switch(index, branches, st)
+        # Refresh first, then read: a read of the compact buffers before an in-place update
+        # inside the cond would force XLA to copy them every step. One static slot count
+        # (SFIConfig.refresh_rows): an indexed lax.switch over power-of-2 slot buckets made
+        # XLA copy the compact buffers at every step (10x slower fast steps on the H200).
+        def with_refresh(st):
+            st, out_d = refresh(st)
+            return st, out_d
+
+        def without(st):
+            return st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+
+        st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
         attn = fast_attention(st).at[slots].set(out_d, mode="drop")
     return attn, k, v, st
 
