@@ -44,9 +44,10 @@ CONFIGS = {
     # 3 KV heads split over no mesh axis above 1: heads fall back to replication
     "odd_heads": ModelConfig(name="tiny-odd", **{**TINY, "num_q_heads": 6, "num_kv_heads": 3}),
 }
-# a budget of 2 + 8 + 8 positions against ~40-token prompts: real sparse steps, and t_max and
-# trigger tokens make several slow steps per row
-SFI = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=8, t_max=3)
+# a budget of 2 + 8 + 8 positions against ~40-token prompts: real sparse steps; t_max and
+# trigger tokens make several slow steps per row, and at most 2 rows refresh per step (the
+# others wait), which also checks that each device refreshes exactly the globally chosen rows
+SFI = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=8, t_max=3, refresh_rows=2)
 TRIGGERS = [3, 17, 42, 99, 200]
 NEW_TOKENS = 9
 BATCH = 8

@@ -18,19 +18,36 @@ from sfi_jax.runtime import sharding
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# two checker processes side by side (compiling is mostly single-threaded)
+GROUPS = (["rules", "selector", "loading", "orbax", "generate_qwen3", "explicit_mesh",
+           "multiprocess"],
+          ["generate_qwen3_moe", "generate_odd_heads"])
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded") / "results.json"
+    tmp = tmp_path_factory.mktemp("sharded")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # the checker imports sfi_jax from this checkout, installed or not
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE),
                                                     env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_checks.py"), str(out)],
-                          env=env, capture_output=True, text=True, timeout=1200)
-    if not out.exists():
-        pytest.fail(f"sharded_checks.py wrote no results (exit {proc.returncode}):\n"
-                    f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    outs = [tmp / f"results{i}.json" for i in range(len(GROUPS))]
+    logs = [tmp / f"log{i}.txt" for i in range(len(GROUPS))]
+    procs = []
+    for out, log, group in zip(outs, logs, GROUPS):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_checks.py"),
+                                           str(out), *group], env=env, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    for proc in procs:
+        proc.wait(timeout=1200)
+    results = {}
+    for out, proc, log in zip(outs, procs, logs):
+        if not out.exists():
+            pytest.fail(f"sharded_checks.py wrote no results (exit {proc.returncode}):\n"
+                        f"{log.read_text()[-5000:]}")
+        results.update(json.loads(out.read_text()))
+    return results
 
 
 @pytest.mark.parametrize("name", ["rules", "selector", "loading", "orbax", "generate_qwen3",
