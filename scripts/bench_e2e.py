@@ -90,7 +90,9 @@ def make_state(cfg, B, S, ctx, sfi, seed=0):
     st = None
     if sfi is not None:
         st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
-        norms = jax.jit(lambda k: jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), -1)))(k)
+        # one layer at a time: a float32 copy of the whole cache would not fit
+        norms = jax.jit(lambda k: jax.lax.map(
+            lambda kl: jnp.sqrt(jnp.sum(jnp.square(kl.astype(jnp.float32)), -1)), k))(k)
         st = st._replace(key_norms=norms)
     return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
                        token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
