@@ -117,12 +117,14 @@ def check_rules():
     from sfi_jax.models.config import PRESETS
 
     smol = sharding.param_specs(PRESETS["smollm2-135m"], sharding.make_mesh("2x4"))  # 9/3 heads
-    assert smol["layers"]["wq"] == P(None, None, None) and smol["layers"]["wk"] == P(None, None, None)
+    assert smol["layers"]["wq"] == P(None, None, None)
+    assert smol["layers"]["wk"] == P(None, None, None)
     assert smol["layers"]["wo"] == P(None, None, None)
     assert smol["layers"]["w_gate"] == P(None, None, "model"), smol["layers"]["w_gate"]
     assert smol["embed"] == P("model", None) and "lm_head" not in smol
     big = sharding.param_specs(PRESETS["qwen3-235b-a22b"], sharding.make_mesh("1x8"))  # 64/4 heads
-    assert big["layers"]["wq"] == P(None, None, "model") and big["layers"]["wk"] == P(None, None, None)
+    assert big["layers"]["wq"] == P(None, None, "model")
+    assert big["layers"]["wk"] == P(None, None, None)
     assert big["layers"]["we_gate"] == P(None, "model", None, None)
     assert big["lm_head"] == P(None, "model")
     ep = sharding.param_specs(PRESETS["qwen3-30b-a3b"], sharding.make_mesh("2x2x2"))
@@ -299,7 +301,8 @@ def check_multiprocess():
     with tempfile.TemporaryDirectory() as d:
         outs = [os.path.join(d, f"p{i}.json") for i in range(2)]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), outs[i]],
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port),
+                                   outs[i]],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True) for i in range(2)]
         cfg = CONFIGS["qwen3"]

@@ -55,7 +55,9 @@ class Gcloud:
 
     def __init__(self, args):
         self.args = args
-        self.where = [f"--zone={args.zone}"] + ([f"--project={args.project}"] if args.project else [])
+        self.where = [f"--zone={args.zone}"]
+        if args.project:
+            self.where.append(f"--project={args.project}")
 
     def cmd(self, *words, run=True, check=True, capture=False):
         full = ["gcloud", "compute", "tpus", "tpu-vm", *words, *self.where]
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--project", default=None, help="GCP project (default: gcloud's configured one)")
     p.add_argument("--zone", required=True, help="e.g. us-central2-b (v4), us-west4-a (v5e)")
-    p.add_argument("--accelerator-type", default="v4-32", help="slice type, e.g. v4-32, v5litepod-16")
+    p.add_argument("--accelerator-type", default="v4-32",
+                   help="slice type, e.g. v4-32, v5litepod-16")
     p.add_argument("--runtime-version", default="tpu-ubuntu2204-base",
                    help="TPU VM image, e.g. tpu-ubuntu2204-base (v4), v2-alpha-tpuv5-lite (v5e)")
     p.add_argument("--name", default="sfi-jax-pod", help="TPU VM name (reused when it exists)")
