@@ -39,6 +39,8 @@ def parse_args(argv=None):
                    help="context lengths (prompt + continuation <= context)")
     p.add_argument("--retention", type=float, nargs="+", default=[0.05, 0.15, 0.30],
                    help="KV budget / context for every sparse policy")
+    p.add_argument("--rt-retention", type=float, nargs="+", default=None,
+                   help="retentions for the retrieval part (default: --retention)")
     p.add_argument("--ref-retention", type=float, default=0.15,
                    help="retention the targets and the stability statistic refer to")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -106,9 +108,9 @@ def budget_config(policy: str, retention: float, context: int, t_max: int):
                      t_max=t_max, policy=policy)
 
 
-def _configs(args, context):
+def _configs(args, context, retention=None):
     return [(p, r, budget_config(p, r, context, args.t_max))
-            for r in args.retention for p in args.policies]
+            for r in (retention or args.retention) for p in args.policies]
 
 
 def _batches(items, n):
@@ -282,10 +284,10 @@ def run_retrieval(model, tok, text, args, context, bar, log):
                 bar.update(1)
             dense_acc = float(np.mean([x["ok"] for x in per["dense"]]))
             if dense_acc < args.min_dense_acc or args.dense_only:  # skip the policies
-                bar.update(len(batches) * (len(_configs(args, context))))
+                bar.update(len(batches) * len(_configs(args, context, args.rt_retention)))
             else:
                 for batch, (prompts, common) in zip(batches, calls):
-                    for policy, r, cfg in _configs(args, context):
+                    for policy, r, cfg in _configs(args, context, args.rt_retention):
                         # diagnostics on: the same compiled decode chunk as teacher forcing
                         res = sfi_jax.generate(model, prompts, mode="sfi", sfi=cfg,
                                                diagnostics=True, **common)
@@ -662,13 +664,14 @@ def main(argv=None):
     from sfi_jax.eval import TASKS
 
     n_cfg = len(args.retention) * len(args.policies) + 1
+    n_rt_cfg = len(args.rt_retention or args.retention) * len(args.policies) + 1
     n_tasks = len(args.tasks or TASKS) * len(args.answer_modes)
     total = 0
     for ctx in args.contexts:
         if not args.no_tf:
             total += -(-args.tf_samples // args.batch) * n_cfg
         if not args.no_retrieval:
-            total += n_tasks * -(-args.rt_samples // args.batch) * n_cfg
+            total += n_tasks * -(-args.rt_samples // args.batch) * n_rt_cfg
     res = {"meta": {
         "command": "python scripts/eval_quality.py " + " ".join(argv if argv is not None
                                                                  else sys.argv[1:]),
@@ -685,6 +688,7 @@ def main(argv=None):
                 tf, stab = run_teacher_forced(model, tok, text, args, ctx, bar, log)
                 res["teacher_forced"][str(ctx)] = tf
                 res["stability"][str(ctx)] = stab
+                _write(res, args)
             if not args.no_retrieval:
                 res["retrieval"][str(ctx)] = run_retrieval(model, tok, text, args, ctx, bar, log)
             _write(res, args)  # partial results survive an interruption

@@ -98,6 +98,8 @@ def test_teacher_forced_metrics_identical_and_shapes():
 def test_sample_fits_and_needles_are_where_they_say(task, context, text, tok):
     s = make_sample(task, text, tok, context, seed=3, depth=0.4)
     assert len(s.prompt_ids) + s.max_new_tokens <= context
+    o = make_sample(task, text, tok, context, seed=3, depth=0.4, new_tokens=33).onset()
+    assert len(o.prompt_ids) + 33 <= context  # onset: the lead-in is part of the prompt
     assert len(s.prompt_ids) + s.max_new_tokens > context - 64  # the haystack fills the context
     for a, b in s.needle_spans:
         needle = tok.decode(s.prompt_ids[a:b])

@@ -109,7 +109,8 @@ ANSWER_TOKENS = {"passkey": 8, "niah_single": 10, "niah_multikey": 10, "niah_mul
 
 def make_sample(task: str, text, tokenizer, context: int, *, seed: int, depth: float | None = None,
                 chat: bool = False, new_tokens: int | None = None) -> RetrievalSample:
-    """A sample whose prompt + lead-in + answer (or + new_tokens, if larger) fit in `context`.
+    """A sample whose prompt + lead-in + answer (or + lead-in + new_tokens, if larger) fit in
+    `context`, with the lead-in either generated or (`onset()`) part of the prompt.
 
     text: a `TokenText`. Needles go between whole verses: at `depth` (fraction of the haystack;
     random in [0.05, 0.9] when None) for one needle, spread over the haystack for several (the
@@ -127,7 +128,7 @@ def make_sample(task: str, text, tokenizer, context: int, *, seed: int, depth: f
         tail = enc("\n" + question + "\nAnswer:")
         lead = enc(lead_in)
     needle_ids = [enc(n) for n in needles]
-    reserve = max(len(lead) + ANSWER_TOKENS[task], new_tokens or 0)
+    reserve = len(lead) + max(ANSWER_TOKENS[task], new_tokens or 0)
     budget = context - len(head) - len(tail) - reserve - sum(len(n) for n in needle_ids)
     if budget < 64:
         raise ValueError(f"context {context} is too short for task {task!r}")
