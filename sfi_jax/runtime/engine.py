@@ -259,8 +259,10 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
 
     def fast_attention(st):
         c_len = jnp.where(dense_rows[:, None], 0, st.c_len[l])
-        return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
-                                     layer=l, impl=impl)
+        # dense rows (context within the budget) read [0, length) as their "recent" window,
+        # so no row reads more than `budget` cache positions in place
+        return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, layer=l,
+                             impl=impl, window=min(sfi.budget, k.shape[3]))
 
     n_slots = slots.shape[0]
 
