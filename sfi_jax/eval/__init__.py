@@ -1,6 +1,5 @@
 """Quality evaluation: a long natural text source, retrieval task generators and the metrics
-that compare a sparse decode with a dense one. `python -m sfi_jax.eval` runs the evaluation
-(the same as `scripts/eval_quality.py`)."""
+that compare a sparse decode with a dense one. `scripts/eval_quality.py` runs the evaluation."""
 
 from sfi_jax.eval.metrics import (answer_correct, kl_divergence, log_loss, since_last_slow,
                                   teacher_forced_metrics, top1_agreement)
