@@ -100,10 +100,12 @@ class ModelConfig:
             rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qk_norm=model_type.startswith("qwen3"),
-            num_experts=hf.get("num_experts", 0) if model_type == "qwen3_moe" else 0,
+            # transformers 5 writes the expert count as num_local_experts
+            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+            if model_type == "qwen3_moe" else 0,
             num_experts_per_tok=hf.get("num_experts_per_tok", 0) if model_type == "qwen3_moe" else 0,
             moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-            norm_topk_prob=hf.get("norm_topk_prob", True),
+            norm_topk_prob=hf.get("norm_topk_prob", model_type != "qwen3_moe"),  # HF default
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos, name=name)
 
 
