@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 import time
 from typing import Callable, Sequence
@@ -48,6 +49,8 @@ def _available_device_bytes(device) -> int | None:
 
 
 def _tokenize(prompts, tokenizer) -> list[list[int]]:
+    if hasattr(prompts, "tolist"):  # numpy / jax arrays: [T] one prompt, [B, T] a batch
+        prompts = prompts.tolist()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]
     if not prompts:
@@ -60,7 +63,13 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
                                  " or token id lists")
             ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         else:
-            ids = [int(t) for t in p]
+            ids = []
+            for t in p:
+                try:
+                    ids.append(operator.index(t))
+                except TypeError:
+                    raise ValueError(f"prompt {i} has token id {t!r}, which is not an "
+                                     "integer") from None
         if not ids:
             raise ValueError(f"prompt {i} is empty (no tokens)")
         out.append(ids)
@@ -184,6 +193,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if forced_tokens.shape != (B, max_new_tokens):
             raise ValueError(f"forced_tokens must have shape {(B, max_new_tokens)}, "
                              f"got {forced_tokens.shape}")
+    if trigger_ids is not None:
+        trigger_ids = np.asarray(trigger_ids, np.int64).reshape(-1)
+        bad = trigger_ids[(trigger_ids < 0) | (trigger_ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"trigger id {int(bad[0])} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
 
     # host inputs: replicated over the mesh (every process passes the same values)
     put = jnp.asarray if plan is None else (lambda a: jax.device_put(np.asarray(a), plan.replicated))
@@ -243,7 +258,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         eos_mask[[t for t in eos_ids if 0 <= t < cfg.vocab_size]] = True
     if trigger_ids is not None:
         trig = np.zeros((cfg.vocab_size,), bool)
-        trig[np.asarray(trigger_ids, np.int64)] = True
+        trig[trigger_ids] = True
     else:
         trig = trigger_mask_for(tokenizer, cfg.vocab_size) if sfi is not None else \
             np.zeros((cfg.vocab_size,), bool)
