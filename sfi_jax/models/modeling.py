@@ -37,7 +37,7 @@ class Model(nnx.Module):
 
     @property
     def params(self) -> dict:
-        return nnx.state(self, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     @property
     def dtype(self):
