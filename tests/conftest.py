@@ -1,0 +1,158 @@
+"""Shared fixtures: the embedded SmolLM2 (ours and transformers'), tiny random HF checkpoints,
+and comparison helpers for greedy token streams."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+TINY_EOS = 255
+
+
+def hf_classes(kind: str):
+    """(config class, model class) for "qwen3", "qwen3_moe" or "llama"."""
+    import transformers as tf
+
+    return {
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+    }[kind]
+
+
+def build_hf_model(kind: str = "qwen3", seed: int = 0, **overrides):
+    """A tiny random-weight transformers model (float32, eval mode)."""
+    import torch
+
+    cfg_cls, model_cls = hf_classes(kind)
+    kw = dict(TINY)
+    if kind == "qwen3_moe":
+        kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(cfg_cls(**kw)).to(torch.float32).eval()
+
+
+def save_hf_model(model, directory, **save_kw) -> str:
+    """save_pretrained (safetensors) into `directory`; returns it as a string."""
+    directory = str(directory)
+    model.save_pretrained(directory, safe_serialization=True, **save_kw)
+    return directory
+
+
+def make_hf_checkpoint(directory, kind: str = "qwen3", seed: int = 0, save_kw=None, **overrides):
+    """Build a tiny random model, save it to `directory`; returns (hf_model, directory)."""
+    model = build_hf_model(kind, seed, **overrides)
+    return model, save_hf_model(model, directory, **(save_kw or {}))
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def hf_masked_logits(model, tokens, allowed) -> np.ndarray:
+    """transformers logits of one sequence [T] where query i attends to key j iff allowed[i, j]
+    (a 4D additive mask)."""
+    import torch
+
+    allowed = torch.as_tensor(np.asarray(allowed, bool))
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)[None]
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt, max_new_tokens: int):
+    """transformers greedy generation of one or more equal-length prompts.
+
+    Returns (tokens [B, N], logits [B, N, vocab]) where logits[:, i] produced tokens[:, i]."""
+    import torch
+
+    ids = torch.as_tensor(np.atleast_2d(np.asarray(prompt)), dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    tokens = out.sequences[:, ids.shape[1]:].numpy()
+    logits = torch.stack(out.logits, dim=1).float().numpy()
+    return tokens, logits
+
+
+def rel_err(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def near_tie(logits_row, rel: float = 1e-4) -> bool:
+    """True when the top two logits differ by less than `rel` of the largest magnitude."""
+    top2 = np.sort(np.asarray(logits_row, np.float64))[-2:]
+    return top2[1] - top2[0] < rel * max(np.max(np.abs(logits_row)), 1e-6)
+
+
+def assert_same_greedy(got, want, want_logits, rel: float = 1e-4, what: str = ""):
+    """Token streams must be equal; a divergence is accepted only at a near-tie of the reference
+    logits (and then only between its top two tokens); later tokens are not compared."""
+    got, want = list(map(int, got)), list(map(int, want))
+    n = min(len(got), len(want))
+    for i in range(n):
+        if got[i] != want[i]:
+            row = np.asarray(want_logits[i])
+            top2 = set(np.argsort(row)[-2:].tolist())
+            assert near_tie(row, rel) and got[i] in top2, (
+                f"{what}: tokens diverge at {i} ({got[i]} vs reference {want[i]}) and the "
+                f"reference's top-2 logits {np.sort(row)[-2:]} are not a near-tie")
+            return
+    assert len(got) == len(want), f"{what}: {len(got)} tokens vs reference {len(want)}"
+
+
+@pytest.fixture(scope="session")
+def smol_model():
+    import sfi_jax
+
+    return sfi_jax.load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    import sfi_jax
+
+    return sfi_jax.load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    """transformers' own load of the same GGUF file, float32."""
+    pytest.importorskip("torch")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sfi_jax.models.gguf_loader import embedded_gguf_path
+
+    # one thread: torch's two-thread CPU kernels cost more than they save on small CI machines
+    torch.set_num_threads(1)
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """One tiny random Qwen3 (EOS id 255): .hf (transformers), .model (ours, float32), .dir."""
+    import types
+
+    import sfi_jax
+
+    hf, d = make_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=7,
+                               eos_token_id=TINY_EOS)
+    return types.SimpleNamespace(hf=hf, model=sfi_jax.load_model(d, dtype="float32"), dir=d)

@@ -1,0 +1,243 @@
+"""SFI decoding: equal to dense when the budget covers the context, per-row slow/fast decisions
+that follow SFI_METHOD.md §3, refresh policies and refresh slots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sfi_jax
+from conftest import TINY_EOS, assert_same_greedy, hf_masked_logits, rel_err
+from sfi_jax.selector import trigger_token_ids
+
+SMALL = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8)
+NEW = 16  # new tokens per row in the tiny-model tests (15 decode steps)
+TRIGGER = 7
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
+                "Once upon a time, in a small village,"]
+
+
+def expected_timeline(fed, triggers, t_max, use_triggers=True):
+    """Slow flags per decode step from SFI_METHOD.md §3. fed[s] is the token decode step s
+    feeds (the token generated at the previous step; fed[0] comes from the prefill)."""
+    out, last = np.zeros(len(fed), bool), None
+    for s, tok in enumerate(fed):
+        out[s] = (s == 0 or (use_triggers and int(tok) in triggers)
+                  or s - last >= t_max)
+        if out[s]:
+            last = s
+    return out
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY_EOS, n).tolist() for n in lengths]
+
+
+def _forced_with_triggers(rows, seed=5):
+    """Teacher-forced tokens [3, NEW] without triggers or EOS, plus triggers at chosen indices."""
+    forced = np.random.default_rng(seed).integers(10, 250, (3, NEW)).astype(np.int32)
+    for b, idx in enumerate(rows):
+        forced[b, idx] = TRIGGER
+    return forced
+
+
+# trigger token indices (into the generated tokens) per row
+TRIGGER_AT = ([3, 12], [5], [1, 2, 14])
+LONG = [60, 66, 72]
+
+
+@pytest.fixture(scope="module")
+def per_row_runs(tiny_qwen3):
+    """The three-row batch with triggers at different steps, under several policies."""
+    prompts = _prompts(LONG, seed=9)
+    forced = _forced_with_triggers(TRIGGER_AT)
+    runs = {}
+    for policy in ("sfi", "tmax", "streaming", "prefill_only", "oracle"):
+        # tmax runs with a single refresh slot per step (see test_tmax_one_refresh_slot)
+        cfg = SMALL if policy == "sfi" else sfi_jax.SFIConfig(
+            n_sink=2, k_select=8, n_recent=8, t_max=8, policy=policy,
+            refresh_rows=1 if policy == "tmax" else None)
+        runs[policy] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=cfg,
+                                        trigger_ids=[TRIGGER], forced_tokens=forced,
+                                        stop_at_eos=False, return_logits=True)
+    runs["dense"] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, mode="dense",
+                                     forced_tokens=forced, stop_at_eos=False, return_logits=True)
+    return prompts, forced, runs
+
+
+# ---------------------------------------------------------------- full budget = dense
+
+LONG_TEXT = ("The library opens at nine. Visitors may borrow up to five books; fines are small. "
+             "On weekends the reading room closes early, and the archive is shut. ") * 2
+
+
+def test_smollm2_full_budget_rows_equal_dense_and_long_row_is_sparse(smol_model, smol_tokenizer):
+    """One batch: three short rows whose context fits the budget (n_sink + k_select + n_recent
+    = 40 >= prompt + 24 new tokens) decode exactly as dense; a 70-token row goes sparse."""
+    tok = smol_tokenizer
+    long_ids = tok(LONG_TEXT, add_special_tokens=False)["input_ids"]
+    short_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in SMOL_PROMPTS]
+    assert len(long_ids) > 60 and max(map(len, short_ids)) + 24 <= 40
+    cfg = sfi_jax.SFIConfig(n_sink=4, k_select=16, n_recent=20)
+    kw = dict(max_new_tokens=24, tokenizer=tok, stop_at_eos=False)
+    sfi = sfi_jax.generate(smol_model, short_ids + [long_ids], mode="sfi", sfi=cfg,
+                           return_logits=True, **kw)
+    # the dense reference: the same short prompts (a batch of them alone), and a plain forward
+    # pass over the long prompt followed by the tokens SFI generated for it
+    dense = sfi_jax.generate(smol_model, SMOL_PROMPTS, mode="dense", **kw)
+    if sfi.tokens[:3] != dense.tokens:  # only then are the reference logits needed
+        ref = sfi_jax.generate(smol_model, SMOL_PROMPTS, mode="dense", return_logits=True, **kw)
+        for b in range(3):
+            assert_same_greedy(sfi.tokens[b], dense.tokens[b], ref.stats["logits"][b],
+                               what=f"prompt {b}")
+    assert sfi.text[:3] == dense.text
+    full = np.asarray([long_ids + sfi.tokens[3][:-1]])
+    ref_long = np.asarray(sfi_jax.forward(smol_model, full))[0, len(long_ids) - 1:]
+    lg = sfi.stats["logits"][3]
+    assert np.all(np.isfinite(lg))
+    # prefill and the first decode step (slow) are dense; later fast steps read 40 positions
+    np.testing.assert_allclose(lg[:2], ref_long[:2], rtol=0, atol=2e-3)
+    assert np.max(np.abs(lg[2:] - ref_long[2:])) > 1e-2
+
+    # slow steps follow the tokenizer's trigger set and t_max (64) in every row
+    triggers = set(trigger_token_ids(tok).tolist())
+    timeline = sfi.stats["slow_timeline"]
+    assert timeline.shape == (4, 23)
+    for b in range(4):
+        want = expected_timeline(sfi.tokens[b][:23], triggers, cfg.t_max)
+        np.testing.assert_array_equal(timeline[b], want, err_msg=f"row {b}")
+    assert sfi.stats["slow_steps"] == timeline.sum(1).tolist()
+    assert [s + f for s, f in zip(sfi.stats["slow_steps"], sfi.stats["fast_steps"])] == [23] * 4
+    assert timeline[1].sum() > 1  # "def fibonacci(n):\n" goes on with newlines
+
+
+def test_full_budget_equals_dense_tiny_qwen3(tiny_qwen3):
+    prompts = _prompts([5, 17, 40], seed=1)
+    cfg = sfi_jax.SFIConfig(n_sink=4, k_select=36, n_recent=16, t_max=4)
+    assert cfg.budget == 40 + NEW  # exactly the longest context
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, return_logits=True)
+    dense = sfi_jax.generate(tiny_qwen3.model, prompts, mode="dense", **kw)
+    sfi = sfi_jax.generate(tiny_qwen3.model, prompts, mode="sfi", sfi=cfg,
+                           trigger_ids=list(range(0, 256, 5)), **kw)
+    for b in range(3):
+        assert_same_greedy(sfi.tokens[b], dense.tokens[b], dense.stats["logits"][b],
+                           what=f"row {b}")
+    np.testing.assert_allclose(sfi.stats["logits"], dense.stats["logits"], rtol=0, atol=1e-5)
+    assert min(sfi.stats["slow_steps"]) >= 4  # t_max = 4 over 15 steps
+
+
+# ---------------------------------------------------------------- small budget
+
+def test_small_budget_runs_and_differs(per_row_runs):
+    _, _, runs = per_row_runs
+    sfi, dense = runs["sfi"], runs["dense"]
+    steps = NEW - 1
+    assert sfi.stats["decode_steps"] == steps
+    lg = sfi.stats["logits"]
+    assert lg.shape == (3, NEW, 256) and np.all(np.isfinite(lg))
+    assert [len(t) for t in sfi.tokens] == [NEW] * 3
+    slow, fast = np.asarray(sfi.stats["slow_steps"]), np.asarray(sfi.stats["fast_steps"])
+    assert np.all(slow + fast == steps) and np.all(slow >= 1) and np.all(fast >= 1)
+    # the first new token comes from the (dense) prefill in both modes
+    np.testing.assert_allclose(lg[:, 0], dense.stats["logits"][:, 0], rtol=0, atol=1e-5)
+    # fast steps read 2 + 8 + 8 of 60+ positions: the logits move away from dense
+    assert np.max(np.abs(lg[:, 1:] - dense.stats["logits"][:, 1:])) > 1e-3
+    # decode step 0 is slow for every row and reads a cache written by the dense prefill, so
+    # its token's logits are the dense ones
+    assert sfi.stats["slow_timeline"][:, 0].all()
+    np.testing.assert_allclose(lg[:, 1], dense.stats["logits"][:, 1], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- per-row decisions
+
+def test_per_row_timeline_follows_the_rules(per_row_runs):
+    _, forced, runs = per_row_runs
+    res = runs["sfi"]
+    timeline = res.stats["slow_timeline"]
+    assert timeline.shape == (3, NEW - 1)
+    for b in range(3):
+        assert res.tokens[b] == forced[b].tolist()
+        want = expected_timeline(forced[b, :NEW - 1], {TRIGGER}, SMALL.t_max)
+        np.testing.assert_array_equal(timeline[b], want, err_msg=f"row {b}")
+    # the rows' decisions really differ from each other
+    assert len({tuple(t) for t in timeline.tolist()}) == 3
+    assert res.stats["slow_steps"] == timeline.sum(1).tolist()
+    assert res.stats["fast_steps"] == (NEW - 1 - timeline.sum(1)).tolist()
+
+
+def test_per_row_equals_row_alone(tiny_qwen3, per_row_runs):
+    prompts, forced, runs = per_row_runs
+    batch = runs["sfi"]
+    for b in range(3):
+        alone = sfi_jax.generate(tiny_qwen3.model, [prompts[b]], max_new_tokens=NEW, sfi=SMALL,
+                                 trigger_ids=[TRIGGER], forced_tokens=forced[b:b + 1],
+                                 stop_at_eos=False, return_logits=True)
+        assert alone.tokens[0] == batch.tokens[b]
+        np.testing.assert_array_equal(alone.stats["slow_timeline"][0],
+                                      batch.stats["slow_timeline"][b])
+        np.testing.assert_allclose(batch.stats["logits"][b], alone.stats["logits"][0], rtol=0,
+                                   atol=1e-5, err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("policy", ["streaming", "prefill_only"])
+def test_policies_without_slow_steps(per_row_runs, policy):
+    _, _, runs = per_row_runs
+    res = runs[policy]
+    assert not res.stats["slow_timeline"].any()
+    assert res.stats["slow_steps"] == [0, 0, 0]
+    assert res.stats["fast_steps"] == [NEW - 1] * 3
+    assert np.all(np.isfinite(res.stats["logits"]))
+    dense = runs["dense"].stats["logits"]
+    assert np.max(np.abs(res.stats["logits"][:, 1:] - dense[:, 1:])) > 1e-3
+
+
+def test_streaming_matches_a_masked_reference(tiny_qwen3, per_row_runs):
+    """policy="streaming" attends to the sink, the last n_recent positions and the current
+    one; transformers with that attention mask (dense over the prompt) gives the same logits."""
+    prompts, forced, runs = per_row_runs
+    lg = runs["streaming"].stats["logits"]
+    for b, prompt in enumerate(prompts):
+        seq = prompt + forced[b, :NEW - 1].tolist()
+        n, P = len(seq), len(prompt)
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        allowed = (j <= i) & ((i < P) | (j < SMALL.n_sink) | (j >= i - SMALL.n_recent))
+        ref = hf_masked_logits(tiny_qwen3.hf, seq, allowed)[P - 1:]
+        assert rel_err(lg[b], ref) < 1e-4, f"row {b}"
+        dense_ref = hf_masked_logits(tiny_qwen3.hf, seq, j <= i)[P - 1:]
+        assert rel_err(dense_ref, ref) > 1e-3  # the mask matters here
+
+
+def test_policy_oracle_all_slow(per_row_runs):
+    _, _, runs = per_row_runs
+    res = runs["oracle"]
+    assert res.stats["slow_timeline"].all()
+    assert res.stats["slow_steps"] == [NEW - 1] * 3
+    assert res.stats["fast_steps"] == [0, 0, 0]
+    assert np.all(np.isfinite(res.stats["logits"]))
+
+
+def test_streaming_and_prefill_only_differ(per_row_runs):
+    """Sink-only buffers and the prefill selection are different attended sets."""
+    _, _, runs = per_row_runs
+    a, b = runs["streaming"].stats["logits"], runs["prefill_only"].stats["logits"]
+    assert np.max(np.abs(a[:, 1:] - b[:, 1:])) > 1e-4
+
+
+def test_tmax_one_refresh_slot(per_row_runs):
+    """policy="tmax" with refresh_rows=1: all three rows want a slow step at step 0; one slot
+    per step serves one row per step and the others wait; t_max then counts from each row's
+    own slow step, and the trigger tokens placed in every row change nothing."""
+    _, _, runs = per_row_runs
+    res = runs["tmax"]
+    timeline = res.stats["slow_timeline"]
+    assert timeline.shape == (3, NEW - 1)
+    assert timeline.sum(0).max() == 1  # at most one refreshed row per step
+    first = [int(np.flatnonzero(timeline[b])[0]) for b in range(3)]
+    assert sorted(first) == [0, 1, 2]
+    for b in range(3):
+        want = np.zeros(NEW - 1, bool)
+        want[[first[b], first[b] + 8]] = True
+        np.testing.assert_array_equal(timeline[b], want, err_msg=f"row {b}")
+    assert res.stats["slow_steps"] == [2, 2, 2]
+    assert np.all(np.isfinite(res.stats["logits"]))
