@@ -16,6 +16,7 @@ recent); budgets are set as a retention (budget / context).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--min-dense-acc", type=float, default=0.5,
                    help="compare policies only on task+context cells where dense reaches this")
     p.add_argument("--t-max", type=int, default=64)
+    p.add_argument("--set", nargs="+", default=None, metavar="FIELD=VALUE",
+                   help="override SFIConfig fields of the selecting policies (an ablation; the "
+                        "results are named e.g. 'sfi(alpha_soft=0)')")
     p.add_argument("--batch", type=int, default=4, help="rows per generate call")
     p.add_argument("--answer-modes", nargs="+", default=["onset"], choices=("onset", "lead_in"),
                    help="onset: the prompt ends with the lead-in (' ... The pass key is') and the "
@@ -108,9 +112,27 @@ def budget_config(policy: str, retention: float, context: int, t_max: int):
                      t_max=t_max, policy=policy)
 
 
+def _overrides(args) -> dict:
+    out = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return out
+
+
 def _configs(args, context, retention=None):
-    return [(p, r, budget_config(p, r, context, args.t_max))
-            for r in (retention or args.retention) for p in args.policies]
+    """(name, retention, SFIConfig) for every policy x retention; --set overrides SFIConfig
+    fields of the selecting policies and names the variant, e.g. `sfi(alpha_soft=0)`."""
+    sets = _overrides(args)
+    tag = "(" + ",".join(args.set) + ")" if sets else ""
+    out = []
+    for r in retention or args.retention:
+        for p in args.policies:
+            cfg = budget_config(p, r, context, args.t_max)
+            if sets and p != "streaming":
+                cfg = dataclasses.replace(cfg, **sets)
+            out.append((p + tag if p != "streaming" else p, r, cfg))
+    return out
 
 
 def _batches(items, n):
@@ -194,7 +216,7 @@ def run_teacher_forced(model, tok, text, args, context, bar, log):
         cfg = a["cfg"]
         # tokens computed sparsely: the fast steps (every step for the oracle, which selects
         # densely but attends sparsely)
-        fast = np.ones_like(cat["slow"]) if policy == "oracle" else ~cat["slow"]
+        fast = np.ones_like(cat["slow"]) if cfg.policy == "oracle" else ~cat["slow"]
         bins = np.asarray(_bin_since(cat["since"]))
         by_since = []
         for i, (lo, hi) in enumerate(SINCE_BINS):
@@ -226,6 +248,7 @@ def run_teacher_forced(model, tok, text, args, context, bar, log):
 
 def _answer_rows(samples, results_tokens, slow_timeline, tok):
     from sfi_jax.eval import answer_correct
+    from sfi_jax.eval.tasks import extract_answers
 
     rows = []
     for i, s in enumerate(samples):
@@ -233,13 +256,19 @@ def _answer_rows(samples, results_tokens, slow_timeline, tok):
         gen = results_tokens[i][n_lead:n_lead + s.answer_tokens]  # capped by --rt-tokens
         text = tok.decode(gen, skip_special_tokens=True)
         ok, part = answer_correct(s.task, s.answers, text)
+        # how much of a single answer came out right before the first error (digits kept)
+        found = extract_answers(s.task, text)
+        got, want = (found[0] if found else ""), s.answers[0]
+        prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                      min(len(got), len(want)))
         # generated token j comes from decode step j - 1 (token 0 from the dense prefill)
         slow = None
         if slow_timeline is not None:
             steps = [True if j == 0 else bool(slow_timeline[i][j - 1])
                      for j in range(n_lead, n_lead + len(gen))]
             slow = float(np.mean(steps)) if steps else 0.0
-        rows.append({"ok": ok, "partial": part, "text": text, "slow_share": slow})
+        rows.append({"ok": ok, "partial": part, "text": text, "slow_share": slow,
+                     "prefix": prefix / len(want)})
     return rows
 
 
@@ -266,6 +295,7 @@ def run_retrieval(model, tok, text, args, context, bar, log):
         cell = {"task": task, "answer_mode": mode, "samples": len(samples), "depths": [round(s.depth, 3) for s in samples],
                 "prompt_tokens": [len(s.prompt_ids) for s in samples], "configs": []}
         per = {"dense": []}
+        cfgs = {}
         t0 = time.perf_counter()
         batches = list(_batches(samples, args.batch))
         calls = []
@@ -291,11 +321,13 @@ def run_retrieval(model, tok, text, args, context, bar, log):
                         # diagnostics on: the same compiled decode chunk as teacher forcing
                         res = sfi_jax.generate(model, prompts, mode="sfi", sfi=cfg,
                                                diagnostics=True, **common)
+                        cfgs[(policy, r)] = cfg
                         per.setdefault((policy, r), []).extend(
                             _answer_rows(batch, res.tokens, res.stats["slow_timeline"], tok))
                         bar.update(1)
         dense_acc = float(np.mean([x["ok"] for x in per["dense"]]))
         cell["dense"] = {"acc": dense_acc,
+                         "answer_prefix_share": float(np.mean([x["prefix"] for x in per["dense"]])),
                          "partial": float(np.mean([x["partial"] for x in per["dense"]])),
                          "examples": [x["text"] for x in per["dense"][:3]]}
         cell["answers"] = [s.answers for s in samples[:3]]
@@ -304,13 +336,14 @@ def run_retrieval(model, tok, text, args, context, bar, log):
             if key == "dense":
                 continue
             policy, r = key
-            cfg = budget_config(policy, r, context, args.t_max)
+            cfg = cfgs[key]
             agree = [x["ok"] == d["ok"] for x, d in zip(rows, per["dense"])]
             cell["configs"].append({
                 "policy": policy, "retention": r, "budget": cfg.budget,
                 "acc": float(np.mean([x["ok"] for x in rows])),
                 "partial": float(np.mean([x["partial"] for x in rows])),
                 "agree_with_dense": float(np.mean(agree)),
+                "answer_prefix_share": float(np.mean([x["prefix"] for x in rows])),
                 "answer_slow_share": _summ([x["slow_share"] for x in rows]),
                 "examples": [x["text"] for x in rows[:3]]})
         out[name] = cell
@@ -332,12 +365,27 @@ def _machine():
 
 
 def merge(results: list[dict]) -> dict:
-    """Merge partial runs (e.g. one per context) into one results dict."""
+    """Merge partial runs (e.g. one per context, or an ablation) into one results dict: configs
+    of the same context (and task) are concatenated."""
     out = {"meta": results[0]["meta"], "teacher_forced": {}, "stability": {}, "retrieval": {}}
-    out["meta"]["commands"] = [r["meta"]["command"] for r in results]
+    out["meta"]["commands"] = [c for r in results
+                               for c in r["meta"].get("commands", [r["meta"]["command"]])]
     for r in results:
-        for part in ("teacher_forced", "stability", "retrieval"):
-            out[part].update(r.get(part, {}))
+        for ctx, cell in r.get("teacher_forced", {}).items():
+            if ctx in out["teacher_forced"]:
+                out["teacher_forced"][ctx]["configs"] += cell["configs"]
+            else:
+                out["teacher_forced"][ctx] = cell
+        for ctx, st in r.get("stability", {}).items():
+            if st["within"]["n"] > 0:
+                out["stability"][ctx] = st
+        for ctx, tasks in r.get("retrieval", {}).items():
+            dst = out["retrieval"].setdefault(ctx, {})
+            for task, cell in tasks.items():
+                if task in dst:
+                    dst[task]["configs"] += cell["configs"]
+                else:
+                    dst[task] = cell
     return out
 
 
@@ -383,6 +431,12 @@ def evaluate_targets(res: dict, ref: float) -> dict:
                 p: {"sfi": accs["sfi"], "baseline": a, "met": accs["sfi"] > a}
                 for p, a in accs.items() if p not in ("sfi", "oracle")}
     return t
+
+
+def _order(name):
+    """Sort key: the policies in POLICIES order, variants after their base policy."""
+    base = name.split("(")[0]
+    return (POLICIES.index(base) if base in POLICIES else len(POLICIES), name)
 
 
 def _fmt(x, spec=".3f"):
@@ -439,7 +493,7 @@ def write_markdown(res: dict, path: str):
                   "| policy | retention | budget | KL | top-1 | d log-loss | coverage (fast) | "
                   "min-layer coverage (fast) | slow-step rate |",
                   "|---|---|---|---|---|---|---|---|---|"]
-            for c in sorted(cell["configs"], key=lambda c: (c["retention"], POLICIES.index(c["policy"]))):
+            for c in sorted(cell["configs"], key=lambda c: (c["retention"], _order(c["policy"]))):
                 L.append(f"| {c['policy']} | {c['retention']:.0%} | {c['budget']} | "
                          f"{_fmt(c['kl'], '.4f')} | {_fmt(c['top1'], '.2%')} | "
                          f"{_fmt(c['dloss'], '+.4f')} | {_fmt(c['coverage_fast'])} | "
@@ -489,14 +543,18 @@ def write_markdown(res: dict, path: str):
                 f"{tasks[t]['dense']['acc']:.0%}" for t in names) + " | " +
                 mean([tasks[t]["dense"]["acc"] for t in ok]) + " |")
             rets = sorted({c["retention"] for v in tasks.values() for c in v["configs"]})
+            names = sorted({c["policy"] for v in tasks.values() for c in v["configs"]}, key=_order)
+            names_t = list(tasks)
             for r in rets:
-                for p in m["args"]["policies"]:
-                    cs = {t: _cfg(tasks[t], p, r) for t in names}
+                for p in names:
+                    cs = {t: _cfg(tasks[t], p, r) for t in names_t}
+                    if not any(cs.values()):
+                        continue
                     L.append(f"| {p} | {r:.0%} | " + " | ".join(
                         _fmt(c["acc"], ".0%") if c else "-" for c in cs.values()) + " | " +
                         mean([cs[t]["acc"] for t in ok if cs[t]]) + " |")
             L.append("")
-            ex = [(t, tasks[t]) for t in names][:5]
+            ex = [(t, tasks[t]) for t in names_t][:5]
             L += ["Examples (dense; first sample of each task): " + "; ".join(
                 f"{t}: expected {v['answers'][0]}, got {v['dense']['examples'][0]!r}"
                 for t, v in ex), ""]

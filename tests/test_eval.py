@@ -279,3 +279,17 @@ def test_shared_prefill_gives_the_same_decode(tok):
     # the cached prefill runs each chunk on the causal prefix: float reassociation only
     np.testing.assert_allclose(got.stats["logits"], ref.stats["logits"], rtol=1e-4, atol=2e-4)
     np.testing.assert_array_equal(dense.stats["logits"], dense2.stats["logits"])
+
+
+def test_answer_rows_score_fast_tokens_and_prefix(tok):
+    from sfi_jax.eval.tasks import RetrievalSample
+
+    mod = _script()
+    s = RetrievalSample(task="passkey", prompt_ids=[1, 2], lead_in_ids=[], answers=["64608"],
+                        needle_spans=[(0, 1)], depth=0.5, answer_tokens=8)
+    gen = tok(" 64.\nThe pass key", add_special_tokens=False)["input_ids"]
+    slow = np.array([[True] + [False] * 10])  # decode step 0 slow: it made token 1
+    (row,) = mod._answer_rows([s], [gen], slow, tok)
+    assert row["ok"] is False and row["prefix"] == pytest.approx(2 / 5)
+    # token 0 (prefill) and token 1 (slow step 0) are dense: 2 of 8 scored tokens
+    assert row["slow_share"] == pytest.approx(2 / 8)
