@@ -554,6 +554,18 @@ def write_markdown(res: dict, path: str):
                         _fmt(c["acc"], ".0%") if c else "-" for c in cs.values()) + " | " +
                         mean([cs[t]["acc"] for t in ok if cs[t]]) + " |")
             L.append("")
+            pre = []
+            for t in ok:
+                v = tasks[t]
+                if v["dense"].get("answer_prefix_share") is None:
+                    continue
+                parts = [f"dense {v['dense']['answer_prefix_share']:.0%}"] + [
+                    f"{c['policy']} {c['retention']:.0%}: {c['answer_prefix_share']:.0%}"
+                    for c in v["configs"] if c.get("answer_prefix_share") is not None]
+                pre.append(f"{t}: " + ", ".join(parts))
+            if pre:
+                L += ["Share of the answer (digits of the first number) right before the first "
+                      "error: " + "; ".join(pre) + ".", ""]
             ex = [(t, tasks[t]) for t in names_t][:5]
             L += ["Examples (dense; first sample of each task): " + "; ".join(
                 f"{t}: expected {v['answers'][0]}, got {v['dense']['examples'][0]!r}"
@@ -631,27 +643,33 @@ def write_plots(res: dict, folder: str):
     rt = res.get("retrieval", {})
     if rt:
         ctxs = sorted(rt, key=int)
-        fig, ax = plt.subplots(1, len(ctxs), figsize=(4.2 * len(ctxs), 3.8), squeeze=False)
+        fig, ax = plt.subplots(2, len(ctxs), figsize=(4.2 * len(ctxs), 6.8), squeeze=False)
         for j, ctx in enumerate(ctxs):
-            ok = {k: v for k, v in rt[ctx].items() if v["dense_ok"]}
+            ok = {k: v for k, v in rt[ctx].items()
+                  if v["dense_ok"] and v.get("answer_mode", "onset") == "onset"}
             if not ok:
                 ax[0, j].set_title(f"context {ctx}: no task solved densely")
                 continue
-            dense = 100 * np.mean([v["dense"]["acc"] for v in ok.values()])
-            ax[0, j].axhline(dense, ls="--", color="gray", label="dense")
-            for p in POLICIES:
-                rets = sorted({c["retention"] for v in ok.values() for c in v["configs"]
-                               if c["policy"] == p})
-                ys = [100 * np.mean([_cfg(v, p, r)["acc"] for v in ok.values()]) for r in rets]
-                if rets:
-                    ax[0, j].plot([100 * r for r in rets], ys, "o-", color=colors[p], label=p)
+            for row, key in enumerate(("acc", "answer_prefix_share")):
+                dense = [v["dense"].get(key) for v in ok.values()]
+                if None not in dense:
+                    ax[row, j].axhline(100 * np.mean(dense), ls="--", color="gray", label="dense")
+                for i, p in enumerate(POLICIES):
+                    rets = sorted({c["retention"] for v in ok.values() for c in v["configs"]
+                                   if c["policy"] == p})
+                    ys = [[_cfg(v, p, r).get(key) for v in ok.values()] for r in rets]
+                    if rets and all(None not in y for y in ys):
+                        ax[row, j].plot([100 * r + 0.4 * (i - 2) for r in rets],
+                                        [100 * np.mean(y) for y in ys], "o-", color=colors[p],
+                                        label=p)
+                ax[row, j].set_xlim(0, 35)
+                ax[row, j].set_ylim(-5, 105)
             ax[0, j].set_title(f"context {ctx} ({', '.join(sorted(ok))})", fontsize=8)
-            ax[0, j].set_xlabel("retention (%)")
-            ax[0, j].set_xlim(0, 35)
             ax[0, j].set_ylabel("accuracy (%)")
-            ax[0, j].set_ylim(-5, 105)
+            ax[1, j].set_ylabel("answer correct up to the first error (%)")
+            ax[1, j].set_xlabel("retention (%)")
         ax[0, 0].legend(fontsize=8)
-        fig.suptitle("Retrieval accuracy (tasks dense solves)")
+        fig.suptitle("Retrieval (tasks dense solves)")
         fig.tight_layout()
         files.append(os.path.join(folder, "quality_retrieval.png"))
         fig.savefig(files[-1], dpi=110)
