@@ -21,9 +21,14 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# Both sides single-threaded: the comparison then does not depend on how the two libraries
+# split work over cores, nor on other processes sharing a small machine.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                      "intra_op_parallelism_threads=1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -48,7 +53,7 @@ def bench_dense(model, tok, lengths, batches, new_tokens, repeats):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(1)
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                               gguf_file=os.path.basename(path),
@@ -142,7 +147,8 @@ def main(argv=None):
         lines = ["# Dense decode on CPU: sfi_jax vs transformers (SmolLM2-135M, float32)", "",
                  f"Machine: {machine}. Command: `{cmd}`.", "",
                  "Decode tokens/s over all rows, prefill and compilation excluded on both sides; "
-                 "median of repeats.", "",
+                 "median of repeats. Both libraries single-threaded (torch.set_num_threads(1); "
+                 "XLA CPU intra-op parallelism 1) on a shared machine.", "",
                  "| prompt | batch | sfi_jax tok/s | transformers tok/s | ratio |", "|---|---|---|---|---|"]
         lines += [f"| {r['prompt']} | {r['batch']} | {r['sfi_jax_tok_s']:.1f} | "
                   f"{r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |" for r in rows]
