@@ -99,7 +99,7 @@ def bench_sfi(model, tok, contexts, new_tokens):
                            ("slow", sfi_jax.SFIConfig(policy="oracle")),
                            ("dense", None)):
             times = []
-            for _ in range(2):
+            for _ in range(1):
                 r = sfi_jax.generate(model, prompt, max_new_tokens=new_tokens,
                                      mode="dense" if sfi is None else "sfi", sfi=sfi,
                                      stop_at_eos=False)
@@ -133,6 +133,7 @@ def main(argv=None):
     p.add_argument("--part", choices=("dense", "sfi", "all"), default="all")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--contexts", default="4096,8000", help="contexts for the sfi part")
     args = p.parse_args(argv)
     model = sfi_jax.load_model("smollm2-135m", dtype="float32")
     tok = sfi_jax.load_tokenizer("smollm2-135m")
@@ -155,7 +156,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "cpu_dense_vs_transformers.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
     if args.part in ("sfi", "all"):
-        contexts, n = ([1024], 8) if args.smoke else ([4096, 8000], 24)
+        contexts, n = ([1024], 8) if args.smoke else ([int(c) for c in args.contexts.split(",")], 16)
         rows = bench_sfi(model, tok, contexts, n)
         with open(os.path.join(args.out, "cpu_sfi_steps.json"), "w") as f:
             json.dump({"machine": machine, "command": cmd, "results": rows}, f, indent=1)
