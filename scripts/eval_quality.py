@@ -470,10 +470,12 @@ def write_markdown(res: dict, path: str):
                      f"**{'met' if v['met'] else 'missed'}** (tasks: {', '.join(v['tasks'])})")
         for ctx, v in sorted(tg["beats_baselines"].items(), key=lambda kv: int(kv[0])):
             for metric, d in v.items():
-                parts = [f"{p} {_fmt(x['baseline'])} ({'SFI better' if x['met'] else 'SFI not better'})"
+                spec = ".4f" if metric.endswith("kl") else ".1%"
+                parts = [f"{p} {_fmt(x['baseline'], spec)} "
+                         f"({'SFI better' if x['met'] else 'SFI not better'})"
                          for p, x in d.items()]
                 sfi = next(iter(d.values()))["sfi"] if d else None
-                L.append(f"- {ctx}: {metric}: SFI {_fmt(sfi)} vs " + ", ".join(parts))
+                L.append(f"- {ctx}: {metric}: SFI {_fmt(sfi, spec)} vs " + ", ".join(parts))
         L.append("")
         notes = m.get("notes")
         if notes:
