@@ -19,14 +19,6 @@ import numpy as np
 
 from sfi_jax.kernels import dense_decode, sparse_decode
 
-def _layer_unroll() -> int:
-    """Layers unrolled per decode-scan iteration. On GPU each loop trip costs a host-visible
-    loop condition; unrolling 6 measured 9% faster steps on the H200 (Qwen3-4B, batch 16).
-    Override with SFI_JAX_LAYER_UNROLL."""
-    env = os.environ.get("SFI_JAX_LAYER_UNROLL")
-    if env:
-        return max(1, int(env))
-    return 6 if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
@@ -35,6 +27,34 @@ from sfi_jax.runtime import sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, SFIState
 from sfi_jax.selector import select
+
+
+def _layer_unroll():
+    """Layers unrolled per decode-scan iteration (True: all). On GPU each loop trip is a
+    host-visible loop condition that drains the launch queue; the default unrolls all layers
+    there. Override with SFI_JAX_LAYER_UNROLL (an integer, or "all")."""
+    env = os.environ.get("SFI_JAX_LAYER_UNROLL")
+    if env:
+        return True if env == "all" else max(1, int(env))
+    return True if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
+
+
+def run_layers(body, carry, layers, num_layers: int, unroll=1):
+    """Apply body(carry, (layer_weights, layer_index)) over the layers.
+
+    `layers` is either the stacked dict (weights with a leading layer axis: a `lax.scan`) or a
+    list with one dict per layer (a Python loop: no slicing of stacked weights at all).
+    Returns (carry, ys stacked over layers or None)."""
+    if isinstance(layers, (list, tuple)):
+        ys = []
+        for l, w in enumerate(layers):
+            carry, y = body(carry, (w, l))
+            ys.append(y)
+        if ys[0] is None:
+            return carry, None
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    ids = jnp.arange(num_layers, dtype=jnp.int32)
+    return jax.lax.scan(body, carry, (layers, ids), unroll=unroll)
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -290,17 +310,16 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
         attn = fast_attention(st)
     else:
         # Refresh first, then read: a read of the compact buffers before an in-place update
-        # inside the cond would force XLA to copy them every step. One static slot count
-        # (SFIConfig.refresh_rows): an indexed lax.switch over power-of-2 slot buckets made
-        # XLA copy the compact buffers at every step (10x slower fast steps on the H200).
-        def with_refresh(st):
-            st, out_d = refresh(st)
-            return st, out_d
-
+        # inside the cond would force XLA to copy them every step. The condition sits here,
+        # per layer, with the identity as its other branch: a condition around the whole
+        # layer stack (fewer host round trips) made XLA copy the KV cache at every step,
+        # because both branches then update it in place. One static slot count
+        # (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA copy
+        # the compact buffers at every step (10x slower fast steps on the H200).
         def without(st):
             return st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
 
-        st, out_d = jax.lax.cond(jnp.any(slots < B), with_refresh, without, st)
+        st, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, st)
         attn = fast_attention(st).at[slots].set(out_d, mode="drop")
     return attn, k, v, st
 
@@ -363,7 +382,6 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     diagnose = state.diag is not None
     L, Hkv = cfg.num_layers, cfg.num_kv_heads
     out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
 
     def step(carry):
         state, i, out_tokens, out_slow, out_logits, out_diag = carry
@@ -380,12 +398,12 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                 slots = jnp.full((n_slots,), B, jnp.int32)
         else:
             dense_rows, slots = None, None
+        x = embed_tokens(params, state.token[:, None])
+
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
                                  pos=pos, dense_rows=dense_rows, plan=plan)
-        x = embed_tokens(params, state.token[:, None])
-        (x, k, v, st, diag), ys = jax.lax.scan(body, (x, state.k, state.v, st, state.diag),
-                                               (params["layers"], layer_ids),
-                                               unroll=_layer_unroll())
+        (x, k, v, st, diag), ys = run_layers(body, (x, state.k, state.v, st, state.diag),
+                                             params["layers"], cfg.num_layers, _layer_unroll())
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
