@@ -241,3 +241,25 @@ def test_tmax_one_refresh_slot(per_row_runs):
         np.testing.assert_array_equal(timeline[b], want, err_msg=f"row {b}")
     assert res.stats["slow_steps"] == [2, 2, 2]
     assert np.all(np.isfinite(res.stats["logits"]))
+
+
+# ---------------------------------------------------------------- split (per-layer) weights
+
+def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, tmp_path):
+    """The per-layer weight layout (the GPU default) computes what the stacked layout does,
+    in prefill, dense and SFI decode; Orbax still writes the stacked format."""
+    prompts, forced, runs = per_row_runs
+    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
+    assert split.layers_split and isinstance(split.params["layers"], list)
+    assert not tiny_qwen3.model.layers_split
+    kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True)
+    sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
+    dense = sfi_jax.generate(split, prompts, mode="dense", **kw)
+    for got, want in ((sfi, runs["sfi"]), (dense, runs["dense"])):
+        assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-5
+        assert got.stats.get("slow_steps") == want.stats.get("slow_steps")
+    restored = sfi_jax.load_model(sfi_jax.models.save_orbax(split, str(tmp_path / "o")),
+                                  dtype="float32", split_layers=False)
+    for name, stacked in restored.params["layers"].items():
+        want = np.stack([np.asarray(w[name]) for w in split.params["layers"]])
+        np.testing.assert_array_equal(np.asarray(stacked), want)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from sfi_jax.models import gguf_loader
 from sfi_jax.models.config import PRESETS, ModelConfig
-from sfi_jax.models.modeling import Model, param_shapes
+from sfi_jax.models.modeling import Model, param_shapes, stack_layers
 from sfi_jax.models.params import params_from_getter, random_params, safetensors_getter
 
 EMBEDDED_DEFAULT = "smollm2-135m"
@@ -49,12 +49,24 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
-def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0) -> Model:
+def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0,
+               split_layers: bool | None = None) -> Model:
     """Load a model from a preset name, a local HF or Orbax directory, a .gguf file or a hub id.
 
     Presets other than the embedded `smollm2-135m` are config-only: their weights are random,
     created on the device in `dtype` (for benchmarks). `mesh` places each shard on its devices.
+    split_layers: keep one weight dict per layer (see `Model.split_layers`); None = on GPU,
+    where it makes decode steps faster, and stacked elsewhere (faster compiles).
     """
+    model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
+    if split_layers is None:
+        split_layers = jax.default_backend() in ("gpu", "cuda", "rocm")
+    if split_layers:
+        model.split_layers()
+    return model
+
+
+def _load(source: str, *, dtype, mesh, seed) -> Model:
     dtype = _check_dtype(dtype)
     if source in PRESETS:
         cfg = PRESETS[source]
@@ -76,7 +88,7 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     if not os.path.isdir(path):
         raise ValueError(f"{path} is a file; expected a directory or a .gguf file")
     if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
-        return restore_orbax(path, dtype=dtype, mesh=mesh)
+        return restore_orbax(path, dtype=dtype, mesh=mesh, split_layers=False)
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{path} has no config.json (and is not an Orbax checkpoint "
@@ -116,7 +128,9 @@ def save_orbax(model: Model, directory: str, tokenizer=None) -> str:
 
     directory = os.path.abspath(directory)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(directory, "params"), model.params, force=True)
+    params = model.params
+    params["layers"] = stack_layers(params["layers"])  # the checkpoint format is stacked
+    ckpt.save(os.path.join(directory, "params"), params, force=True)
     ckpt.wait_until_finished()
     with open(os.path.join(directory, ORBAX_CONFIG), "w") as f:
         json.dump(dataclasses.asdict(model.config), f, indent=1)
@@ -125,8 +139,10 @@ def save_orbax(model: Model, directory: str, tokenizer=None) -> str:
     return directory
 
 
-def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None) -> Model:
-    """Restore an Orbax checkpoint, each shard straight onto its devices."""
+def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None,
+                  split_layers: bool | None = None) -> Model:
+    """Restore an Orbax checkpoint, each shard straight onto its devices (split_layers: as in
+    `load_model`)."""
     import orbax.checkpoint as ocp
 
     from sfi_jax.models.params import default_shardings
@@ -142,4 +158,7 @@ def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None) -> Model:
     target = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh),
                           param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
-    return Model(cfg, params)
+    model = Model(cfg, params)
+    if split_layers is None:
+        split_layers = jax.default_backend() in ("gpu", "cuda", "rocm")
+    return model.split_layers() if split_layers else model

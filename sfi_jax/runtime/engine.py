@@ -22,7 +22,7 @@ from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
-                                     output_logits)
+                                     output_logits, run_layers)
 from sfi_jax.runtime import sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, SFIState
@@ -30,31 +30,13 @@ from sfi_jax.selector import select
 
 
 def _layer_unroll():
-    """Layers unrolled per decode-scan iteration (True: all). On GPU each loop trip is a
-    host-visible loop condition that drains the launch queue; the default unrolls all layers
-    there. Override with SFI_JAX_LAYER_UNROLL (an integer, or "all")."""
+    """Layers unrolled per decode-scan iteration over stacked weights (True: all); 6 measured
+    best on the H200 (split weights, the GPU default, need no scan). Override with
+    SFI_JAX_LAYER_UNROLL (an integer, or "all")."""
     env = os.environ.get("SFI_JAX_LAYER_UNROLL")
     if env:
         return True if env == "all" else max(1, int(env))
-    return True if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
-
-
-def run_layers(body, carry, layers, num_layers: int, unroll=1):
-    """Apply body(carry, (layer_weights, layer_index)) over the layers.
-
-    `layers` is either the stacked dict (weights with a leading layer axis: a `lax.scan`) or a
-    list with one dict per layer (a Python loop: no slicing of stacked weights at all).
-    Returns (carry, ys stacked over layers or None)."""
-    if isinstance(layers, (list, tuple)):
-        ys = []
-        for l, w in enumerate(layers):
-            carry, y = body(carry, (w, l))
-            ys.append(y)
-        if ys[0] is None:
-            return carry, None
-        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
-    ids = jnp.arange(num_layers, dtype=jnp.int32)
-    return jax.lax.scan(body, carry, (layers, ids), unroll=unroll)
+    return 6 if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -124,9 +106,8 @@ def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, 
         return (attention_output_and_mlp(w, cfg, x, attn), k, v, kn), None
 
     x = embed_tokens(params, tokens)
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k, v, key_norms), _ = jax.lax.scan(layer, (x, k, v, key_norms),
-                                           (params["layers"], layer_ids))
+    (x, k, v, key_norms), _ = run_layers(layer, (x, k, v, key_norms), params["layers"],
+                                         cfg.num_layers)
     last = jnp.clip(lengths - 1 - start, 0, C - 1)
     here = (lengths - 1 >= start) & (lengths - 1 < start + C)
     picked = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -143,18 +124,21 @@ def _allowed(lengths, sfi: SFIConfig):
     return lo, jnp.maximum(lo, lengths - sfi.n_recent)
 
 
-def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
-    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D].
-
-    sel [B, Hkv, K] holds selected positions sorted ascending with -1 padding."""
-    B, Hkv = sel.shape[:2]
-    sink = jnp.broadcast_to(jnp.arange(sfi.n_sink, dtype=jnp.int32), (B, Hkv, sfi.n_sink))
-    sink = jnp.where(sink < lengths[:, None, None], sink, -1)
+def _compact_positions(sel, lengths, sfi: SFIConfig):
+    """Sink + selected positions [..., B, Hkv, C], valid first (order kept), -1 padded, and the
+    valid counts. sel [..., B, Hkv, K] holds positions ascending with -1 padding."""
+    shape = sel.shape[:-1] + (sfi.n_sink,)
+    sink = jnp.broadcast_to(jnp.arange(sfi.n_sink, dtype=jnp.int32), shape)
+    sink = jnp.where(sink < lengths[..., None, None], sink, -1)
     pos = jnp.concatenate([sink, sel], axis=-1)
-    # valid slots first, keeping order
     order = jnp.argsort(pos < 0, axis=-1, stable=True)
     pos = jnp.take_along_axis(pos, order, axis=-1)
-    c_len = jnp.sum(pos >= 0, axis=-1).astype(jnp.int32)
+    return pos, jnp.sum(pos >= 0, axis=-1).astype(jnp.int32)
+
+
+def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
+    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D]."""
+    pos, c_len = _compact_positions(sel, lengths, sfi)
     idx = jnp.maximum(pos, 0)[..., None]
     ck = jnp.take_along_axis(k_layer, idx, axis=2)
     cv = jnp.take_along_axis(v_layer, idx, axis=2)
@@ -198,8 +182,7 @@ def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
         return (attention_output_and_mlp(w, cfg, x, attn), st), None
 
     x = embed_tokens(params, jnp.where(valid_q, tokens_window, 0))
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (_, state), _ = jax.lax.scan(layer, (x, state), (params["layers"], layer_ids))
+    (_, state), _ = run_layers(layer, (x, state), params["layers"], cfg.num_layers)
     if plan is not None:
         state = sharding.constrain(state, sharding.sfi_state_shardings(plan))
     return state
@@ -260,18 +243,25 @@ def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, pre
     return coverage, jaccard.astype(jnp.float32), support
 
 
-def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, head_axis=None):
+def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, impl,
+            head_axis=None):
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
-    (refresh the rows in `slots` with dense attention + selector + repack, fast reads for the
-    rest). Shapes are whatever is local: under shard_map a device's rows and KV heads, with
-    head_axis the mesh axis the KV heads are split over (the selector reduces over it)."""
+    (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
+    whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
+    axis the KV heads are split over (the selector reduces over it).
+
+    The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs once
+    per step for all layers together (`_select_all_layers`), not once per layer: the selector
+    is ~30 small kernels, which per layer cost more than the selection itself. The fast read
+    of a refreshed row is replaced by its dense result, so deferring changes nothing. The
+    oracle policy selects before its read, per layer."""
     B = q.shape[0]
     rows = jnp.arange(B)
     k = k.at[l, rows, :, pos].set(kk.astype(k.dtype))
     v = v.at[l, rows, :, pos].set(vv.astype(v.dtype))
     lengths = pos + 1
     if sfi is None:
-        return dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st
+        return dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf
 
     norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, Hkv]
     st = st._replace(key_norms=st.key_norms.at[l, rows, :, pos].set(norms))
@@ -285,13 +275,16 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
                              impl=impl, window=min(sfi.budget, k.shape[3]))
 
     n_slots = slots.shape[0]
+    safe = jnp.minimum(slots, B - 1)
+    # empty slots (== B) attend to nothing: the kernel reads no keys for them
+    row_len = jnp.where(slots < B, lengths[safe], 0)
 
-    def refresh(st):
-        safe = jnp.minimum(slots, B - 1)
-        # empty slots (== B) attend to nothing: the kernel reads no keys for them
-        row_len = jnp.where(slots < B, lengths[safe], 0)
-        out_d, logits, _ = dense_decode(q[safe], k, v, row_len, return_logits=True,
-                                                layer=l, rows=safe, impl=impl)
+    def dense_rows_with_logits():
+        return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
+                            impl=impl)
+
+    if sfi.policy == "oracle":
+        _, logits, _ = dense_rows_with_logits()
         Hkv = k.shape[2]
         lo, hi = _allowed(pos[safe], sfi)
         sel = select(logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
@@ -301,56 +294,87 @@ def _attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots, *, cfg, sfi, impl, h
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
                          positions=st.positions.at[l, slots].set(positions, mode="drop"))
-        return st, out_d
+        return fast_attention(st), k, v, st, buf
+    if sfi.policy in ("streaming", "prefill_only"):
+        return fast_attention(st), k, v, st, buf
 
-    if sfi.policy == "oracle":
-        st, _ = refresh(st)
-        attn = fast_attention(st)
-    elif sfi.policy in ("streaming", "prefill_only"):
-        attn = fast_attention(st)
-    else:
-        # Refresh first, then read: a read of the compact buffers before an in-place update
-        # inside the cond would force XLA to copy them every step. The condition sits here,
-        # per layer, with the identity as its other branch: a condition around the whole
-        # layer stack (fewer host round trips) made XLA copy the KV cache at every step,
-        # because both branches then update it in place. One static slot count
-        # (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA copy
-        # the compact buffers at every step (10x slower fast steps on the H200).
-        def without(st):
-            return st, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+    # The condition has the identity as its other branch and updates only `buf` in place:
+    # a condition whose both branches update a buffer in place (e.g. around the whole layer
+    # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
+    # count (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA
+    # copy buffers at every step (10x slower fast steps on the H200).
+    def refresh(buf):
+        out_d, logits, _ = dense_rows_with_logits()
+        return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out_d
 
-        st, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, st)
-        attn = fast_attention(st).at[slots].set(out_d, mode="drop")
-    return attn, k, v, st
+    def without(buf):
+        return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+
+    buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
+    attn = fast_attention(st).at[slots].set(out_d, mode="drop")
+    return attn, k, v, st, buf
+
+
+def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
+    """Selection for the refreshed rows of every layer at once (logits from `buf`), repacked
+    into their compact buffers. Shapes are local as in `_attend`."""
+    L, n_slots, Hkv, G, S = buf.shape
+    B = pos.shape[0]
+    safe = jnp.minimum(slots, B - 1)
+    lo, hi = _allowed(pos[safe], sfi)
+    norms = st.key_norms[:, safe].reshape(L * n_slots, Hkv, S)
+    sel = select(buf.reshape(L * n_slots, Hkv, G, S), norms, jnp.tile(lo, L), jnp.tile(hi, L),
+                 sfi, cross_head_reduce=head_axis, topk_impl=sfi.topk_impl)
+    positions, c_len = _compact_positions(sel.reshape(L, n_slots, Hkv, -1), pos[safe] + 1, sfi)
+    idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
+           jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))
+    return st._replace(ck=st.ck.at[:, slots].set(k[idx], mode="drop"),
+                       cv=st.cv.at[:, slots].set(v[idx], mode="drop"),
+                       c_len=st.c_len.at[:, slots].set(c_len, mode="drop"),
+                       positions=st.positions.at[:, slots].set(positions, mode="drop"))
 
 
 def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, plan=None):
     """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
-    x, k, v, st, diag = carry
+    x, k, v, st, diag, buf = carry
     w, l = xs
     B = x.shape[0]
     q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(_attend, cfg=cfg, sfi=sfi, impl=params_impl)
     if plan is None:
-        attn, k, v, st = attend(q, kk, vv, k, v, st, l, pos, dense_rows, slots)
+        attn, k, v, st, buf = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots)
     else:
-        attn, k, v, st = sharding.attend(plan, attend, q, kk, vv, k, v, st, l, pos, dense_rows,
-                                         slots)
-    if sfi is None:
-        return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), None
-    ys = None
-    if diag is not None:
-        lengths = pos + 1
-        recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
-        refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-        fast_rows = ~dense_rows & (~refreshed if sfi.policy != "oracle" else True)
-        positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
-        cov, jac, support = _diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
-                                         diag[l], sfi.k_select)
-        diag = diag.at[l].set(support)
-        ys = (cov, jac)
-    return (attention_output_and_mlp(w, cfg, x, attn[:, None]), k, v, st, diag), ys
+        attn, k, v, st, buf = sharding.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
+                                              dense_rows, slots)
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None])
+    if sfi is None or diag is None:
+        return (x, k, v, st, diag, buf), None
+    lengths = pos + 1
+    recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+    refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+    fast_rows = ~dense_rows & (~refreshed if sfi.policy != "oracle" else True)
+    positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
+    cov, jac, support = _diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
+                                     diag[l], sfi.k_select)
+    return (x, k, v, st, diag.at[l].set(support), buf), (cov, jac)
+
+
+def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
+                       plan=None):
+    """Scratch for the refreshed rows' f32 logits of every layer [L, slots, Hkv, G, S] (None
+    when the policy refreshes per layer or never). On a mesh each device holds its own slots."""
+    if sfi is None or sfi.policy not in ("sfi", "tmax"):
+        return None
+    n = batch if sfi.refresh_rows is None else min(sfi.refresh_rows, batch)
+    shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.num_q_heads // cfg.num_kv_heads, max_len)
+    if plan is None:
+        return jnp.zeros(shape, jnp.float32)
+    nb = sharding.axis_size(plan.mesh, plan.batch_axis)
+    n_local = min(n, batch // nb)
+    shape = (shape[0], n_local * nb) + shape[2:]
+    return sharding.place(lambda: jnp.zeros(shape, jnp.float32),
+                          plan.sharding(plan.per_head(5, lead=1)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "impl",
@@ -383,10 +407,26 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     L, Hkv = cfg.num_layers, cfg.num_kv_heads
     out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
 
+    select_all = functools.partial(_select_all_layers, sfi=sfi)
+    if plan is not None:
+        select_all = functools.partial(sharding.select_all_layers, plan, select_all)
+
+    def apply_selections(st, buf, k, v, pos, slots):
+        """The previous step's refreshed rows get their new selections (all layers at once)
+        before anything reads the compact buffers again: updating them after this step's
+        reads instead made XLA copy them at every step."""
+        return jax.lax.cond(jnp.any(slots < B), select_all, lambda st, *_: st,
+                            st, buf, k, v, pos, slots)
+
     def step(carry):
-        state, i, out_tokens, out_slow, out_logits, out_diag = carry
+        state, i, out_tokens, out_slow, out_logits, out_diag, buf, prev_slots = carry
         pos = state.lengths
         st = state.sfi
+        if buf is not None:
+            st = apply_selections(st, buf, state.k, state.v, pos - 1, prev_slots)
+            # + 0 that XLA cannot fold: it makes this step's writes of `buf` wait for the
+            # selection that reads it (else XLA copies `buf` at every step)
+            pos = pos + jnp.minimum(st.c_len[0, 0, 0], 0)
         if sfi is not None:
             dense_rows = pos + 1 <= sfi.budget
             if sfi.policy in ("sfi", "tmax"):
@@ -402,8 +442,9 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
 
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
                                  pos=pos, dense_rows=dense_rows, plan=plan)
-        (x, k, v, st, diag), ys = run_layers(body, (x, state.k, state.v, st, state.diag),
-                                             params["layers"], cfg.num_layers, _layer_unroll())
+        (x, k, v, st, diag, buf), ys = run_layers(
+            body, (x, state.k, state.v, st, state.diag, buf), params["layers"], cfg.num_layers,
+            _layer_unroll())
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
@@ -431,14 +472,21 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                             step=state.step + 1, key=key, sfi=st, diag=diag)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = sharding.constrain(state, sharding.decode_state_shardings(plan, state))
-        return state, i + 1, out_tokens, out_slow, out_logits, out_diag
+        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf,
+                None if buf is None else slots)
 
     def cond(carry):
         state, i = carry[0], carry[1]
         return (i < n_steps) & ~jnp.all(state.done)
 
-    state, taken, out_tokens, out_slow, out_logits, out_diag = jax.lax.while_loop(
-        cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag))
+    buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
+    no_slots = None if buf is None else jnp.full((n_slots,), B, jnp.int32)
+    state, taken, out_tokens, out_slow, out_logits, out_diag, buf, last_slots = \
+        jax.lax.while_loop(cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits,
+                                        out_diag, buf, no_slots))
+    if buf is not None:  # the last step's refreshed rows
+        state = state._replace(sfi=apply_selections(state.sfi, buf, state.k, state.v,
+                                                    state.lengths - 1, last_slots))
     if plan is not None:
         state = sharding.constrain(state, sharding.decode_state_shardings(plan, state))
     out_tokens, taken, out_slow, out_logits, out_diag = sharding.replicate(

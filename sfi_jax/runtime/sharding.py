@@ -102,6 +102,9 @@ def _size(mesh: Mesh, axis: str | None) -> int:
     return mesh.shape[axis] if axis in mesh.shape else 1
 
 
+axis_size = _size
+
+
 def _axis_if_divides(mesh: Mesh, axis: str, n: int) -> str | None:
     """`axis` when the mesh has it and its size divides n (size-1 axes count as dividing)."""
     return axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None
@@ -142,11 +145,16 @@ def param_specs(cfg, mesh: Mesh) -> dict:
     return out
 
 
-def param_shardings(cfg, mesh: Mesh) -> dict:
+def param_shardings(cfg, mesh: Mesh, split_layers: bool = False) -> dict:
     """NamedSharding per parameter: tensor parallel over heads and MLP width, expert parallel
-    for MoE, vocab-split embedding and LM head; replicated where an axis does not divide."""
+    for MoE, vocab-split embedding and LM head; replicated where an axis does not divide.
+    split_layers: the layout with one weight dict per layer (no leading layer axis)."""
     mesh = as_auto_mesh(mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg, mesh),
+    specs = param_specs(cfg, mesh)
+    if split_layers:
+        one = {name: P(*spec[1:]) for name, spec in specs["layers"].items()}
+        specs["layers"] = [dict(one) for _ in range(cfg.num_layers)]
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -250,49 +258,79 @@ def _shard_map(plan: ShardPlan, fn, in_specs, out_specs):
                          check_vma=False)
 
 
-def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, l, pos, dense_rows, slots):
+def _local_slots(mask, n_slots):
+    """This device's refresh rows from the global slot mask over its rows (B_local = empty)."""
+    n = min(n_slots, mask.shape[0])
+    return jnp.nonzero(mask, size=n, fill_value=mask.shape[0])[0].astype(jnp.int32)
+
+
+def _big(st):
+    return None if st is None else (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
+
+
+def _with_big(st, big):
+    return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4])
+
+
+def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots):
     """Run engine._attend under shard_map: each device writes and attends its own rows and KV
-    heads. fn(q, kk, vv, k, v, st, l, pos, dense_rows, slots, head_axis=...) -> (attn, k, v, st).
+    heads. fn(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, head_axis=...) ->
+    (attn, k, v, st, buf).
 
     slots: global refresh rows [n] (B = empty). Each device refreshes exactly the global slots
-    that fall in its rows, with at most min(n, local rows) slots of work.
+    that fall in its rows, with at most min(n, local rows) slots of work; `buf` (the refreshed
+    rows' logits) holds each device's local slots.
     """
     from sfi_jax.runtime.state import SFIState
 
     B = q.shape[0]
     n_slots = None if slots is None else slots.shape[0]
-    b_local = B // _size(plan.mesh, plan.batch_axis)
     row, h = plan.rows, plan.per_head
     heads3 = h(3)  # q, kk, vv [B, H, D]
     cache = h(5, lead=1)
-    big = None
-    if st is not None:
-        big = (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
-        big_specs = (cache, cache, h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    big = _big(st)
+    big_specs = (cache, cache, h(3, lead=1), h(4, lead=1), h(4, lead=1))
     mask = None if slots is None else jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
-    def body(q, kk, vv, k, v, big, l, pos, dense_rows, mask):
-        local_st, local_slots = None, None
-        if big is not None:
-            local_st = SFIState(*big, None, None, None, None)
-        if mask is not None:
-            n = min(n_slots, mask.shape[0])
-            local_slots = jnp.nonzero(mask, size=n, fill_value=mask.shape[0])[0].astype(jnp.int32)
-        attn, k, v, local_st = fn(q, kk, vv, k, v, local_st, l, pos, dense_rows, local_slots,
-                                  head_axis=plan.head_axis)
-        if local_st is not None:
-            local_st = (local_st.ck, local_st.cv, local_st.c_len, local_st.positions,
-                        local_st.key_norms)
-        return attn, k, v, local_st
+    def body(q, kk, vv, k, v, big, buf, l, pos, dense_rows, mask):
+        local_st = None if big is None else SFIState(*big, None, None, None, None)
+        local_slots = None if mask is None else _local_slots(mask, n_slots)
+        attn, k, v, local_st, buf = fn(q, kk, vv, k, v, local_st, buf, l, pos, dense_rows,
+                                       local_slots, head_axis=plan.head_axis)
+        return attn, k, v, _big(local_st), buf
 
-    in_specs = (heads3, heads3, heads3, cache, cache, big_specs if big is not None else None,
-                P(), row, None if dense_rows is None else row, None if mask is None else row)
-    out_specs = (heads3, cache, cache, big_specs if big is not None else None)
-    attn, k, v, big = _shard_map(plan, body, in_specs, out_specs)(
-        q, kk, vv, k, v, big, l, pos, dense_rows, mask)
+    big_spec = big_specs if big is not None else None
+    buf_spec = None if buf is None else cache
+    in_specs = (heads3, heads3, heads3, cache, cache, big_spec, buf_spec, P(), row,
+                None if dense_rows is None else row, None if mask is None else row)
+    out_specs = (heads3, cache, cache, big_spec, buf_spec)
+    attn, k, v, big, buf = _shard_map(plan, body, in_specs, out_specs)(
+        q, kk, vv, k, v, big, buf, l, pos, dense_rows, mask)
     if st is not None:
-        st = st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4])
-    return attn, k, v, st
+        st = _with_big(st, big)
+    return attn, k, v, st, buf
+
+
+def select_all_layers(plan: ShardPlan, fn, st, buf, k, v, pos, slots):
+    """Run engine._select_all_layers under shard_map (each device selects for its own refreshed
+    rows and KV heads; the cross-head term is reduced over the head axis)."""
+    from sfi_jax.runtime.state import SFIState
+
+    B = pos.shape[0]
+    n_slots = slots.shape[0]
+    row, h = plan.rows, plan.per_head
+    cache = h(5, lead=1)
+    big_specs = (cache, cache, h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    mask = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+
+    def body(big, buf, k, v, pos, mask):
+        local = SFIState(*big, None, None, None, None)
+        local = fn(local, buf, k, v, pos, _local_slots(mask, n_slots), head_axis=plan.head_axis)
+        return _big(local)
+
+    big = _shard_map(plan, body, (big_specs, cache, cache, cache, row, row), big_specs)(
+        _big(st), buf, k, v, pos, mask)
+    return _with_big(st, big)
 
 
 def select_and_compact(plan: ShardPlan, fn, logits, key_norms, k_layer, v_layer, lo, hi, lengths):
