@@ -95,9 +95,13 @@ def make_state(cfg, B, S, ctx, sfi, seed=0):
     st = None
     if sfi is not None:
         st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
-        # one layer at a time: a float32 copy of the whole cache would not fit
-        norms = jax.jit(lambda k: jax.lax.map(
-            lambda kl: jnp.sqrt(jnp.sum(jnp.square(kl.astype(jnp.float32)), -1)), k))(k)
+        # one layer at a time, in separate calls: a float32 copy of the whole cache (or the
+        # transposed copy XLA made of a lax.map over layers) would not fit
+        norm = jax.jit(lambda k, l: jnp.sqrt(jnp.sum(jnp.square(k[l].astype(jnp.float32)), -1)))
+        put = jax.jit(lambda n, x, l: n.at[l].set(x), donate_argnums=0)
+        norms = st.key_norms
+        for l in range(cfg.num_layers):
+            norms = put(norms, norm(k, l), l)
         st = st._replace(key_norms=norms)
     return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
                        token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
