@@ -127,13 +127,15 @@ def _allowed(lengths, sfi: SFIConfig):
 def _compact_positions(sel, lengths, sfi: SFIConfig):
     """Sink + selected positions [..., B, Hkv, C], valid first (order kept), -1 padded, and the
     valid counts. sel [..., B, Hkv, K] holds positions ascending with -1 padding."""
-    shape = sel.shape[:-1] + (sfi.n_sink,)
-    sink = jnp.broadcast_to(jnp.arange(sfi.n_sink, dtype=jnp.int32), shape)
-    sink = jnp.where(sink < lengths[..., None, None], sink, -1)
-    pos = jnp.concatenate([sink, sel], axis=-1)
-    order = jnp.argsort(pos < 0, axis=-1, stable=True)
-    pos = jnp.take_along_axis(pos, order, axis=-1)
-    return pos, jnp.sum(pos >= 0, axis=-1).astype(jnp.int32)
+    # The valid sinks are a prefix of [0, n_sink) and the valid selections a prefix of sel, so
+    # the packed list is closed-form: slot j holds sink j, then sel[j - n_sinks] (no sort).
+    n_sinks = jnp.minimum(lengths, sfi.n_sink).astype(jnp.int32)[..., None, None]
+    n_sinks = jnp.broadcast_to(n_sinks, sel.shape[:-1] + (1,))
+    n_sel = jnp.sum(sel >= 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    j = jnp.arange(sfi.n_sink + sel.shape[-1], dtype=jnp.int32)
+    from_sel = jnp.take_along_axis(sel, jnp.clip(j - n_sinks, 0, sel.shape[-1] - 1), axis=-1)
+    pos = jnp.where(j < n_sinks, j, jnp.where(j < n_sinks + n_sel, from_sel, -1))
+    return pos, (n_sinks + n_sel)[..., 0]
 
 
 def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
@@ -208,10 +210,16 @@ def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi
 # ----------------------------------------------------------------------------- decode
 
 def _refresh_slots(slow, done, n_slots):
-    """Up to n_slots rows that take a slow step now (others wait); B marks an empty slot."""
-    B = slow.shape[0]
-    idx = jnp.nonzero(slow & ~done, size=n_slots, fill_value=B)[0].astype(jnp.int32)
-    return idx
+    """Up to n_slots rows that take a slow step now (others wait), ascending; empty slots hold
+    B, B+1, ... (out of range, dropped by scatters; unique, so scatters need no atomics)."""
+    return unique_slots(jnp.nonzero(slow & ~done, size=n_slots, fill_value=slow.shape[0])[0],
+                        slow.shape[0])
+
+
+def unique_slots(idx, size):
+    """Replace the fill value `size` of a nonzero(...) result by size, size+1, ..."""
+    idx = idx.astype(jnp.int32)
+    return jnp.where(idx >= size, size + jnp.arange(idx.shape[0], dtype=jnp.int32), idx)
 
 
 def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, prev, k_support):
@@ -328,10 +336,11 @@ def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
     positions, c_len = _compact_positions(sel.reshape(L, n_slots, Hkv, -1), pos[safe] + 1, sfi)
     idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
            jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))
-    return st._replace(ck=st.ck.at[:, slots].set(k[idx], mode="drop"),
-                       cv=st.cv.at[:, slots].set(v[idx], mode="drop"),
-                       c_len=st.c_len.at[:, slots].set(c_len, mode="drop"),
-                       positions=st.positions.at[:, slots].set(positions, mode="drop"))
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    return st._replace(ck=st.ck.at[:, slots].set(k[idx], **kw),
+                       cv=st.cv.at[:, slots].set(v[idx], **kw),
+                       c_len=st.c_len.at[:, slots].set(c_len, **kw),
+                       positions=st.positions.at[:, slots].set(positions, **kw))
 
 
 def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, plan=None):
@@ -480,7 +489,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         return (i < n_steps) & ~jnp.all(state.done)
 
     buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
-    no_slots = None if buf is None else jnp.full((n_slots,), B, jnp.int32)
+    no_slots = None if buf is None else B + jnp.arange(n_slots, dtype=jnp.int32)
     state, taken, out_tokens, out_slow, out_logits, out_diag, buf, last_slots = \
         jax.lax.while_loop(cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits,
                                         out_diag, buf, no_slots))

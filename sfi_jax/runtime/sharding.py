@@ -260,8 +260,10 @@ def _shard_map(plan: ShardPlan, fn, in_specs, out_specs):
 
 def _local_slots(mask, n_slots):
     """This device's refresh rows from the global slot mask over its rows (B_local = empty)."""
+    from sfi_jax.runtime.engine import unique_slots
+
     n = min(n_slots, mask.shape[0])
-    return jnp.nonzero(mask, size=n, fill_value=mask.shape[0])[0].astype(jnp.int32)
+    return unique_slots(jnp.nonzero(mask, size=n, fill_value=mask.shape[0])[0], mask.shape[0])
 
 
 def _big(st):
