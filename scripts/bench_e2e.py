@@ -120,8 +120,9 @@ def forced_schedule(B, n, start, every, vocab):
     return toks
 
 
-def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig):
-    """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times)."""
+def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig, profile=None):
+    """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times,
+    slow shares). profile: a dict that receives the kernel breakdown of one more chunk (GPU)."""
     eos = jnp.zeros((cfg.vocab_size,), bool)
     kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, impl="auto")
     fn = engine.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
@@ -136,6 +137,16 @@ def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig):
         if c:
             times.append(time.perf_counter() - t)
             slow.append(float(np.asarray(slow_flags).mean()))
+    if profile is not None and jax.default_backend() == "gpu":
+        import tempfile
+
+        from profile_decode import kernel_stats
+
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            state, toks, *_ = fn(params, state, eos, trig, jnp.asarray(forced_fn(chunks + 1)))
+            jax.block_until_ready(toks)
+        profile.update(kernel_stats(d, n_steps) or {})
     return state, times, slow
 
 
@@ -204,17 +215,23 @@ def bench_one(name, cfg, params, ctx, args, bw, limit):
 
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
+    dense_prof = {} if args.profile else None
     state, times, _ = run_chunks(params, state, cfg, None, n, chunks,
-                                 lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size), no_trig)
+                                 lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size), no_trig,
+                                 dense_prof)
     del state
     dense_step = statistics.median(times) / n
     rec.update(dense_step_s=dense_step, dense_tokens_per_s=B / dense_step)
 
     # SFI arm: the stated trigger schedule
     state = make_state(cfg, B, S, ctx, sfi)
+    sfi_prof = {} if args.profile else None
     state, times, slow = run_chunks(
         params, state, cfg, sfi, n, chunks,
-        lambda c: forced_schedule(B, n, c * n, args.trigger_every, cfg.vocab_size), trig)
+        lambda c: forced_schedule(B, n, c * n, args.trigger_every, cfg.vocab_size), trig,
+        sfi_prof)
+    if args.profile:
+        rec.update(dense_profile=dense_prof, sfi_profile=sfi_prof)
     sfi_step = statistics.median(times) / n
     slow_share = float(np.mean(slow))
     # the same executable with every row slow at every step, then with none
@@ -260,16 +277,16 @@ def attention_time(cfg, B, ctx, reps=5):
     lengths = jnp.full((B,), ctx, jnp.int32)
 
     @jax.jit
-    def f(q):
+    def f(q, k):  # k is an argument: a closed-over cache would be baked in as a constant
         def body(c, _):
             return c + dense_decode(q + c, k, k, lengths).astype(jnp.float32).mean(), None
         return jax.lax.scan(body, jnp.float32(0), None, length=cfg.num_layers)[0]
 
-    f(q).block_until_ready()
+    f(q, k).block_until_ready()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        f(q).block_until_ready()
+        f(q, k).block_until_ready()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -374,6 +391,8 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")
+    p.add_argument("--profile", action="store_true",
+                   help="record each arm's kernel breakdown (busy time, top kernels) on GPU")
     p.add_argument("--stacked", action="store_true",
                    help="stacked layer weights under lax.scan (default: split per layer)")
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
