@@ -71,6 +71,10 @@ class SFIConfig:
     policy: str = "sfi"
     refresh_rows: int | None = None
     topk_impl: str = "lax"  # "lax" (lax.top_k) or "threshold" (radix threshold + compaction)
+    # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
+    # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
+    # each layer's last W queries and selects from all of them, as prefill does with 16.
+    evidence_window: int = 1
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)
@@ -79,6 +83,7 @@ class SFIConfig:
         _int_field(self, "t_max", 1)
         _int_field(self, "nms_radius", 0)
         _int_field(self, "prefill_window", 1)
+        _int_field(self, "evidence_window", 1)
         _float_field(self, "power_alpha", 0.0, 1.0, lo_open=True)
         _float_field(self, "lam_clip", 0.0, 1.0)
         _float_field(self, "alpha_soft", 0.0)

@@ -251,8 +251,23 @@ def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, pre
     return coverage, jaccard.astype(jnp.float32), support
 
 
+def _window_logits(qh, k_rows, row_len, step):
+    """Scaled logits [n, Hkv, G*W, S] of each row's last W queries qh [n, Hq, W, D] over its keys
+    k_rows [n, Hkv, S, D]; -inf past row_len and for history slots not written yet (decode step
+    `step` wrote slot step % W)."""
+    n, Hq, W, D = qh.shape
+    Hkv, S = k_rows.shape[1], k_rows.shape[2]
+    qg = qh.reshape(n, Hkv, Hq // Hkv, W, D)
+    s = jnp.einsum("nkgwd,nksd->nkgws", qg, k_rows, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(D)
+    written = (jnp.arange(W) <= step) | (step >= W - 1)
+    ok = (jnp.arange(S)[None, :] < row_len[:, None])[:, None, None, None, :] & \
+        written[None, None, None, :, None]
+    return jnp.where(ok, s, -jnp.inf).reshape(n, Hkv, Hq // Hkv * W, S)
+
+
 def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, impl,
-            head_axis=None):
+            head_axis=None, qh=None, step=None):
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
@@ -311,8 +326,15 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
     # count (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA
     # copy buffers at every step (10x slower fast steps on the H200).
+    if qh is not None:  # evidence_window > 1: remember this step's query
+        qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
+
     def refresh(buf):
-        out_d, logits, _ = dense_rows_with_logits()
+        if qh is None:
+            out_d, logits, _ = dense_rows_with_logits()
+        else:
+            out_d = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl)
+            logits = _window_logits(qh[l, safe], k[l, safe], row_len, step)
         return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out_d
 
     def without(buf):
@@ -320,6 +342,8 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
 
     buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
     attn = fast_attention(st).at[slots].set(out_d, mode="drop")
+    if qh is not None:
+        return attn, k, v, st, buf, qh
     return attn, k, v, st, buf
 
 
@@ -343,22 +367,26 @@ def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
                        positions=st.positions.at[:, slots].set(positions, **kw))
 
 
-def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, plan=None):
+def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, step=None,
+                plan=None):
     """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
-    x, k, v, st, diag, buf = carry
+    x, k, v, st, diag, buf, qh = carry
     w, l = xs
     B = x.shape[0]
     q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(_attend, cfg=cfg, sfi=sfi, impl=params_impl)
-    if plan is None:
+    if qh is not None:  # single device (generate checks)
+        attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
+                                         qh=qh, step=step)
+    elif plan is None:
         attn, k, v, st, buf = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots)
     else:
         attn, k, v, st, buf = sharding.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                               dense_rows, slots)
     x = attention_output_and_mlp(w, cfg, x, attn[:, None])
     if sfi is None or diag is None:
-        return (x, k, v, st, diag, buf), None
+        return (x, k, v, st, diag, buf, qh), None
     lengths = pos + 1
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
     refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
@@ -366,7 +394,7 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, pla
     positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
     cov, jac, support = _diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
                                      diag[l], sfi.k_select)
-    return (x, k, v, st, diag.at[l].set(support), buf), (cov, jac)
+    return (x, k, v, st, diag.at[l].set(support), buf, qh), (cov, jac)
 
 
 def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
@@ -376,7 +404,8 @@ def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_
     if sfi is None or sfi.policy not in ("sfi", "tmax"):
         return None
     n = batch if sfi.refresh_rows is None else min(sfi.refresh_rows, batch)
-    shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.num_q_heads // cfg.num_kv_heads, max_len)
+    shape = (cfg.num_layers, n, cfg.num_kv_heads,
+             cfg.num_q_heads // cfg.num_kv_heads * sfi.evidence_window, max_len)
     if plan is None:
         return jnp.zeros(shape, jnp.float32)
     nb = sharding.axis_size(plan.mesh, plan.batch_axis)
@@ -450,10 +479,10 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         x = embed_tokens(params, state.token[:, None])
 
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
-                                 pos=pos, dense_rows=dense_rows, plan=plan)
-        (x, k, v, st, diag, buf), ys = run_layers(
-            body, (x, state.k, state.v, st, state.diag, buf), params["layers"], cfg.num_layers,
-            _layer_unroll())
+                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
+        (x, k, v, st, diag, buf, q_hist), ys = run_layers(
+            body, (x, state.k, state.v, st, state.diag, buf, state.q_hist), params["layers"],
+            cfg.num_layers, _layer_unroll())
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
@@ -478,7 +507,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                              fast_steps=st.fast_steps + (~refreshed & live))
         done = state.done | eos_mask[token]
         state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
-                            step=state.step + 1, key=key, sfi=st, diag=diag)
+                            step=state.step + 1, key=key, sfi=st, diag=diag, q_hist=q_hist)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = sharding.constrain(state, sharding.decode_state_shardings(plan, state))
         return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf,

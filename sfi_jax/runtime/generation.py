@@ -179,6 +179,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     if plan is not None and sharding.mesh_of(params) != plan.mesh:
         params = jax.device_put(params, sharding.param_shardings(
             cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
+    if plan is not None and sfi is not None and sfi.evidence_window > 1:
+        raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
+                         "single device only; use evidence_window=1 on a mesh")
     sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
     split = plan.shard_factor if plan is not None else 1
     device = jax.local_devices()[0] if plan is None else \
@@ -273,7 +276,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     state = DecodeState(k=k, v=v, lengths=lengths, token=put(first), done=put(done),
                         step=put(np.int32(0)), key=key, sfi=sfi_state,
                         diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
-                        if diagnostics else None)
+                        if diagnostics else None,
+                        q_hist=jnp.zeros((cfg.num_layers, B, cfg.num_q_heads,
+                                          sfi.evidence_window, cfg.head_dim), dtype)
+                        if sfi is not None and sfi.evidence_window > 1 else None)
     if plan is not None:
         state = jax.device_put(state, sharding.decode_state_shardings(plan, state))
     eos_j, trig_j = put(eos_mask), put(trig)

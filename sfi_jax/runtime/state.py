@@ -36,6 +36,7 @@ class DecodeState(NamedTuple):
     key: jax.Array  # PRNG key
     sfi: SFIState | None
     diag: jax.Array | None = None  # [L, B, Hkv, S] bool: previous dense top-k support
+    q_hist: jax.Array | None = None  # [L, B, Hq, W, D]: last W queries (evidence_window > 1)
 
 
 def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
@@ -66,5 +67,8 @@ def state_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype_bytes: int,
         out["sfi_key_norms"] = L * batch * Hkv * max_len * 4
         if sfi.policy in ("sfi", "tmax"):  # the refreshed rows' logits, one step's worth
             slots = batch if sfi.refresh_rows is None else min(sfi.refresh_rows, batch)
-            out["sfi_slow_logits"] = L * slots * cfg.num_q_heads * max_len * 4
+            W = sfi.evidence_window
+            out["sfi_slow_logits"] = L * slots * cfg.num_q_heads * W * max_len * 4
+            if W > 1:
+                out["sfi_query_history"] = L * batch * cfg.num_q_heads * W * D * dtype_bytes
     return out
