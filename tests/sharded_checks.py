@@ -10,6 +10,7 @@ both sides of every comparison compile the same way, and the checks take half th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -107,6 +108,23 @@ def check_generation(name, modes=("dense", "sfi"), meshes=MESHES):
                 assert got.stats["slow_steps"] == ref.stats["slow_steps"], (
                     f"{name} {spec}: slow steps {got.stats['slow_steps']} vs "
                     f"{ref.stats['slow_steps']}")
+    # split (per-layer) weights on the last mesh keep their shardings and give the same result
+    layer0 = model.params["layers"]["wq"].sharding.spec
+    model.split_layers()
+    assert tuple(model.params["layers"][0]["wq"].sharding.spec) == tuple(layer0)[1:], (
+        model.params["layers"][0]["wq"].sharding.spec, layer0)
+    for mode in modes:
+        ref = refs[mode]
+        notes.append(same_greedy(run_generate(model, mode).tokens, ref.tokens,
+                                 ref.stats["logits"], f"{name} {mode} {spec} split layers"))
+    if "sfi" in modes:
+        try:
+            sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
+                             sfi=dataclasses.replace(SFI, evidence_window=2))
+        except ValueError as e:
+            assert "evidence_window" in str(e)
+        else:
+            raise AssertionError("evidence_window > 1 on a mesh did not raise")
     return "; ".join(n for n in notes if n) or "identical tokens"
 
 

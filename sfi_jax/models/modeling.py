@@ -110,7 +110,12 @@ def split_layers(stacked: dict) -> list[dict]:
     layers = [{} for _ in range(num)]
     for name in names:
         a = stacked.pop(name)
-        parts = jax.jit(lambda a: tuple(a[i] for i in range(num)))(a)
+        out = None  # keep a mesh's split of the other axes (jit would otherwise replicate)
+        sh = getattr(a, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding):
+            spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))
+            out = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec[1:])),) * num
+        parts = jax.jit(lambda a: tuple(a[i] for i in range(num)), out_shardings=out)(a)
         if isinstance(a, jax.Array) and not a.is_deleted():
             a.delete()
         for i in range(num):
