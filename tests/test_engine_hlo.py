@@ -31,8 +31,10 @@ def _big_copies(sfi, split: bool):
     shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
     st = None
     if sfi is not None:
-        st = empty_sfi_state(CFG, sfi, B, S, jnp.float32)
-    state = DecodeState(k=jnp.zeros(shape), v=jnp.zeros(shape),
+        st = empty_sfi_state(CFG, sfi, B, S, jnp.bfloat16)
+    # a bf16 cache as on accelerators (on CPU, bf16 updates inside conditions copied buffers
+    # where f32 ones did not)
+    state = DecodeState(k=jnp.zeros(shape, jnp.bfloat16), v=jnp.zeros(shape, jnp.bfloat16),
                         lengths=jnp.full((B,), 300, jnp.int32), token=jnp.zeros((B,), jnp.int32),
                         done=jnp.zeros((B,), bool), step=jnp.int32(0),
                         key=jnp.zeros((2,), jnp.uint32), sfi=st)
@@ -40,13 +42,14 @@ def _big_copies(sfi, split: bool):
     forced = jnp.zeros((B, N), jnp.int32)
     text = engine.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
                                      sampling=SamplingConfig(), n_steps=N).compile().as_text()
-    dims = [shape]
+    dims = [("bf16", shape)]
     if sfi is not None:
-        dims.append((CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size, CFG.head_dim))
+        dims.append(("bf16", (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size,
+                              CFG.head_dim)))
         buf = engine.slow_logits_buffer(CFG, sfi, B, S)
         if buf is not None:
-            dims.append(buf.shape)
-    wanted = ["f32[" + ",".join(map(str, d)) + "]" for d in dims]
+            dims.append(("f32", buf.shape))
+    wanted = [f"{t}[" + ",".join(map(str, d)) + "]" for t, d in dims]
     return [line.strip()[:120] for line in text.splitlines()
             if re.search(r"= \S+ copy(-start)?\(", line) and any(w in line for w in wanted)]
 

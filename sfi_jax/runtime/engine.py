@@ -349,30 +349,37 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
 
 def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
     """Selection for the refreshed rows of every layer (logits from `buf`), repacked into their
-    compact buffers; one `lax.cond` per slot, so the cost follows the occupied slots, not
-    `refresh_rows`, and each slot's layers are selected together. Shapes are local as in
-    `_attend`."""
+    compact buffers. The selector runs once per occupied slot (one `lax.cond` each, all layers
+    together), so its cost follows the slow rows, not `refresh_rows`; the repack is one
+    gather + scatter for all slots (per-slot in-place updates of the compact buffers inside the
+    conditions made XLA copy them). Shapes are local as in `_attend`."""
+    L, n_slots, Hkv, _, _ = buf.shape
     B = pos.shape[0]
-    for j in range(buf.shape[1]):
-        st = jax.lax.cond(slots[j] < B,
-                          functools.partial(_select_slot, j=j, sfi=sfi, head_axis=head_axis),
-                          lambda st, *_: st, st, buf, k, v, pos, slots)
-    return st
+    positions = jnp.full((L, n_slots, Hkv, sfi.compact_size), -1, jnp.int32)
+    c_len = jnp.zeros((L, n_slots, Hkv), jnp.int32)
+    for j in range(n_slots):
+        positions, c_len = jax.lax.cond(
+            slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, head_axis=head_axis),
+            lambda p, c, *_: (p, c), positions, c_len, buf, st.key_norms, pos, slots)
+    safe = jnp.minimum(slots, B - 1)
+    idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
+           jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    return st._replace(ck=st.ck.at[:, slots].set(k[idx], **kw),
+                       cv=st.cv.at[:, slots].set(v[idx], **kw),
+                       c_len=st.c_len.at[:, slots].set(c_len, **kw),
+                       positions=st.positions.at[:, slots].set(positions, **kw))
 
 
-def _select_slot(st, buf, k, v, pos, slots, *, j, sfi, head_axis):
-    """The selection of slot j's row (occupied) for all layers at once."""
-    L, _, Hkv, R, S = buf.shape
+def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, head_axis):
+    """Slot j's (occupied) selection for all layers: packed positions and counts."""
+    L = buf.shape[0]
     row = slots[j]
     lo, hi = _allowed(jnp.full((L,), pos[row]), sfi)
-    sel = select(buf[:, j], st.key_norms[:, row], lo, hi, sfi, cross_head_reduce=head_axis,
+    sel = select(buf[:, j], key_norms[:, row], lo, hi, sfi, cross_head_reduce=head_axis,
                  topk_impl=sfi.topk_impl)  # [L, Hkv, K]
-    positions, c_len = _compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi)
-    idx = (jnp.arange(L)[:, None, None], row, jnp.arange(Hkv)[None, :, None],
-           jnp.maximum(positions, 0))
-    return st._replace(ck=st.ck.at[:, row].set(k[idx]), cv=st.cv.at[:, row].set(v[idx]),
-                       c_len=st.c_len.at[:, row].set(c_len),
-                       positions=st.positions.at[:, row].set(positions))
+    p, c = _compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi)
+    return positions.at[:, j].set(p), c_len.at[:, j].set(c)
 
 
 def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, step=None,
