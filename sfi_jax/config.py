@@ -70,7 +70,9 @@ class SFIConfig:
     prefill_window: int = 16
     policy: str = "sfi"
     refresh_rows: int | None = None
-    topk_impl: str = "lax"  # "lax" (lax.top_k) or "threshold" (radix threshold + compaction)
+    # selector top-k: "lax" (lax.top_k), "threshold" (radix threshold + compaction, faster on
+    # the H200 at long contexts) or "auto" (threshold on GPU, lax elsewhere)
+    topk_impl: str = "auto"
     # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
     # each layer's last W queries and selects from all of them, as prefill does with 16.
@@ -96,8 +98,8 @@ class SFIConfig:
         _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.topk_impl not in ("lax", "threshold"):
-            raise ValueError(f"SFIConfig.topk_impl must be 'lax' or 'threshold', got "
+        if self.topk_impl not in ("auto", "lax", "threshold"):
+            raise ValueError(f"SFIConfig.topk_impl must be 'auto', 'lax' or 'threshold', got "
                              f"{self.topk_impl!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)

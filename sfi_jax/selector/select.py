@@ -18,7 +18,7 @@ from jax import lax
 from sfi_jax.config import SFIConfig
 
 NEG_INF = float("-inf")
-TOPK_IMPLS = ("lax", "threshold")
+TOPK_IMPLS = ("auto", "lax", "threshold")
 
 
 def allowed_mask(size: int, lo, hi):
@@ -209,12 +209,14 @@ def _topk_lax(scores, k: int, out_k: int):
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
 
-    impl "lax" uses lax.top_k; "threshold" finds the exact k-th largest value by a radix
+    impl "lax" uses lax.top_k; "auto" is "threshold" on GPU, else "lax"; "threshold" finds the exact k-th largest value by a radix
     search on the float bits and compacts the positions above it (ties: lowest positions),
     which avoids a full top-k over long rows. Both return the same set.
     """
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
+    if impl == "auto":  # the radix threshold measured faster on the H200 (16K-128K)
+        impl = "threshold" if jax.default_backend() in ("gpu", "cuda", "rocm") else "lax"
     if radix_bits not in (1, 2, 4, 8):
         raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
