@@ -77,6 +77,10 @@ class SFIConfig:
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
     # each layer's last W queries and selects from all of them, as prefill does with 16.
     evidence_window: int = 1
+    # An extension (default off): after the scores of §4, each position also lends its score
+    # (minus 1e-3 per step) to its next `successor_radius` positions, so a selected position's
+    # successors are kept too — what copying text (a pass key, a quoted name) reads next.
+    successor_radius: int = 0
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)
@@ -86,6 +90,7 @@ class SFIConfig:
         _int_field(self, "nms_radius", 0)
         _int_field(self, "prefill_window", 1)
         _int_field(self, "evidence_window", 1)
+        _int_field(self, "successor_radius", 0)
         _float_field(self, "power_alpha", 0.0, 1.0, lo_open=True)
         _float_field(self, "lam_clip", 0.0, 1.0)
         _float_field(self, "alpha_soft", 0.0)

@@ -11,6 +11,7 @@ import pytest
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.selector import select, selector_scores, topk_positions, window_max
+from sfi_jax.selector.select import allowed_mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,3 +303,32 @@ def test_window_max_against_loop():
         want = np.array([[row[max(0, i - radius): i + radius + 1].max() for i in range(50)] for row in x])
         got = jax.jit(window_max, static_argnums=1)(jnp.asarray(x), radius)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_successor_spread():
+    """successor_radius (an extension): each position lends its score minus 1e-3 per step to its
+    next `radius` positions inside J; 0 leaves the scores of §4 unchanged."""
+    from sfi_jax.selector.select import SUCCESSOR_PENALTY, successor_spread
+
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    lo, hi = np.array([3, 0]), np.array([30, 40])
+    in_j = np.asarray(allowed_mask(40, lo, hi))
+    z = np.where(in_j[:, None, :], z, -np.inf).astype(np.float32)
+    for radius in (1, 3):
+        got = np.asarray(successor_spread(jnp.asarray(z), jnp.asarray(in_j), radius))
+        want = np.full_like(z, -np.inf)
+        for b in range(2):
+            for j in range(lo[b], hi[b]):
+                cands = [z[b, :, j]] + [z[b, :, j - s] - s * SUCCESSOR_PENALTY
+                                        for s in range(1, radius + 1) if j - s >= 0]
+                want[b, :, j] = np.max(np.stack(cands), axis=0)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    cfg = SFIConfig(k_select=8)
+    logits = jnp.asarray(rng.standard_normal((2, 3, 4, 40)), jnp.float32)
+    norms = jnp.asarray(rng.uniform(0.5, 2, (2, 3, 40)), jnp.float32)
+    a = selector_scores(logits, norms, lo, hi, cfg)
+    b = selector_scores(logits, norms, lo, hi, dataclasses.replace(cfg, successor_radius=0))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c = selector_scores(logits, norms, lo, hi, dataclasses.replace(cfg, successor_radius=2))
+    np.testing.assert_allclose(np.asarray(c), np.asarray(successor_spread(a, jnp.asarray(in_j), 2)))

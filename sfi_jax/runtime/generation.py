@@ -128,7 +128,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     trigger_ids: override the trigger-token set (default: from the tokenizer; none without one).
     forced_tokens: [B, max_new_tokens] ids fed instead of sampled ones (teacher forcing; -1 =
     sample). on_tokens(list of new ids per row) is called after each chunk, for streaming.
-    diagnostics (SFI mode): stats["coverage"] [B, steps, L, Hkv], the share of the dense
+    diagnostics (SFI mode): stats["selected_positions"] [L, B, Hkv, C] (the selection in force
+    at the end), stats["coverage"] [B, steps, L, Hkv], the share of the dense
     attention mass that each step's attended set covers, and stats["support_jaccard"], the
     overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
     mesh: a device mesh (or 'DxM' spec) to run on; default: the mesh the model's parameters
@@ -341,6 +342,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         d = (np.concatenate(diag_parts, axis=2) if diag_parts else
              np.zeros((2, B, 0, cfg.num_layers, cfg.num_kv_heads), np.float32))
         stats["coverage"], stats["support_jaccard"] = d[0], d[1]
+        # the selection in force at the end: [L, B, Hkv, n_sink + k_select], -1 = empty
+        stats["selected_positions"] = np.asarray(state.sfi.positions)
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)

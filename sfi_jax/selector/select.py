@@ -132,6 +132,20 @@ def cross_head(z, in_j, cfg: SFIConfig, cross_head_reduce=None):
     return jnp.where(in_j[:, None, :], z + cfg.alpha_cross * log_q, NEG_INF)
 
 
+SUCCESSOR_PENALTY = 1e-3
+
+
+def successor_spread(z, in_j, radius: int, penalty: float = SUCCESSOR_PENALTY):
+    """max(z[j], z[j - s] - s * penalty for s = 1..radius) inside J: successors of a strong
+    position rank just below it (an extension; SFIConfig.successor_radius)."""
+    out = z
+    for s in range(1, radius + 1):
+        pad = [(0, 0)] * (z.ndim - 1) + [(s, 0)]
+        shifted = jnp.pad(z[..., :-s], pad, constant_values=NEG_INF) - s * penalty
+        out = jnp.maximum(out, shifted)
+    return jnp.where(in_j[:, None, :], out, NEG_INF)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce"))
 def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, cross_head_reduce=None):
     """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
@@ -152,7 +166,10 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
         s = f
     z = jnp.where(in_j[:, None, :], jnp.log(s + cfg.eps), NEG_INF)
     z = soft_nms(z, in_j, cfg.nms_radius, cfg.alpha_soft)
-    return cross_head(z, in_j, cfg, cross_head_reduce)
+    z = cross_head(z, in_j, cfg, cross_head_reduce)
+    if cfg.successor_radius > 0:
+        z = successor_spread(z, in_j, cfg.successor_radius)
+    return z
 
 
 def _sortable_keys(x):
