@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--t-max", type=int, default=64, help="max steps between slow steps")
     g.add_argument("--policy", choices=POLICIES, default="sfi",
                    help="refresh policy (sfi; or a baseline: tmax, streaming, prefill_only, oracle)")
+    g.add_argument("--successor-radius", type=int, default=0,
+                   help="extension: also keep the next N positions after strong ones (helps "
+                        "copying, e.g. pass keys; 0 = the method as specified)")
+    g.add_argument("--evidence-window", type=int, default=1,
+                   help="extension: select from each layer's last W decode queries (1 = as "
+                        "specified)")
     g.add_argument("--refresh-rows", type=int, default=None,
                    help="rows refreshed per step at most (default: the whole batch)")
     d = p.add_argument_group("multi-device / multi-host")
@@ -103,7 +109,9 @@ def main(argv=None) -> int:
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
         sfi = SFIConfig(n_sink=args.n_sink, n_recent=args.n_recent, k_select=args.k_select,
-                        t_max=args.t_max, policy=args.policy, refresh_rows=args.refresh_rows)
+                        t_max=args.t_max, policy=args.policy, refresh_rows=args.refresh_rows,
+                        successor_radius=args.successor_radius,
+                        evidence_window=args.evidence_window)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     mesh = None
