@@ -28,7 +28,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -128,6 +127,15 @@ def bench_sfi(model, tok, contexts, new_tokens):
     return rows
 
 
+def write_results(out, stem, header, rows, lines, machine, cmd):
+    """`stem`.json (machine, command, rows) and `stem`.md (header lines, then `lines`)."""
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump({"machine": machine, "command": cmd, "results": rows}, f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write("\n".join([header, "", f"Machine: {machine}. Command: `{cmd}`.", ""] + lines)
+                + "\n")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("dense", "sfi", "all"), default="all")
@@ -143,26 +151,19 @@ def main(argv=None):
     if args.part in ("dense", "all"):
         lengths, batches, n, reps = ([64], [1], 8, 1) if args.smoke else ([512, 2048], [1, 8], 32, 3)
         rows = bench_dense(model, tok, lengths, batches, n, reps)
-        with open(os.path.join(args.out, "cpu_dense_vs_transformers.json"), "w") as f:
-            json.dump({"machine": machine, "command": cmd, "results": rows}, f, indent=1)
-        lines = ["# Dense decode on CPU: sfi_jax vs transformers (SmolLM2-135M, float32)", "",
-                 f"Machine: {machine}. Command: `{cmd}`.", "",
-                 "Decode tokens/s over all rows, prefill and compilation excluded on both sides; "
+        lines = ["Decode tokens/s over all rows, prefill and compilation excluded on both sides; "
                  "median of repeats. Both libraries single-threaded (torch.set_num_threads(1); "
                  "XLA CPU intra-op parallelism 1) on a shared machine.", "",
                  "| prompt | batch | sfi_jax tok/s | transformers tok/s | ratio |", "|---|---|---|---|---|"]
         lines += [f"| {r['prompt']} | {r['batch']} | {r['sfi_jax_tok_s']:.1f} | "
                   f"{r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |" for r in rows]
-        with open(os.path.join(args.out, "cpu_dense_vs_transformers.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_results(args.out, "cpu_dense_vs_transformers",
+                      "# Dense decode on CPU: sfi_jax vs transformers (SmolLM2-135M, float32)",
+                      rows, lines, machine, cmd)
     if args.part in ("sfi", "all"):
         contexts, n = ([1024], 8) if args.smoke else ([int(c) for c in args.contexts.split(",")], 16)
         rows = bench_sfi(model, tok, contexts, n)
-        with open(os.path.join(args.out, "cpu_sfi_steps.json"), "w") as f:
-            json.dump({"machine": machine, "command": cmd, "results": rows}, f, indent=1)
-        lines = ["# SFI step costs on CPU (SmolLM2-135M, float32, batch 1)", "",
-                 f"Machine: {machine}. Command: `{cmd}`.", "",
-                 "fast = policy prefill_only (no slow steps); slow = policy oracle (every step "
+        lines = ["fast = policy prefill_only (no slow steps); slow = policy oracle (every step "
                  "a dense pass with logits + selector + repack + sparse attention); dense = "
                  "dense mode. Selector = one layer's selector for one row (3 KV heads x 3 query "
                  "rows), and x 30 layers. Memory in MiB for prompt + new tokens.", "",
@@ -174,9 +175,9 @@ def main(argv=None):
                   f"{r['selector_step_ms']:.1f} | {r['bytes_kv_cache'] / 2**20:.1f} | "
                   f"{(r['bytes_sfi_compact'] + r['bytes_sfi_positions']) / 2**20:.1f} | "
                   f"{r['bytes_sfi_key_norms'] / 2**20:.1f} |" for r in rows]
-        with open(os.path.join(args.out, "cpu_sfi_steps.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-
+        write_results(args.out, "cpu_sfi_steps",
+                      "# SFI step costs on CPU (SmolLM2-135M, float32, batch 1)",
+                      rows, lines, machine, cmd)
 
 if __name__ == "__main__":
     main()

@@ -72,6 +72,7 @@ def one(args):
     import bench_e2e as be
     from sfi_jax.config import SFIConfig
     from sfi_jax.models.config import PRESETS
+    from sfi_jax.models.modeling import split_layers
     from sfi_jax.models.params import random_params
     from sfi_jax.runtime import engine
     from sfi_jax.runtime.sampling import SamplingConfig
@@ -79,11 +80,7 @@ def one(args):
     cfg = PRESETS[args.model]
     params = random_params(cfg, "bfloat16", 0)
     if args.layers == "list":
-        stacked = params["layers"]
-        params = dict(params, layers=[jax.tree.map(lambda a: a[i], stacked)
-                                      for i in range(cfg.num_layers)])
-        del stacked
-        jax.block_until_ready(params)
+        params["layers"] = split_layers(params["layers"])
     B, n = args.batch, args.steps
     results = []
     for mode in args.modes.split(","):

@@ -273,9 +273,10 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
     axis the KV heads are split over (the selector reduces over it).
 
-    The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs once
-    per step for all layers together (`_select_all_layers`), not once per layer: the selector
-    is ~30 small kernels, which per layer cost more than the selection itself. The fast read
+    The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs at the
+    next step's start, per occupied slot for all layers together (`_select_all_layers`), not
+    once per layer: the selector is ~30 small kernels, which per layer cost more than the
+    selection itself. The fast read
     of a refreshed row is replaced by its dense result, so deferring changes nothing. The
     oracle policy selects before its read, per layer."""
     B = q.shape[0]
@@ -310,9 +311,9 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         _, logits, _ = dense_rows_with_logits()
         Hkv = k.shape[2]
         lo, hi = _allowed(pos[safe], sfi)
-        sel = select(logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
-                     lo, hi, sfi, cross_head_reduce=head_axis, topk_impl=sfi.topk_impl)
-        ck, cv, c_len, positions = _compact(k[l, safe], v[l, safe], sel, lengths[safe], sfi)
+        ck, cv, c_len, positions = _select_compact(
+            logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
+            k[l, safe], v[l, safe], lo, hi, lengths[safe], sfi=sfi, head_axis=head_axis)
         st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
