@@ -66,6 +66,7 @@ def device_bytes():
 
 
 def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, limit: int):
+    """The largest batch up to `want` whose cache, SFI state and slow-step scratch fit."""
     weights = cfg.param_count() * 2
     for b in range(want, 0, -1):
         kv = cfg.kv_cache_bytes(b, S, 2)
@@ -76,8 +77,9 @@ def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, li
         # the refreshed rows' logits of every layer (one step's worth)
         slots = min(b, max(2, b // 4))
         slow_logits = cfg.num_layers * slots * cfg.num_q_heads * S * 4
-        if (weights + kv + state + norms + scratch + slow_logits < 0.9 * limit
-                and (b & (b - 1)) == 0):
+        # the selector's temporaries for one refreshed row of every layer
+        selector = cfg.num_layers * S * 4 * (cfg.num_q_heads + 8 * cfg.num_kv_heads)
+        if weights + kv + state + norms + scratch + slow_logits + selector < 0.95 * limit:
             return b
     raise SystemExit(f"{cfg.name} at {ctx} does not fit even at batch 1")
 
@@ -426,7 +428,7 @@ def main(argv=None):
 
         params = random_params(cfg, "bfloat16", 0)
         if not args.stacked:  # one weight dict per layer, as load_model does on GPU
-            params["layers"] = split_layers(params["layers"])
+            params["layers"] = split_layers(params["layers"], fuse_qkv=True)
         for ctx in contexts:
             t = time.perf_counter()
             rec = bench_one(name, cfg, params, ctx, args, bw, limit)

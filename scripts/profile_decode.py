@@ -80,7 +80,7 @@ def one(args):
     cfg = PRESETS[args.model]
     params = random_params(cfg, "bfloat16", 0)
     if args.layers == "list":
-        params["layers"] = split_layers(params["layers"])
+        params["layers"] = split_layers(params["layers"], fuse_qkv=True)
     B, n = args.batch, args.steps
     results = []
     for mode in args.modes.split(","):

@@ -27,7 +27,7 @@ B, S, N = 4, 384, 4
 def _big_copies(sfi, split: bool):
     params = random_params(CFG, "float32", 0)
     if split:
-        params["layers"] = split_layers(params["layers"])
+        params["layers"] = split_layers(params["layers"], fuse_qkv=True)
     shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
     st = None
     if sfi is not None:

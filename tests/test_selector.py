@@ -332,3 +332,30 @@ def test_successor_spread():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     c = selector_scores(logits, norms, lo, hi, dataclasses.replace(cfg, successor_radius=2))
     np.testing.assert_allclose(np.asarray(c), np.asarray(successor_spread(a, jnp.asarray(in_j), 2)))
+
+
+@pytest.mark.parametrize("case", ["random", "clustered", "ties", "few_finite"])
+def test_topk_prefilter_exact(case):
+    """The sampled pre-filter path and its radix fallback both give lax.top_k's positions."""
+    from sfi_jax.selector import select as _  # noqa: F401
+    import importlib
+
+    sel = importlib.import_module("sfi_jax.selector.select")
+    rng = np.random.default_rng(21)
+    k, size = 256, 9000
+    scores = rng.standard_normal((3, 2, size)).astype(np.float32)
+    if case == "clustered":  # the top values sit where the strided sample cannot see them
+        stride, _, cap = sel._prefilter_plan(size, k)
+        scores[0, 0, 2000:2000 + 2 * cap] += 50.0
+        scores[0, 0, 2000:2000 + 2 * cap:stride] = -100.0
+    elif case == "ties":
+        scores = np.round(scores * 4) / 4
+    elif case == "few_finite":
+        scores[1, 1, rng.random(size) < 0.99] = -np.inf
+    plan = sel._prefilter_plan(size, k)
+    assert plan is not None
+    _, ok = sel._prefilter(jnp.asarray(scores.reshape(-1, size)), k, plan)
+    assert bool(ok) == (case in ("random", "ties")), case  # both paths are exercised
+    got = np.asarray(topk_positions(jnp.asarray(scores), k, impl="threshold"))
+    want = np.asarray(topk_positions(jnp.asarray(scores), k, impl="lax"))
+    np.testing.assert_array_equal(got, want)

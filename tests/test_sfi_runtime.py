@@ -253,6 +253,7 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
     prompts, forced, runs = per_row_runs
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
     assert split.layers_split and isinstance(split.params["layers"], list)
+    assert "wqkv" in split.params["layers"][0] and "wq" not in split.params["layers"][0]
     assert not tiny_qwen3.model.layers_split
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
@@ -262,9 +263,10 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
         assert got.stats.get("slow_steps") == want.stats.get("slow_steps")
     restored = sfi_jax.load_model(sfi_jax.models.save_orbax(split, str(tmp_path / "o")),
                                   dtype="float32", split_layers=False)
+    want = tiny_qwen3.model.params["layers"]
+    assert set(restored.params["layers"]) == set(want)
     for name, stacked in restored.params["layers"].items():
-        want = np.stack([np.asarray(w[name]) for w in split.params["layers"]])
-        np.testing.assert_array_equal(np.asarray(stacked), want)
+        np.testing.assert_array_equal(np.asarray(stacked), np.asarray(want[name]))
 
 
 # ---------------------------------------------------------------- evidence window (W > 1)

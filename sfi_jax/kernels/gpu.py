@@ -212,13 +212,17 @@ def _combine(o, m, l, dtype, interpret):
     if not PALLAS_COMBINE:
         return _combine_xla(o, m, l, dtype)
     n_rows, n_splits, hq, d = o.shape
-    kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=max(2, _pow2(n_splits)),
-                               d=d, dp=_pow2(d))
+    nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
+    kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp)
+    # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
+    # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
+    # benchmarks/diag_slow_step.json)
+    warps = 1 if nsp * dp <= 4096 else 4
     return pl.pallas_call(
         kernel, grid=(n_rows, hq),
         out_shape=[jax.ShapeDtypeStruct((n_rows, hq, d), dtype),
                    jax.ShapeDtypeStruct((n_rows, hq), jnp.float32)],
-        compiler_params=plgpu_triton.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="sfi_decode_combine",
     )(o, m, l)
 

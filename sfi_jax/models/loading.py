@@ -56,14 +56,17 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     Presets other than the embedded `smollm2-135m` are config-only: their weights are random,
     created on the device in `dtype` (for benchmarks). `mesh` places each shard on its devices.
     split_layers: keep one weight dict per layer (see `Model.split_layers`); None = on GPU,
-    where it makes decode steps faster, and stacked elsewhere (faster compiles).
+    where it makes decode steps faster, and stacked elsewhere (faster compiles). Split weights
+    on one device (mesh None) also get one fused q/k/v projection per layer.
     """
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
+    return _maybe_split(model, split_layers, mesh)
+
+
+def _maybe_split(model: Model, split_layers, mesh) -> Model:
     if split_layers is None:
         split_layers = jax.default_backend() in ("gpu", "cuda", "rocm")
-    if split_layers:
-        model.split_layers()
-    return model
+    return model.split_layers(fuse_qkv=mesh is None) if split_layers else model
 
 
 def _load(source: str, *, dtype, mesh, seed) -> Model:
@@ -129,7 +132,7 @@ def save_orbax(model: Model, directory: str, tokenizer=None) -> str:
     directory = os.path.abspath(directory)
     ckpt = ocp.StandardCheckpointer()
     params = model.params
-    params["layers"] = stack_layers(params["layers"])  # the checkpoint format is stacked
+    params["layers"] = stack_layers(params["layers"], model.config)  # the checkpoint format
     ckpt.save(os.path.join(directory, "params"), params, force=True)
     ckpt.wait_until_finished()
     with open(os.path.join(directory, ORBAX_CONFIG), "w") as f:
@@ -158,7 +161,4 @@ def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None,
     target = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh),
                           param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
-    model = Model(cfg, params)
-    if split_layers is None:
-        split_layers = jax.default_backend() in ("gpu", "cuda", "rocm")
-    return model.split_layers() if split_layers else model
+    return _maybe_split(Model(cfg, params), split_layers, mesh)

@@ -57,14 +57,16 @@ class Model(nnx.Module):
     def layers_split(self) -> bool:
         return isinstance(self.layers, nnx.List)
 
-    def split_layers(self) -> "Model":
+    def split_layers(self, fuse_qkv: bool = False) -> "Model":
         """Switch to one weight dict per layer, in place (the faster decode layout on GPU).
-        Peak memory grows by one stacked tensor at a time, not by the whole model."""
+        Peak memory grows by one stacked tensor at a time, not by the whole model.
+        fuse_qkv: one [hidden, (Hq + 2 Hkv) D] projection per layer instead of three (one
+        matmul launch; for one device: a fused weight cannot keep per-head shardings)."""
         if not self.layers_split:
             stacked = {k: v[...] for k, v in vars(self.layers).items()
                        if isinstance(v, nnx.Param)}
             self.layers = None
-            self._set_layers(split_layers(stacked))
+            self._set_layers(split_layers(stacked, fuse_qkv=fuse_qkv))
         return self
 
     @property
@@ -102,9 +104,30 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def split_layers(stacked: dict) -> list[dict]:
+QKV = ("wq", "wk", "wv")
+
+
+def fuse_qkv_weights(layer: dict) -> dict:
+    """One layer's wq, wk, wv -> one "wqkv" [hidden, (Hq + 2 Hkv) D] (columns q | k | v)."""
+    out = {k: v for k, v in layer.items() if k not in QKV}
+    out["wqkv"] = jnp.concatenate([layer[n] for n in QKV], axis=-1)
+    return out
+
+
+def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
+    """The inverse of `fuse_qkv_weights` (a no-op for unfused weights)."""
+    if "wqkv" not in layer:
+        return layer
+    out = {k: v for k, v in layer.items() if k != "wqkv"}
+    q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out["wq"], out["wk"], out["wv"] = jnp.split(layer["wqkv"], [q, q + kv], axis=-1)
+    return out
+
+
+def split_layers(stacked: dict, fuse_qkv: bool = False) -> list[dict]:
     """Stacked layer weights {name: [L, ...]} -> one dict per layer, freeing each stacked tensor
-    once it is split (so peak memory grows by one tensor, not by the model)."""
+    once it is split (so peak memory grows by one tensor, not by the model). fuse_qkv: see
+    `Model.split_layers`."""
     names = list(stacked)
     num = stacked[names[0]].shape[0]
     layers = [{} for _ in range(num)]
@@ -120,13 +143,18 @@ def split_layers(stacked: dict) -> list[dict]:
             a.delete()
         for i in range(num):
             layers[i][name] = parts[i]
+    if fuse_qkv:
+        fuse = jax.jit(fuse_qkv_weights)
+        for i in range(num):
+            layers[i] = fuse(layers[i])
     return layers
 
 
-def stack_layers(layers) -> dict:
+def stack_layers(layers, cfg: ModelConfig) -> dict:
     """The inverse of `split_layers` (a no-op for stacked weights)."""
     if not isinstance(layers, (list, tuple)):
         return layers
+    layers = [unfuse_qkv_weights(w, cfg) for w in layers]
     return {name: jnp.stack([w[name] for w in layers]) for name in layers[0]}
 
 
@@ -173,9 +201,15 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q = _matmul(h, w["wq"]).reshape(B, T, cfg.num_q_heads, cfg.head_dim)
-    k = _matmul(h, w["wk"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = _matmul(h, w["wv"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if "wqkv" in w:
+        qkv = _matmul(h, w["wqkv"])
+        nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+    else:
+        q, k, v = _matmul(h, w["wq"]), _matmul(h, w["wk"]), _matmul(h, w["wv"])
+    q = q.reshape(B, T, cfg.num_q_heads, cfg.head_dim)
+    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.models.modeling import Model, output_logits
+from sfi_jax.models.modeling import Model, output_logits, unfuse_qkv_weights
 from sfi_jax.runtime import engine, sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
@@ -178,6 +178,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(params)
     plan = sharding.plan_for(cfg, mesh, B)
     if plan is not None and sharding.mesh_of(params) != plan.mesh:
+        if isinstance(params["layers"], list):  # per-head shardings need q, k, v apart
+            params["layers"] = [unfuse_qkv_weights(w, cfg) for w in params["layers"]]
         params = jax.device_put(params, sharding.param_shardings(
             cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
