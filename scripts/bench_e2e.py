@@ -322,7 +322,34 @@ def engine_check():
     return out
 
 
-def write_outputs(records, meta, out):
+def targets(records):
+    """Issue 6's targets, each met or missed by how much (rows of the report's table)."""
+    rows = []
+    dense = [r for r in records if r["context"] >= 32768]
+    if dense:
+        low = [r for r in dense if r["dense_of_floor"] < 0.85]
+        rng = f"{min(r['dense_of_floor'] for r in dense):.2f}-{max(r['dense_of_floor'] for r in dense):.2f}"
+        miss = ", ".join(f"{r['model']} {r['context'] // 1024}K {r['dense_of_floor']:.2f}"
+                         for r in low)
+        rows.append(("dense arm >= 0.85 of its bytes floor from 32K",
+                     f"met ({rng})" if not low else f"missed by {miss} ({rng} overall)"))
+    if records:
+        sfi = [r["sfi_of_floor"] for r in records]
+        rows.append(("SFI arm >= 0.75 of its bytes floor",
+                     "met" if min(sfi) >= 0.75 else
+                     f"missed: {min(sfi):.2f}-{max(sfi):.2f} ({0.75 - max(sfi):.2f} to "
+                     f"{0.75 - min(sfi):.2f} short)"))
+    for r in records:
+        if r["model"] == "qwen3-4b" and r["context"] == 131072:
+            tps, sp = r["sfi_tokens_per_s"], r["speedup"]
+            ok = tps >= 1000 and sp >= 6
+            rows.append(("qwen3-4b 128K: SFI >= 1000 tok/s and >= 6x dense",
+                         ("met" if ok else "missed") + f": {tps:.0f} tok/s ({tps / 10:.0f} % of "
+                         f"1000) and {sp:.2f}x ({sp / 6 * 100:.0f} % of 6x), batch {r['batch']}"))
+    return rows
+
+
+def write_outputs(records, meta, out, notes=None):
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "results": records}, f, indent=1)
@@ -349,6 +376,10 @@ def write_outputs(records, meta, out):
             f"{r.get('selector_row_s', r.get('selector_step_s', float('nan'))) * 1e3:.2f} | "
             f"{r['dense_attention_share']:.2f} | "
             f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
+    lines += ["", "## Targets (issue 6)", "", "| target | result |", "|---|---|"]
+    lines += [f"| {t} | {res} |" for t, res in targets(records)]
+    if notes:
+        lines += ["", notes.strip()]
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -377,6 +408,23 @@ def write_outputs(records, meta, out):
         print("plot skipped:", e)
 
 
+def merge_reports(paths, out, notes=None):
+    """One report from several runs' e2e.json (each record keeps the command that made it)."""
+    records, meta, cmds = [], None, []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        meta = meta or dict(d["meta"])
+        cmds.append(d["meta"]["command"])
+        for r in d["results"]:
+            r.setdefault("command", d["meta"]["command"])
+            records.append(r)
+    meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    meta["copy_bw_tbs"] = statistics.median(json.load(open(p))["meta"]["copy_bw_tbs"]
+                                            for p in paths)
+    write_outputs(records, meta, out, notes)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b,qwen3-30b-a3b")
@@ -400,7 +448,14 @@ def main(argv=None):
     p.add_argument("--stacked", action="store_true",
                    help="stacked layer weights under lax.scan (default: split per layer)")
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="write the report from these e2e.json files (no device work)")
+    p.add_argument("--notes", default=None, help="Markdown appended to e2e.md")
     args = p.parse_args(argv)
+    notes = open(args.notes).read() if args.notes else None
+    if args.merge:
+        merge_reports(args.merge, args.out, notes)
+        return
     if args.distributed:
         jax.distributed.initialize()
     if args.smoke:
@@ -436,7 +491,7 @@ def main(argv=None):
             records.append(rec)
             print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in rec.items()}), flush=True)
-            write_outputs(records, meta, args.out)
+            write_outputs(records, meta, args.out, notes)
         del params
     print(open(os.path.join(args.out, "e2e.md")).read())
 

@@ -117,6 +117,13 @@ def check_generation(name, modes=("dense", "sfi"), meshes=MESHES):
         ref = refs[mode]
         notes.append(same_greedy(run_generate(model, mode).tokens, ref.tokens,
                                  ref.stats["logits"], f"{name} {mode} {spec} split layers"))
+    # one device's split layout (fused q/k/v) run on the mesh: generate unfuses and places it
+    fused = Model(cfg, random_params(cfg, "float32", seed=1)).split_layers(fuse_qkv=True)
+    assert "wqkv" in fused.params["layers"][0]
+    for mode in modes:
+        ref = refs[mode]
+        notes.append(same_greedy(run_generate(fused, mode, mesh=mesh).tokens, ref.tokens,
+                                 ref.stats["logits"], f"{name} {mode} {spec} fused q/k/v"))
     if "sfi" in modes:
         try:
             sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,

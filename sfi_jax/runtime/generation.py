@@ -178,8 +178,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(params)
     plan = sharding.plan_for(cfg, mesh, B)
     if plan is not None and sharding.mesh_of(params) != plan.mesh:
-        if isinstance(params["layers"], list):  # per-head shardings need q, k, v apart
-            params["layers"] = [unfuse_qkv_weights(w, cfg) for w in params["layers"]]
+        if isinstance(params["layers"], list) and "wqkv" in params["layers"][0]:
+            # per-head shardings need q, k, v apart: split each layer's fused weight on the mesh
+            rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+            params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg)
+                                for w in params["layers"]]
         params = jax.device_put(params, sharding.param_shardings(
             cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
     if plan is not None and sfi is not None and sfi.evidence_window > 1:

@@ -238,7 +238,8 @@ def _prefilter_plan(size: int, k: int):
     """(stride, sample rank, candidate cap) for the sampled pre-filter, or None when the rows are
     too short for it to pay (the candidates would be a large share of the row)."""
     cap = 2 * k + 1024
-    if size < 4 * cap or k < 64:
+    # H200, k 2048, 36 layers x 8 heads: 128K 3.7 -> 2.2 ms per selection, 32K 0.90 -> 1.03
+    if size < 8 * cap or k < 64:
         return None
     stride = max(1, size // PREFILTER_SAMPLE)
     m = -(-size // stride)
