@@ -149,6 +149,7 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--topk", default="threshold,lax")
+    p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     p.add_argument("--out", default="/tmp/diag")
     a = p.parse_args()
     cfg = PRESETS[a.model]
@@ -207,7 +208,7 @@ def main():
             def once():
                 box["st"], toks, *_ = fn(params, st, eos, trig, forced)
                 return toks
-            prof = trace_stats(once, n)
+            prof = trace_stats(once, n, a.top)
             st = box["st"]
             r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": statistics.median(ts) * 1e3,
                  "slow_rows_per_step": float(np.asarray(slow).sum(0).mean()),
@@ -233,7 +234,7 @@ def main():
     def once_d():
         box["st"], toks, *_ = fn(params, dst, eos, trig, forced)
         return toks
-    prof = trace_stats(once_d, n)
+    prof = trace_stats(once_d, n, a.top)
     runs.append({"arm": "dense", "schedule": "-", "step_ms": statistics.median(ts) * 1e3,
                  "profile": prof})
     res["runs"] = runs
