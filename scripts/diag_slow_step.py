@@ -12,11 +12,9 @@ buffers in the compiled decode loop. Writes diag_slow_step.json and prints a tab
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_e2e as be  # noqa: E402
+from profile_decode import big_copies, kernel_stats  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
@@ -55,31 +54,21 @@ def timeit(f, *args, reps=5, inner=5):
     return statistics.median(ts)
 
 
-def trace_stats(fn, n_steps, top=25):
-    """Run fn() under the profiler; kernel time and count per name, per step."""
+def time_and_profile(fn, params, st, eos, trig, forced, n, top):
+    """One warm-up chunk, the median of three timed chunks (ms per step), then one chunk under
+    the profiler. Returns the state, ms per step, the last slow flags and the kernel stats."""
+    st, *_ = fn(params, st, eos, trig, forced)
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        st, toks, _, slow, *_ = fn(params, st, eos, trig, forced)
+        jax.block_until_ready(toks)
+        ts.append((time.perf_counter() - t) / n)
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
-        jax.block_until_ready(fn())
-    paths = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f.endswith(".xplane.pb")]
-    if not paths:
-        return None
-    data = jax.profiler.ProfileData.from_file(paths[0])
-    dur, cnt = collections.Counter(), collections.Counter()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for ev in line.events:
-                dur[ev.name[:70]] += ev.duration_ns
-                cnt[ev.name[:70]] += 1
-    if not dur:
-        return None
-    return {"busy_ms_per_step": sum(dur.values()) / n_steps / 1e6,
-            "kernels_per_step": sum(cnt.values()) / n_steps,
-            "top": [(n, round(t / n_steps / 1e3, 1), round(cnt[n] / n_steps, 2))
-                    for n, t in dur.most_common(top)]}
+        st, toks, *_ = fn(params, st, eos, trig, forced)
+        jax.block_until_ready(toks)
+    return st, statistics.median(ts) * 1e3, slow, kernel_stats(d, n, top)
 
 
 def selector_parts(cfg, ctx, sfi):
@@ -187,32 +176,15 @@ def main():
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
-        copies = collections.Counter()
-        for line in fn.as_text().splitlines():
-            if re.search(r"= \S+ copy(-start)?\(", line):
-                for shp, name in shapes.items():
-                    if shp in line:
-                        copies[name] += 1
+        copies = big_copies(fn.as_text(), shapes)
         for name, sched in schedules.items():
             forced = jnp.asarray(sched)
             st = st._replace(sfi=st.sfi._replace(pending=jnp.zeros((B,), bool)))
-            st, *_ = fn(params, st, eos, trig, forced)  # warm-up
-            ts = []
-            for _ in range(3):
-                t = time.perf_counter()
-                st, toks, _, slow, *_ = fn(params, st, eos, trig, forced)
-                jax.block_until_ready(toks)
-                ts.append((time.perf_counter() - t) / n)
-            box = {}
-
-            def once():
-                box["st"], toks, *_ = fn(params, st, eos, trig, forced)
-                return toks
-            prof = trace_stats(once, n, a.top)
-            st = box["st"]
-            r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": statistics.median(ts) * 1e3,
+            st, step_ms, slow, prof = time_and_profile(fn, params, st, eos, trig, forced, n,
+                                                       a.top)
+            r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": step_ms,
                  "slow_rows_per_step": float(np.asarray(slow).sum(0).mean()),
-                 "compile_s": compile_s, "copies": dict(copies), "profile": prof}
+                 "compile_s": compile_s, "copies": copies, "profile": prof}
             runs.append(r)
             print(json.dumps(r), flush=True)
     # dense arm on the same cache
@@ -221,22 +193,9 @@ def main():
     del st
     kw = dict(cfg=cfg, sfi=None, sampling=SamplingConfig(), n_steps=n)
     fn = engine.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
-    forced = jnp.asarray(plain)
-    dst, *_ = fn(params, dst, eos, trig, forced)
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        dst, toks, *_ = fn(params, dst, eos, trig, forced)
-        jax.block_until_ready(toks)
-        ts.append((time.perf_counter() - t) / n)
-    box = {}
-
-    def once_d():
-        box["st"], toks, *_ = fn(params, dst, eos, trig, forced)
-        return toks
-    prof = trace_stats(once_d, n, a.top)
-    runs.append({"arm": "dense", "schedule": "-", "step_ms": statistics.median(ts) * 1e3,
-                 "profile": prof})
+    _, step_ms, _, prof = time_and_profile(fn, params, dst, eos, trig, jnp.asarray(plain), n,
+                                           a.top)
+    runs.append({"arm": "dense", "schedule": "-", "step_ms": step_ms, "profile": prof})
     res["runs"] = runs
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "diag_slow_step.json"), "w") as f:

@@ -36,15 +36,16 @@ VARIANTS = {
 }
 
 
-def kernel_stats(trace_dir, n_steps):
-    """Sum kernel events on the GPU plane's stream lines of a profiler trace."""
+def kernel_stats(trace_dir, n_steps, top=12):
+    """Sum kernel events on the GPU plane's stream lines of a profiler trace: busy time, kernel
+    count, and the `top` kernels by time as (name, us per step, launches per step)."""
     import jax
     paths = [os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
              if f.endswith(".xplane.pb")]
     if not paths:
         return None
     data = jax.profiler.ProfileData.from_file(paths[0])
-    busy, count, by_name = 0.0, 0, collections.Counter()
+    dur, cnt = collections.Counter(), collections.Counter()
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -52,14 +53,26 @@ def kernel_stats(trace_dir, n_steps):
             if not line.name.startswith("Stream"):
                 continue
             for ev in line.events:
-                busy += ev.duration_ns
-                count += 1
-                by_name[ev.name[:60]] += ev.duration_ns
-    if not count:
+                dur[ev.name[:70]] += ev.duration_ns
+                cnt[ev.name[:70]] += 1
+    if not dur:
         return None
-    top = [(n, round(t / n_steps / 1e3, 1)) for n, t in by_name.most_common(12)]
-    return {"busy_ms_per_step": busy / n_steps / 1e6, "kernels_per_step": count / n_steps,
-            "top_us_per_step": top}
+    return {"busy_ms_per_step": sum(dur.values()) / n_steps / 1e6,
+            "kernels_per_step": sum(cnt.values()) / n_steps,
+            "top_us_per_step": [(n, round(t / n_steps / 1e3, 1), round(cnt[n] / n_steps, 2))
+                                for n, t in dur.most_common(top)]}
+
+
+def big_copies(hlo_text, shapes):
+    """Copies in compiled HLO text of buffers whose shape string is a key of `shapes`
+    ({"[L,B,H,S,D]": "cache", ...}), counted by name."""
+    copies = collections.Counter()
+    for line in hlo_text.splitlines():
+        if re.search(r"= \S+ copy(-start)?\(", line):
+            for shp, name in shapes.items():
+                if shp in line:
+                    copies[name] += 1
+    return dict(copies)
 
 
 def one(args):
@@ -102,12 +115,7 @@ def one(args):
         if sfi is not None:
             shapes[f"[{cfg.num_layers},{B},{cfg.num_kv_heads},{sfi.compact_size},"
                    f"{cfg.head_dim}]"] = "compact"
-        copies = collections.Counter()
-        for line in txt.splitlines():
-            if re.search(r"= \S+ copy(-start)?\(", line):
-                for shp, name in shapes.items():
-                    if shp in line:
-                        copies[name] += 1
+        copies = big_copies(txt, shapes)
         ds_fusions = len(re.findall(r"dynamic-slice", txt))
         ts = []
         for c in range(1, 5):
@@ -125,7 +133,7 @@ def one(args):
         floor = cfg.param_count() * 2 / args.bandwidth * 1e3
         r = {"variant": args.one, "mode": mode, "model": cfg.name, "batch": B, "ctx": ctx,
              "step_ms": statistics.median(ts) * 1e3, "weights_floor_ms": floor,
-             "compile_s": compile_s, "big_copies": dict(copies),
+             "compile_s": compile_s, "big_copies": copies,
              "dynamic_slice_mentions": ds_fusions, "profile": prof}
         print("RESULT " + json.dumps(r), flush=True)
         results.append(r)

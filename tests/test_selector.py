@@ -337,7 +337,6 @@ def test_successor_spread():
 @pytest.mark.parametrize("case", ["random", "clustered", "ties", "few_finite"])
 def test_topk_prefilter_exact(case):
     """The sampled pre-filter path and its radix fallback both give lax.top_k's positions."""
-    from sfi_jax.selector import select as _  # noqa: F401
     import importlib
 
     sel = importlib.import_module("sfi_jax.selector.select")

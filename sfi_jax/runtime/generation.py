@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
