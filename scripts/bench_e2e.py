@@ -174,6 +174,36 @@ def selector_time(cfg, B, ctx, sfi, reps=5):
     return statistics.median(ts)
 
 
+def repack_time(cfg, B, S, sfi, slots, reps=5):
+    """The repack alone: one gather of sink + selected K/V from the cache and one scatter into
+    the compact buffers, for every layer and `slots` refreshed rows (as the engine does)."""
+    L, Hkv, D, C = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, sfi.compact_size
+    shape = (L, B, Hkv, S, D)
+    k = jax.random.normal(jax.random.key(4), shape, jnp.bfloat16)
+    ck = jnp.zeros((L, B, Hkv, C, D), jnp.bfloat16)
+    pos = jnp.sort(jax.random.randint(jax.random.key(5), (L, slots, Hkv, C), 0, S), axis=-1)
+    rows = jnp.arange(slots, dtype=jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def f(ck, k, pos):
+        idx = (jnp.arange(L)[:, None, None, None], rows[None, :, None, None],
+               jnp.arange(Hkv)[None, None, :, None], pos)
+        return ck.at[:, rows].set(k[idx], mode="drop", unique_indices=True,
+                                  indices_are_sorted=True)
+
+    ck = f(ck, k, pos)
+    jax.block_until_ready(ck)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(5):
+            ck = f(ck, k, pos)
+        jax.block_until_ready(ck)
+        ts.append((time.perf_counter() - t) / 5)
+    del k
+    return 2 * statistics.median(ts)  # K and V
+
+
 def bytes_model(cfg, B, ctx, sfi, slow_share, bw):
     """Predicted step times from bytes moved over the measured copy bandwidth."""
     L, Hkv, D, Hq = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_q_heads
@@ -259,9 +289,10 @@ def bench_one(name, cfg, params, ctx, args, bw, limit):
     fast_step = (time.perf_counter() - t) / n
     del state
     sel = selector_time(cfg, 1, ctx, sfi)  # the engine selects per occupied slot
+    repack = repack_time(cfg, 1, ctx, sfi, 1)  # one refreshed row, all layers
     attn_dense = attention_time(cfg, B, ctx)
     rec.update(sfi_step_s=sfi_step, sfi_tokens_per_s=B / sfi_step, slow_share=slow_share,
-               fast_step_s=fast_step, slow_step_s=slow_step, selector_row_s=sel,
+               fast_step_s=fast_step, slow_step_s=slow_step, selector_row_s=sel, repack_row_s=repack,
                dense_attention_step_s=attn_dense,
                dense_attention_share=attn_dense / dense_step, speedup=dense_step / sfi_step)
     rec.update(bytes_model(cfg, B, ctx, sfi, slow_share, bw))
@@ -322,6 +353,10 @@ def engine_check():
     return out
 
 
+def _ms(seconds):
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def targets(records):
     """Issue 6's targets, each met or missed by how much (rows of the report's table)."""
     rows = []
@@ -365,15 +400,16 @@ def write_outputs(records, meta, out, notes=None):
              "Floor = bytes-model time (weights + KV bytes read per step / copy bandwidth); "
              "'of floor' = floor / measured (1.0 = at the bandwidth limit).", "",
              "| model | ctx | batch | dense tok/s | SFI tok/s | speedup | slow share | "
-             "fast step ms | slow step ms (all slots refreshed) | selector ms per refreshed row | dense attn share | "
-             "dense of floor | SFI of floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fast step ms | slow step ms (all slots refreshed) | selector ms per refreshed row | "
+             "repack ms per refreshed row | dense attn share | dense of floor | SFI of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(
             f"| {r['model']} | {r['context']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | "
             f"{r['sfi_tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['slow_share']:.3f} | "
             f"{r['fast_step_s'] * 1e3:.2f} | {r['slow_step_s'] * 1e3:.2f} | "
             f"{r.get('selector_row_s', r.get('selector_step_s', float('nan'))) * 1e3:.2f} | "
+            f"{_ms(r.get('repack_row_s'))} | "
             f"{r['dense_attention_share']:.2f} | "
             f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
     lines += ["", "## Targets (issue 6)", "", "| target | result |", "|---|---|"]
