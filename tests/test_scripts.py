@@ -1,0 +1,45 @@
+"""The GPU benchmark scripts run end to end on a CPU in their smoke modes (tiny configs), and
+their reports say what the results say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
+
+
+def _run(*args, timeout=600):
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                         cwd=os.path.dirname(HERE))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_bench_e2e_smoke_and_merge(tmp_path):
+    out = tmp_path / "run"
+    _run(os.path.join(SCRIPTS, "bench_e2e.py"), "--smoke", "--out", str(out))
+    data = json.loads((out / "e2e.json").read_text())
+    (rec,) = data["results"]
+    for key in ("dense_tokens_per_s", "sfi_tokens_per_s", "fast_step_s", "slow_step_s",
+                "selector_row_s", "repack_row_s", "slow_share", "dense_attention_share",
+                "pred_dense_step_s", "pred_sfi_step_s", "dense_of_floor", "sfi_of_floor"):
+        assert rec[key] > 0, key
+    assert 0.0 < rec["slow_share"] < 1.0
+    assert abs(rec["speedup"] - rec["dense_step_s"] / rec["sfi_step_s"]) < 1e-9
+    # merging two runs keeps both records, their commands and the notes
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Notes\nsome analysis\n")
+    merged = tmp_path / "merged"
+    _run(os.path.join(SCRIPTS, "bench_e2e.py"), "--merge", str(out / "e2e.json"),
+         str(out / "e2e.json"), "--notes", str(notes), "--out", str(merged))
+    md = (merged / "e2e.md").read_text()
+    assert md.count("| tiny | 2560 |") == 2 and "some analysis" in md
+    sfi = rec["sfi_of_floor"]
+    want = "met" if sfi >= 0.75 else f"missed: {sfi:.2f}-{sfi:.2f}"
+    assert f"| SFI arm >= 0.75 of its bytes floor | {want}" in md
+    rows = json.loads((merged / "e2e.json").read_text())["results"]
+    assert len(rows) == 2 and all("--smoke" in r["command"] for r in rows)
