@@ -41,6 +41,9 @@ from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.runtime.state import DecodeState, empty_sfi_state  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_selector import timeit  # noqa: E402
+
 TRIGGER_ID = 13
 
 
@@ -163,15 +166,7 @@ def selector_time(cfg, B, ctx, sfi, reps=5):
     lo = jnp.full((B,), sfi.n_sink, jnp.int32)
     hi = jnp.full((B,), ctx - sfi.n_recent, jnp.int32)
     f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=sfi.topk_impl))
-    f(logits, norms).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(5):
-            out = f(logits, norms)
-        out.block_until_ready()
-        ts.append((time.perf_counter() - t) / 5)
-    return statistics.median(ts)
+    return timeit(f, logits, norms, iters=5, repeats=reps) / 1e6
 
 
 def repack_time(cfg, B, S, sfi, slots, reps=5):
@@ -316,13 +311,7 @@ def attention_time(cfg, B, ctx, reps=5):
             return c + dense_decode(q + c, k, k, lengths).astype(jnp.float32).mean(), None
         return jax.lax.scan(body, jnp.float32(0), None, length=cfg.num_layers)[0]
 
-    f(q, k).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(q, k).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return timeit(f, q, k, iters=1, repeats=reps) / 1e6
 
 
 def engine_check():

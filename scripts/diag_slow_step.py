@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_e2e as be  # noqa: E402
+from bench_selector import timeit  # noqa: E402
 from profile_decode import big_copies, kernel_stats  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
@@ -42,16 +43,9 @@ from sfi_jax.runtime.state import DecodeState  # noqa: E402
 selmod = importlib.import_module("sfi_jax.selector.select")
 
 
-def timeit(f, *args, reps=5, inner=5):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / inner)
-    return statistics.median(ts)
+def ms(f, *args, reps=5, inner=5):
+    """Median time of f(*args) in ms (the shared timer of bench_selector.py)."""
+    return timeit(f, *args, iters=inner, repeats=reps) / 1e3
 
 
 def time_and_profile(fn, params, st, eos, trig, forced, n, top):
@@ -81,33 +75,25 @@ def selector_parts(cfg, ctx, sfi):
     hi = jnp.full((L,), ctx - sfi.n_recent, jnp.int32)
     scores = jax.jit(lambda lg, n: selmod.selector_scores(lg, n, lo, hi, sfi))
     z = scores(logits, norms)
-    out = {"scores": timeit(scores, logits, norms) * 1e3}
-    ref = None
-    for name, blocked, radix in (("thr_r4_blocked", True, 4), ("thr_r4_cumsum", False, 4),
-                                 ("thr_r1_blocked", True, 1), ("thr_r2_blocked", True, 2),
-                                 ("thr_r8_blocked", True, 8)):
-        selmod.BLOCKED_CUMSUM = blocked
-        f = jax.jit(lambda z, r=radix: selmod._topk_threshold(z, sfi.k_select, sfi.k_select, r))
-        out[name] = timeit(f, z) * 1e3
-        got = np.asarray(f(z))
-        if ref is None:
-            ref = got
-        out[name + "_same"] = bool((got == ref).all())
-        keys = selmod._sortable_keys(z)
-        g = jax.jit(lambda k, r=radix: selmod._kth_largest_key(k, sfi.k_select, r))
-        out[name.replace("thr", "kth").replace("_blocked", "").replace("_cumsum", "_c")] = \
-            timeit(g, keys) * 1e3
-    selmod.BLOCKED_CUMSUM = True
-    f = jax.jit(lambda z: selmod._topk_lax(z, sfi.k_select, sfi.k_select))
-    out["lax_top_k"] = timeit(f, z) * 1e3
-    out["lax_same"] = bool((np.asarray(f(z)) == ref).all())
-    cnt = jax.jit(lambda m: selmod._count_prefix(m))
+    out = {"scores": ms(scores, logits, norms)}
+    k = sfi.k_select
+    ref = np.asarray(selmod._topk_lax(z, k, k))
+    keys = selmod._sortable_keys(z)
+    for bits in (1, 2, 4, 8):  # the radix search alone, and with its compaction
+        f = jax.jit(lambda z, r=bits: selmod._topk_threshold(z, k, k, r))
+        out[f"thr_r{bits}"] = ms(f, z)
+        out[f"thr_r{bits}_same"] = bool((np.asarray(f(z)) == ref).all())
+        out[f"kth_r{bits}"] = ms(jax.jit(lambda x, r=bits: selmod._kth_largest_key(x, k, r)),
+                                 keys)
+    f = jax.jit(lambda z: selmod._topk_prefiltered(z, k, k, 4))
+    out["prefiltered"] = ms(f, z)
+    out["prefiltered_same"] = bool((np.asarray(f(z)) == ref).all())
+    out["lax_top_k"] = ms(jax.jit(lambda z: selmod._topk_lax(z, k, k)), z)
     m = z > 0
-    out["count_prefix_blocked"] = timeit(cnt, m) * 1e3
-    out["count_prefix_cumsum"] = timeit(jax.jit(lambda m: jnp.cumsum(m, -1, dtype=jnp.int32)),
-                                        m) * 1e3
+    out["count_prefix_blocked"] = ms(jax.jit(selmod._count_prefix), m)
+    out["count_prefix_cumsum"] = ms(jax.jit(lambda m: jnp.cumsum(m, -1, dtype=jnp.int32)), m)
     full = jax.jit(lambda lg, n: selmod.select(lg, n, lo, hi, sfi, topk_impl="threshold"))
-    out["select_threshold"] = timeit(full, logits, norms) * 1e3
+    out["select_threshold"] = ms(full, logits, norms)
     return out
 
 
@@ -127,7 +113,7 @@ def dense_row(cfg, ctx):
                 extra = r[1][0, 0, 0] * 0 if logits else 0.0
                 return c + o.astype(jnp.float32).mean() + extra, None
             return jax.lax.scan(body, jnp.float32(0), None, length=cfg.num_layers)[0]
-        out["with_logits" if logits else "no_logits"] = timeit(f, q, k, reps=3, inner=3) * 1e3
+        out["with_logits" if logits else "no_logits"] = ms(f, q, k, reps=3, inner=3)
     return out
 
 

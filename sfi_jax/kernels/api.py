@@ -7,17 +7,12 @@ off its own platform runs in interpret mode, so both kernels can be tested on a 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from sfi_jax.backend import platform as _platform
 from sfi_jax.kernels import reference
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
-
-
-def _platform():
-    p = jax.default_backend()
-    return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
 def _resolve(impl):

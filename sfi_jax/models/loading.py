@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from sfi_jax.backend import on_gpu
 from sfi_jax.models import gguf_loader
 from sfi_jax.models.config import PRESETS, ModelConfig
 from sfi_jax.models.modeling import Model, param_shapes, stack_layers
@@ -65,7 +66,7 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
 
 def _maybe_split(model: Model, split_layers, mesh) -> Model:
     if split_layers is None:
-        split_layers = jax.default_backend() in ("gpu", "cuda", "rocm")
+        split_layers = on_gpu()
     return model.split_layers(fuse_qkv=mesh is None) if split_layers else model
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 
 from sfi_jax.config import SFIConfig
@@ -36,7 +37,7 @@ def _layer_unroll():
     env = os.environ.get("SFI_JAX_LAYER_UNROLL")
     if env:
         return True if env == "all" else max(1, int(env))
-    return 6 if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
+    return 6 if on_gpu() else 1
 
 
 # ----------------------------------------------------------------------------- prefill

@@ -270,6 +270,12 @@ def _big(st):
     return None if st is None else (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
 
 
+def _big_specs(plan):
+    """Specs of `_big`'s arrays: rows over the batch axis, KV heads over the head axis."""
+    h = plan.per_head
+    return (h(5, lead=1), h(5, lead=1), h(3, lead=1), h(4, lead=1), h(4, lead=1))
+
+
 def _with_big(st, big):
     return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4])
 
@@ -291,7 +297,7 @@ def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, buf, l, pos, dense_rows, sl
     heads3 = h(3)  # q, kk, vv [B, H, D]
     cache = h(5, lead=1)
     big = _big(st)
-    big_specs = (cache, cache, h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    big_specs = _big_specs(plan)
     mask = None if slots is None else jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(q, kk, vv, k, v, big, buf, l, pos, dense_rows, mask):
@@ -322,7 +328,7 @@ def select_all_layers(plan: ShardPlan, fn, st, buf, k, v, pos, slots):
     n_slots = slots.shape[0]
     row, h = plan.rows, plan.per_head
     cache = h(5, lead=1)
-    big_specs = (cache, cache, h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    big_specs = _big_specs(plan)
     mask = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(big, buf, k, v, pos, mask):

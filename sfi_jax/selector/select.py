@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sfi_jax.backend import on_gpu
 from sfi_jax.config import SFIConfig
 
 NEG_INF = float("-inf")
@@ -192,16 +193,11 @@ def _kth_largest_key(keys, k: int, radix_bits: int):
     return prefix
 
 
-BLOCKED_CUMSUM = True  # running counts by block matmuls (False: lax.cumsum)
-
-
 def _count_prefix(mask):
     """Inclusive running count of True along the last axis, int32. Blocks of 128 are counted by
     one matmul with a triangular matrix (exact: block counts <= 128, totals < 2**24), then the
     block offsets by a short cumsum: a few passes over the data on the GPU, where a cumsum over
     a long axis is a many-pass scan."""
-    if not BLOCKED_CUMSUM:
-        return jnp.cumsum(mask, axis=-1, dtype=jnp.int32)
     size = mask.shape[-1]
     blk = 128
     nb = -(-size // blk)
@@ -227,7 +223,7 @@ def _topk_threshold(scores, k: int, out_k: int, radix_bits: int):
     # count of selected positions reaches j + 1 (a gather per slot; a scatter over every
     # position was the slowest part of the selector on the GPU).
     size = scores.shape[-1]
-    pos = _compact_true(sel.reshape(-1, size), out_k)
+    pos, _ = _compact_true(sel.reshape(-1, size), out_k)
     return pos.reshape(scores.shape[:-1] + (out_k,))
 
 
@@ -255,21 +251,19 @@ def _prefilter(rows, k: int, plan):
     stride, rank, cap = plan
     sample = rows[:, ::stride]
     t_lo = lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
-    keep = (rows >= t_lo) & (rows > NEG_INF)
-    n = jnp.sum(keep, axis=-1, dtype=jnp.int32)
-    ok = jnp.all((n >= k) & (n <= cap))
-    pos = _compact_true(keep, cap)
-    return pos, ok
+    pos, n = _compact_true((rows >= t_lo) & (rows > NEG_INF), cap)
+    return pos, jnp.all((n >= k) & (n <= cap))
 
 
 def _compact_true(mask, out_k: int):
-    """Positions of the True entries of mask [N, S], ascending, the first out_k, -1 padded.
-    Binary search of the running count (a gather per output slot; a scatter over every position
-    was the slowest part of the selector on the GPU)."""
+    """Positions of the True entries of mask [N, S], ascending, the first out_k, -1 padded, and
+    the count of True per row. Binary search of the running count (a gather per output slot; a
+    scatter over every position was the slowest part of the selector on the GPU)."""
     count = _count_prefix(mask)
     want = jnp.arange(1, out_k + 1, dtype=jnp.int32)
     pos = jax.vmap(lambda c: jnp.searchsorted(c, want, side="left", method="scan_unrolled"))(count)
-    return jnp.where(want[None, :] <= count[:, -1:], pos, -1).astype(jnp.int32)
+    total = count[:, -1]
+    return jnp.where(want[None, :] <= total[:, None], pos, -1).astype(jnp.int32), total
 
 
 def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int):
@@ -320,7 +314,7 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
     if impl == "auto":  # the radix threshold measured faster on the H200 (16K-128K)
-        impl = "threshold" if jax.default_backend() in ("gpu", "cuda", "rocm") else "lax"
+        impl = "threshold" if on_gpu() else "lax"
     if radix_bits not in (1, 2, 4, 8):
         raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
