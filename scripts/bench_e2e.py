@@ -23,7 +23,8 @@ import statistics
 import sys
 import time
 
-# the KV cache is most of the device: let JAX take more of it than its 75% default
+# the KV cache is most of the device: let JAX take more of it than its 75% default (an
+# environment that sets its own fraction keeps it; the report records the device's limit)
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import jax  # noqa: E402
@@ -223,12 +224,13 @@ def bytes_model(cfg, B, ctx, sfi, slow_share, bw):
                 pred_sfi_step_s=t_sfi)
 
 
-def bench_one(name, cfg, params, ctx, args, bw, limit):
+def bench_one(name, cfg, params, ctx, args, bw, limit, max_batch=None):
     sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl)
     n = args.chunk_steps
     chunks = max(1, args.new_tokens // n)
     S = ctx + (chunks + 3) * n + 128
-    B = pick_batch(cfg, ctx, args.batch, S, sfi, limit)
+    B = pick_batch(cfg, ctx, min(args.batch, max_batch or args.batch), S, sfi, limit)
+    _last_batch[0] = B
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
     sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, refresh_rows=slots)
@@ -294,6 +296,33 @@ def bench_one(name, cfg, params, ctx, args, bw, limit):
     rec["dense_of_floor"] = rec["pred_dense_step_s"] / dense_step
     rec["sfi_of_floor"] = rec["pred_sfi_step_s"] / sfi_step
     return rec
+
+
+def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=3):
+    """bench_one at the largest batch that fits; when the decode loop still runs out of memory
+    (XLA temporaries the estimate does not count, e.g. MoE routing), one row fewer, and the
+    record says which batches failed."""
+    failed, cap = [], None
+    for _ in range(tries):
+        try:
+            rec = bench_one(name, cfg, params, ctx, args, bw, limit, max_batch=cap)
+            if failed:
+                rec["batches_out_of_memory"] = failed
+            return rec
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            b = _last_batch[0]
+            failed.append(b)
+            print(f"{name} {ctx}: batch {b} ran out of memory; trying {b - 1}", flush=True)
+            if b <= 1:
+                raise
+            cap = b - 1
+            jax.clear_caches()
+    raise SystemExit(f"{name} at {ctx}: out of memory at batches {failed}")
+
+
+_last_batch = [0]
 
 
 def attention_time(cfg, B, ctx, reps=5):
@@ -490,6 +519,10 @@ def main(argv=None):
     meta = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
                 jax=jax.__version__, python=platform.python_version(), copy_bw_tbs=bw / 1e12,
                 command="python " + " ".join(sys.argv), fill=args.fill,
+                device_bytes_limit=limit,
+                mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
+                refresh_cond=os.environ.get("SFI_JAX_REFRESH_COND", "0"),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
@@ -511,8 +544,9 @@ def main(argv=None):
             params["layers"] = split_layers(params["layers"], fuse_qkv=True)
         for ctx in contexts:
             t = time.perf_counter()
-            rec = bench_one(name, cfg, params, ctx, args, bw, limit)
+            rec = bench_fitting(name, cfg, params, ctx, args, bw, limit)
             rec["wall_s"] = time.perf_counter() - t
+            rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"])
             records.append(rec)
             print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in rec.items()}), flush=True)

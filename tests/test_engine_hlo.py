@@ -24,7 +24,7 @@ CFG = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
 B, S, N = 4, 384, 4
 
 
-def _big_copies(sfi, split: bool):
+def _big_copies(sfi, split: bool, impl: str = "auto"):
     params = random_params(CFG, "float32", 0)
     if split:
         params["layers"] = split_layers(params["layers"], fuse_qkv=True)
@@ -41,7 +41,8 @@ def _big_copies(sfi, split: bool):
     mask = jnp.zeros((CFG.vocab_size,), bool)
     forced = jnp.zeros((B, N), jnp.int32)
     text = engine.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
-                                     sampling=SamplingConfig(), n_steps=N).compile().as_text()
+                                     sampling=SamplingConfig(), n_steps=N,
+                                     impl=impl).compile().as_text()
     dims = [("bf16", shape)]
     if sfi is not None:
         dims.append(("bf16", (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size,
@@ -59,3 +60,10 @@ def _big_copies(sfi, split: bool):
                                                 refresh_rows=2)], ids=["dense", "sfi"])
 def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
+
+
+def test_gpu_kernel_writes_logits_in_place():
+    """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
+    logits into the scratch buffer through an aliased output, without copying it."""
+    sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
+    assert _big_copies(sfi, True, impl="pallas_gpu") == []

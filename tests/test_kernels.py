@@ -110,6 +110,39 @@ def test_dense_layer_and_rows_read_in_place(impl):
     assert _rel(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+def test_dense_logits_into_buffer(impl):
+    """Logits written into layer l of a stacked buffer: the valid positions equal the
+    reference, other layers stay as they were; the GPU kernel also leaves positions past a
+    row's length (all of an empty row) untouched and skips empty rows' splits."""
+    n_layers, b, hq, hkv, s, d = 3, 4, 8, 2, 200, 64
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    k = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    v = _rand(ks[2], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    rows = jnp.asarray([2, 0, 3], jnp.int32)
+    q = _rand(ks[0], (3, hq, d), jnp.bfloat16)
+    lens = jnp.asarray([200, 0, 71], jnp.int32)
+    buf = _rand(ks[3], (n_layers, 3, hq, s), jnp.float32)
+    before = np.asarray(buf)
+    kw = dict(config=GPU_CFG, interpret=True) if impl == "pallas_gpu" else {}
+    fn = gpu.dense_decode if impl == "pallas_gpu" else (
+        lambda *a, **k_: api.dense_decode(*a[:4], layer=a[4], rows=a[5], impl="xla", **k_))
+    out, new, lse = fn(q, k, v, lens, jnp.int32(1), rows, logits_into=buf, **kw)
+    r_out, r_lg, r_lse = reference.dense_decode(q, k[1][rows], v[1][rows], lens,
+                                                return_logits=True)
+    assert _rel(out, r_out) <= TOL[jnp.bfloat16]
+    _close_logits(lse, r_lse, 1e-5)
+    new = np.asarray(new)
+    np.testing.assert_array_equal(new[[0, 2]], before[[0, 2]])
+    for i, n in enumerate(np.asarray(lens)):
+        assert _rel(new[1, i, :, :n], r_lg[i, :, :n]) <= 1e-5 if n else True
+        if impl == "pallas_gpu":
+            np.testing.assert_array_equal(new[1, i, :, n:], before[1, i, :, n:])
+    assert not np.asarray(out[1]).any() and np.isneginf(np.asarray(lse[1])).all()
+    with pytest.raises(ValueError, match="logits_into"):
+        api.dense_decode(q, k, v, lens, layer=1, rows=rows, logits_into=buf[:, :2])
+
+
 def _sparse_inputs(key, *, b, hq, hkv, s, c, d, dtype, layers=None):
     ks = jax.random.split(key, 5)
     pre = (layers,) if layers else ()

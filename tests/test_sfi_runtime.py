@@ -245,6 +245,27 @@ def test_tmax_one_refresh_slot(per_row_runs):
     assert np.all(np.isfinite(res.stats["logits"]))
 
 
+# ---------------------------------------------------------------- GPU kernels in the loop
+
+@pytest.mark.parametrize("cond", ["0", "1"], ids=["unconditional", "cond"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond):
+    """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
+    runs every step and writes the logits straight into the scratch buffer (the GPU default),
+    or behind a condition (SFI_JAX_REFRESH_COND=1); both give the xla path's logits."""
+    prompts, forced, runs = per_row_runs
+    monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
+    import jax
+
+    jax.clear_caches()  # the engine reads the switch at trace time
+    got = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL,
+                           trigger_ids=[TRIGGER], forced_tokens=forced, stop_at_eos=False,
+                           return_logits=True, impl="pallas_gpu")
+    want = runs["sfi"]
+    assert got.stats["slow_steps"] == want.stats["slow_steps"]
+    assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
+    jax.clear_caches()
+
+
 # ---------------------------------------------------------------- split (per-layer) weights
 
 def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, tmp_path):

@@ -23,6 +23,13 @@ def _resolve(impl):
     return impl
 
 
+def skips_empty_rows(impl) -> bool:
+    """True when `dense_decode(..., logits_into=...)` does next to no work for rows of length 0
+    (the GPU kernel): a caller may then run it unconditionally instead of behind a `lax.cond`
+    (each of which costs a device-to-host round trip per step on GPU)."""
+    return _resolve(impl) == "pallas_gpu"
+
+
 def _interpret(impl):
     """Interpret mode (value for pallas_call's `interpret`) when off the kernel's platform."""
     if impl == "pallas_gpu":
@@ -57,28 +64,48 @@ def _check(q, k, v, lengths, layer):
         raise ValueError(f"lengths has shape {lengths.shape}; expected ({q.shape[0]},)")
 
 
-def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None):
+def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
+                 logits_into=None):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
     rows: int32 [R]; q and lengths then have R rows and row i reads cache row rows[i].
     Returns out [B, Hq, D], or with return_logits (out, logits f32 [B, Hq, S] with -inf at
     ignored positions, lse f32 [B, Hq]). A row of length 0 gives zeros and lse -inf.
+    logits_into: a float32 buffer [L, B, Hq, S] (L as the stacked cache; 1 without `layer`);
+    returns (out, the buffer with the logits in layer `layer`, lse). Positions at or past a
+    row's length are unspecified (the GPU kernel leaves them as they were and does no work for
+    a row of length 0; other implementations write -inf). Donate the buffer to update it in
+    place.
     """
     _check(q, k, v, lengths, layer)
     if rows is not None and rows.shape != (q.shape[0],):
         raise ValueError(f"rows has shape {rows.shape}; expected ({q.shape[0]},)")
+    want = ((k.shape[0] if layer is not None else 1),) + q.shape[:2] + (k.shape[-2],)
+    if logits_into is not None and (logits_into.shape != want or
+                                    logits_into.dtype != jnp.float32):
+        raise ValueError(f"logits_into is {logits_into.dtype}{list(logits_into.shape)}; "
+                         f"expected float32{list(want)}")
     impl = _resolve(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
-    if impl == "xla":
-        return reference.dense_decode(q, k, v, lengths, return_logits=return_logits,
-                                      layer=layer, rows=rows)
     if impl == "pallas_gpu":
-        from sfi_jax.kernels import gpu as mod
+        from sfi_jax.kernels import gpu
+
+        return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
+                                logits_into=logits_into, interpret=_interpret(impl))
+    if impl == "xla":
+        res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
+                                     return_logits=return_logits or logits_into is not None)
     else:
-        from sfi_jax.kernels import tpu as mod
-    return mod.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
-                            interpret=_interpret(impl))
+        from sfi_jax.kernels import tpu
+
+        res = tpu.dense_decode(q, k, v, lengths, layer, rows,
+                               return_logits=return_logits or logits_into is not None,
+                               interpret=_interpret(impl))
+    if logits_into is None:
+        return res
+    at = 0 if layer is None else layer
+    return res[0], logits_into.at[at].set(res[1]), res[2]
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,

@@ -107,16 +107,26 @@ def _load_q(q_ref, r, h, group, dp, dmask, dtype):
     return q.astype(dtype), gmask, mask
 
 
-def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask):
+def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask, keep=True):
+    """Store a split's (acc, m, l); keep=False (a traced bool) skips the stores of a split the
+    merge will not read."""
     acc, m, l = carry
     rows = pl.ds(h * group, _ROWS)
-    plgpu_triton.store(o_ref.at[r, j, rows, pl.ds(0, dp)], acc, mask=omask)
-    plgpu_triton.store(m_ref.at[r, j, rows], m, mask=gmask)
-    plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask)
+    plgpu_triton.store(o_ref.at[r, j, rows, pl.ds(0, dp)], acc, mask=omask & keep)
+    plgpu_triton.store(m_ref.at[r, j, rows], m, mask=gmask & keep)
+    plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
-def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                  *logit_refs, group, split, s_len, d, dp, bk, scale, precision):
+def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
+                  d, dp, bk, scale, precision, logits, into):
+    """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
+    [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
+    fill: the reader masks them)."""
+    if into:
+        _, o_ref, m_ref, l_ref, logit_ref = refs  # refs[0] is the aliased input
+    else:
+        o_ref, m_ref, l_ref = refs[:3]
+        logit_ref = refs[3] if logits else None
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, row = layer_ref[0], rows_ref[r]
     dmask = None if dp == d else jnp.arange(dp) < d
@@ -125,27 +135,30 @@ def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_re
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
     idx = jnp.arange(bk)
-    logits = None
-    if logit_refs:
+    store = None
+    if logits:
+        at, limit = ((layer, r), hi) if into else ((r,), end)
 
-        def logits(blk, s):
-            cmask = (blk + idx) < end
-            plgpu_triton.store(logit_refs[0].at[r, pl.ds(h * group, _ROWS), pl.ds(blk, bk)], s,
+        def store(blk, s):
+            cmask = (blk + idx) < limit
+            plgpu_triton.store(logit_ref.at[(*at, pl.ds(h * group, _ROWS), pl.ds(blk, bk))], s,
                                mask=gmask[:, None] & cmask[None, :])
 
     carry = _attend(q, k_ref, v_ref, (layer, row, h), start, hi, _init(dp), bk=bk, dp=dp,
-                    dmask=dmask, scale=scale, precision=precision, logits=logits)
-    if logit_refs:
+                    dmask=dmask, scale=scale, precision=precision, logits=store)
+    if logits and not into:
         # Blocks of this split past the row's length: -inf, without reading K.
         done = start + pl.cdiv(jnp.maximum(hi - start, 0), bk) * bk
         neg = jnp.full((_ROWS, bk), -jnp.inf, jnp.float32)
 
         def fill(i, c):
-            logits(done + i * bk, neg)
+            store(done + i * bk, neg)
             return c
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
-    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
+    # a split past the row's length stores nothing (the merge reads only the row's splits)
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
+                   keep=start < hi)
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
@@ -172,17 +185,17 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_splits, nsp, d, dp):
-    """One query head of one row: merge its per-split partials exactly."""
+def _combine_kernel(valid_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_splits, nsp, d, dp):
+    """One query head of one row: merge its first valid_ref[r] per-split partials exactly."""
     r, h = pl.program_id(0), pl.program_id(1)
-    jmask = jnp.arange(nsp) < n_splits
+    jmask = jnp.arange(nsp) < jnp.minimum(valid_ref[r], n_splits)
     dmask = jnp.arange(dp) < d
     m = plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=-jnp.inf)
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
     o = plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), h, pl.ds(0, dp)],
                           mask=jmask[:, None] & dmask[None, :], other=0.0)
     mx = jnp.max(m)
-    w = jnp.exp(m - mx)
+    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
     lsum = jnp.sum(l * w)
     acc = jnp.sum(o * w[:, None], axis=0)
     ok = lsum > 0
@@ -192,25 +205,29 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_splits, nsp, d, 
                                                    -jnp.inf))
 
 
-def _combine_xla(o, m, l, dtype):
+def _combine_xla(o, m, l, valid, dtype):
+    jmask = jnp.arange(m.shape[1])[None, :, None] < valid[:, None, None]
+    m = jnp.where(jmask, m, -jnp.inf)
     mx = jnp.max(m, axis=1)
-    w = jnp.exp(m - mx[:, None])
-    lsum = jnp.sum(l * w, axis=1)
-    acc = jnp.sum(o * w[..., None], axis=1)
+    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None]), 0.0)
+    lsum = jnp.sum(jnp.where(jmask, l, 0.0) * w, axis=1)
+    acc = jnp.sum(jnp.where(jmask[..., None], o, 0.0) * w[..., None], axis=1)
     ok = lsum > 0
     out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
     return out.astype(dtype), lse
 
 
-def _combine(o, m, l, dtype, interpret):
-    """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq].
+def _combine(o, m, l, valid, dtype, interpret):
+    """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
+    first valid[r] splits (the others were not written).
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
     """
+    valid = valid.astype(jnp.int32)
     if not PALLAS_COMBINE:
-        return _combine_xla(o, m, l, dtype)
+        return _combine_xla(o, m, l, valid, dtype)
     n_rows, n_splits, hq, d = o.shape
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp)
@@ -224,7 +241,7 @@ def _combine(o, m, l, dtype, interpret):
                    jax.ShapeDtypeStruct((n_rows, hq), jnp.float32)],
         compiler_params=plgpu_triton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="sfi_decode_combine",
-    )(o, m, l)
+    )(valid, o, m, l)
 
 
 def _as_stack(k, layer):
@@ -242,11 +259,19 @@ def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"),
+                   donate_argnames=("logits_into",))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
-                 interpret=False, config=None):
-    """Dense decode attention (see kernels.api.dense_decode); one pass over K and V."""
-    cfg = config or (DENSE_LOGITS if return_logits else DENSE)
+                 logits_into=None, interpret=False, config=None):
+    """Dense decode attention (see kernels.api.dense_decode); one pass over K and V.
+
+    logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
+    whose layer `layer` receives the logits in place; returns (out, buffer, lse). Positions at
+    or past a row's length keep their old values, and a row of length 0 costs next to nothing:
+    the engine calls it every step for its refresh slots, empty ones included.
+    """
+    into = logits_into is not None
+    cfg = config or (DENSE_LOGITS if (return_logits or into) else DENSE)
     k, layer_arr = _as_stack(k, layer)
     v, _ = _as_stack(v, layer)
     n_rows, hq, d = q.shape
@@ -254,24 +279,35 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     group = hq // hkv
     if group > _ROWS:
         raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
+    if into and logits_into.shape != (k.shape[0], n_rows, hq, s_len):
+        raise ValueError(f"logits_into has shape {logits_into.shape}; expected "
+                         f"{(k.shape[0], n_rows, hq, s_len)}")
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    lengths = lengths.astype(jnp.int32)
     dp = _pow2(d)
     bk = min(cfg.block_k, max(16, _pow2(s_len)))
     split, n_splits = _splits(s_len, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
-        scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+        scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
+        logits=return_logits or into, into=into)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
-    if return_logits:
+    args = [layer_arr, rows, lengths, q, k, v]
+    if into:
+        out_shape.append(jax.ShapeDtypeStruct(logits_into.shape, jnp.float32))
+        args.append(logits_into.astype(jnp.float32))
+    elif return_logits:
         out_shape.append(jax.ShapeDtypeStruct((n_rows, hq, s_len), jnp.float32))
     res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
+        input_output_aliases={6: 3} if into else {},
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
-    )(layer_arr, rows, lengths.astype(jnp.int32), q, k, v)
-    out, lse = _combine(res[0], res[1], res[2], q.dtype, interpret)
-    if return_logits:
+    )(*args)
+    valid = -(-jnp.clip(lengths, 0, s_len) // split)
+    out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret)
+    if return_logits or into:
         return out, res[3], lse
     return out
 
@@ -306,4 +342,4 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
       lengths.astype(jnp.int32), q, ck, cv, k, v)
-    return _combine(o, m, l, q.dtype, interpret)[0]
+    return _combine(o, m, l, jnp.full((n_rows,), n_splits, jnp.int32), q.dtype, interpret)[0]

@@ -19,6 +19,7 @@ import numpy as np
 
 from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
+from sfi_jax.kernels.api import skips_empty_rows
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -38,6 +39,12 @@ def _layer_unroll():
     if env:
         return True if env == "all" else max(1, int(env))
     return 6 if on_gpu() else 1
+
+
+def _refresh_unconditionally(impl):
+    """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
+    empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
+    return skips_empty_rows(impl) and os.environ.get("SFI_JAX_REFRESH_COND") != "1"
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -342,7 +349,15 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     def without(buf):
         return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
 
-    buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
+    if qh is None and _refresh_unconditionally(impl):
+        # the GPU kernel writes the logits into `buf` in place and skips empty slots: no
+        # condition (a device-to-host round trip per layer and step) and no logits copy
+        flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
+        out_d, flat, _ = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
+                                      logits_into=flat)
+        buf = flat.reshape(buf.shape)
+    else:
+        buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
     attn = fast_attention(st).at[slots].set(out_d, mode="drop")
     if qh is not None:
         return attn, k, v, st, buf, qh
