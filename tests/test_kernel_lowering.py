@@ -60,3 +60,31 @@ def test_gpu_kernels_export_for_cuda(shape):
                      (_sparse_fn(gpu, 257), sparse_args)]:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_in_place_variants_export_for_cuda(shape):
+    """The engine's GPU path: the sparse kernel storing the new key/value/norm into aliased
+    caches, and the dense kernel writing logits and outputs into aliased buffers."""
+    hq, hkv, d, s, c, dtype = shape
+    sp = _specs(*shape)
+    sds = jax.ShapeDtypeStruct
+    new = sds((B, hkv, d), dtype)
+    norms = sds((L, B, hkv, s), jnp.float32)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def sparse(q, ck, cv, c_len, k, v, rs, lens, layer, kn, vn, n):
+        return gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=257,
+                                 new_kv=(kn, vn), key_norms=n)
+
+    def dense(q, k, v, lens, layer, rows, buf, out):
+        return gpu.dense_decode(q, k, v, lens, layer, rows, logits_into=buf, out_into=out,
+                                out_rows=rows)
+
+    cases = [(sparse, (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"],
+                       sp["vec"], sp["vec"], sp["layer"], new, new, norms)),
+             (dense, (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sp["vec"],
+                      sds((L, B, hq, s), jnp.float32), sds((B + 3, hq, d), dtype)))]
+    for fn, args in cases:
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()

@@ -195,6 +195,68 @@ def test_sparse_layer_read_in_place(impl):
     assert _rel(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_writes_the_new_token(impl, dtype):
+    """new_kv: the step's key/value land at position lengths - 1 of layer l (norm too), nothing
+    else changes, and the output equals the reference over the updated cache (the GPU kernel
+    attends to the new token from registers, so it never reads the position it writes)."""
+    n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 70, 64
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(21), b=b, hq=hq, hkv=hkv, s=s, c=c,
+                                     d=d, dtype=dtype, layers=n_layers)
+    ks = jax.random.split(jax.random.PRNGKey(22), 3)
+    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
+    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
+    lens = jnp.asarray([200, 1, 97], jnp.int32)  # row 1: the new token alone
+    rs = jnp.asarray([150, 0, 96], jnp.int32)  # row 2: an empty cached window
+    layer = jnp.int32(1)
+    if impl == "pallas_gpu":
+        out, k2, v2, n2 = jax.jit(lambda k, v, n: gpu.sparse_decode(
+            q, ck, cv, c_len, k, v, rs, lens, layer, window=64, new_kv=(kn, vn), key_norms=n,
+            config=GPU_CFG, interpret=True))(k, v, norms)
+    else:
+        out, k2, v2, n2 = sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer=layer,
+                                        window=64, new_kv=(kn, vn), key_norms=norms, impl=impl)
+    want_k, want_v, want_n = (np.array(x) for x in (k, v, norms))
+    for i, n in enumerate(np.asarray(lens)):
+        want_k[1, i, :, n - 1] = np.asarray(kn[i])
+        want_v[1, i, :, n - 1] = np.asarray(vn[i])
+        want_n[1, i, :, n - 1] = np.linalg.norm(np.asarray(kn[i], np.float32), axis=-1)
+    np.testing.assert_array_equal(np.asarray(k2), want_k)
+    np.testing.assert_array_equal(np.asarray(v2), want_v)
+    np.testing.assert_allclose(np.asarray(n2), want_n, rtol=1e-6)
+    ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
+                                  jnp.asarray(want_v[1]), rs, lens)
+    assert _rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+def test_dense_output_into_rows(impl):
+    """out_into: row i's output lands in row dest[i] of the given buffer (dest out of range:
+    dropped); the buffer's other rows stay as they were."""
+    b, hq, hkv, s, d = 5, 8, 2, 150, 64
+    ks = jax.random.split(jax.random.PRNGKey(31), 4)
+    k = _rand(ks[1], (b, hkv, s, d), jnp.float32)
+    v = _rand(ks[2], (b, hkv, s, d), jnp.float32)
+    rows = jnp.asarray([4, 1, 0], jnp.int32)
+    dest = jnp.asarray([4, 7, 0], jnp.int32)  # 7 >= 5: dropped
+    q = _rand(ks[0], (3, hq, d), jnp.float32)
+    lens = jnp.asarray([150, 20, 0], jnp.int32)
+    base = _rand(ks[3], (b, hq, d), jnp.float32)
+    if impl == "pallas_gpu":
+        got = gpu.dense_decode(q, k, v, lens, None, rows, out_into=base, out_rows=dest,
+                               config=GPU_CFG, interpret=True)
+    else:
+        got = api.dense_decode(q, k, v, lens, rows=rows, out_into=(base, dest), impl=impl)
+    ref = reference.dense_decode(q, k[rows], v[rows], lens)
+    want = np.array(base)
+    want[4], want[0] = np.asarray(ref[0]), np.asarray(ref[2])
+    assert _rel(got, want) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(got)[[1, 2, 3]], np.asarray(base)[[1, 2, 3]])
+    assert not np.asarray(got[0]).any()  # a row of length 0 gives zeros
+
+
 def test_sparse_equals_dense_over_the_union():
     """The compact buffer holding positions [0, P) plus the window [P, len) is dense attention."""
     b, hq, hkv, s, d, p = 2, 8, 2, 90, 64, 40

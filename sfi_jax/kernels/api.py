@@ -65,7 +65,7 @@ def _check(q, k, v, lengths, layer):
 
 
 def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
-                 logits_into=None):
+                 logits_into=None, out_into=None):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
@@ -75,8 +75,11 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     logits_into: a float32 buffer [L, B, Hq, S] (L as the stacked cache; 1 without `layer`);
     returns (out, the buffer with the logits in layer `layer`, lse). Positions at or past a
     row's length are unspecified (the GPU kernel leaves them as they were and does no work for
-    a row of length 0; other implementations write -inf). Donate the buffer to update it in
-    place.
+    a row of length 0; other implementations write -inf).
+    out_into: (buffer [N, Hq, D], dest int32 [B]): row i's output goes to buffer[dest[i]]
+    (dest >= N: dropped) and the buffer is returned as `out` (the engine merges the refreshed
+    rows into the fast rows' output this way, in the same launch on GPU).
+    Buffers passed in are updated in place inside a jitted caller that owns them.
     """
     _check(q, k, v, lengths, layer)
     if rows is not None and rows.shape != (q.shape[0],):
@@ -86,13 +89,20 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
                                     logits_into.dtype != jnp.float32):
         raise ValueError(f"logits_into is {logits_into.dtype}{list(logits_into.shape)}; "
                          f"expected float32{list(want)}")
+    if out_into is not None:
+        buf, dest = out_into
+        if buf.ndim != 3 or buf.shape[1:] != q.shape[1:] or dest.shape != (q.shape[0],):
+            raise ValueError(f"out_into is ({list(buf.shape)}, {list(dest.shape)}); expected "
+                             f"([N, {q.shape[1]}, {q.shape[2]}], [{q.shape[0]}])")
     impl = _resolve(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import gpu
 
+        buf, dest = out_into if out_into is not None else (None, None)
         return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
-                                logits_into=logits_into, interpret=_interpret(impl))
+                                logits_into=logits_into, out_into=buf, out_rows=dest,
+                                interpret=_interpret(impl))
     if impl == "xla":
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
                                      return_logits=return_logits or logits_into is not None)
@@ -102,6 +112,10 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         res = tpu.dense_decode(q, k, v, lengths, layer, rows,
                                return_logits=return_logits or logits_into is not None,
                                interpret=_interpret(impl))
+    if out_into is not None:
+        out = out_into[0].at[out_into[1]].set(
+            (res[0] if isinstance(res, tuple) else res).astype(out_into[0].dtype), mode="drop")
+        res = (out,) + res[1:] if isinstance(res, tuple) else out
     if logits_into is None:
         return res
     at = 0 if layer is None else layer
@@ -109,7 +123,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
-                  window=None):
+                  window=None, new_kv=None, key_norms=None):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -117,6 +131,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     layer: all four caches stacked over layers, read in place. window: optional static
     bound on lengths - recent_start; the TPU kernel and the xla path then read only that
     much of the cache per row (a wrong bound gives wrong results).
+    new_kv: (kn, vn) [B, Hkv, D], this step's key and value: they are first stored at
+    position lengths[b] - 1 of k, v (lengths >= 1, recent_start < lengths), and with
+    key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
+    (out, k, v, key_norms). On GPU one launch does the stores and the attention.
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -128,16 +146,46 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
         raise ValueError(f"recent_start has shape {recent_start.shape}; expected ({q.shape[0]},)")
     if window is not None and int(window) < 0:
         raise ValueError(f"window={window}; expected a non-negative int or None")
+    if new_kv is not None:
+        want = (q.shape[0], k.shape[-3], k.shape[-1])
+        if any(x.shape != want for x in new_kv):
+            raise ValueError(f"new_kv shapes {[x.shape for x in new_kv]}; expected {want} each")
+        if key_norms is not None and key_norms.shape != k.shape[:-1]:
+            raise ValueError(f"key_norms has shape {key_norms.shape}; expected {k.shape[:-1]}")
+    elif key_norms is not None:
+        raise ValueError("key_norms is written only together with new_kv")
     impl = _resolve(impl)
     c_len = jnp.asarray(c_len, jnp.int32)
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    if impl == "xla":
-        return reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
-                                       layer=layer, window=window)
     if impl == "pallas_gpu":
-        from sfi_jax.kernels import gpu as mod
+        from sfi_jax.kernels import gpu
+
+        return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
+                                 window=window, new_kv=new_kv, key_norms=key_norms,
+                                 interpret=_interpret(impl))
+    if new_kv is not None:
+        k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
+    if impl == "xla":
+        out = reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
+                                      layer=layer, window=window)
     else:
-        from sfi_jax.kernels import tpu as mod
-    return mod.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                             window=window, interpret=_interpret(impl))
+        from sfi_jax.kernels import tpu
+
+        out = tpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
+                                window=window, interpret=_interpret(impl))
+    return out if new_kv is None else (out, k, v, key_norms)
+
+
+def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
+    """Store kn, vn [B, Hkv, D] at position pos[b] of k, v [(L,) B, Hkv, S, D] (layer `layer`
+    when stacked) and, when key_norms is given, the keys' float32 L2 norms."""
+    kn, vn = new_kv
+    rows = jnp.arange(kn.shape[0])
+    at = (rows, slice(None), pos) if layer is None else (layer, rows, slice(None), pos)
+    k = k.at[at].set(kn.astype(k.dtype))
+    v = v.at[at].set(vn.astype(v.dtype))
+    if key_norms is not None:
+        norms = jnp.linalg.norm(kn.astype(jnp.float32), axis=-1)
+        key_norms = key_norms.at[at].set(norms.astype(key_norms.dtype))
+    return k, v, key_norms

@@ -161,19 +161,47 @@ def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, grou
                    keep=start < hi)
 
 
+def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_dtype):
+    """Online-softmax update with this step's key and value (one position, from registers)."""
+    kw = {} if dmask is None else dict(mask=dmask, other=0.0)
+    kn = plgpu_triton.load(kn_ref.at[r, h, pl.ds(0, dp)], **kw)
+    vn = plgpu_triton.load(vn_ref.at[r, h, pl.ds(0, dp)], **kw)
+    kc, vc = kn.astype(cache_dtype), vn.astype(cache_dtype)
+    s = jnp.sum(q.astype(jnp.float32) * kc.astype(jnp.float32)[None, :], axis=1) * scale
+    s = jnp.where(use, s, -jnp.inf)
+    acc, m, l = carry
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    acc = acc * alpha[:, None] + p[:, None] * vc.astype(jnp.float32)[None, :]
+    return (acc, m_new, l * alpha + p), kn, kc, vc
+
+
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, *, group, n_splits, s_len, c_size, d, dp, bk, scale,
-                   precision):
+                   *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
+                   write_kv, write_norms):
+    """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
+    attends to them from registers and stores them into the aliased caches (and, with
+    write_norms, the key's L2 norm into the aliased norms), so no program reads a position
+    another one writes."""
+    if write_kv:
+        kn_ref, vn_ref = refs[:2]
+        refs = refs[3:] if write_norms else refs[2:]  # skip the aliased norms input
+        o_ref, m_ref, l_ref, k_out, v_out = refs[:5]
+        n_out = refs[5] if write_norms else None
+    else:
+        o_ref, m_ref, l_ref = refs
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
     c_len = jnp.clip(clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
-    rs = jnp.clip(rs_ref[r], 0, length)
+    cached = jnp.maximum(length - 1, 0) if write_kv else length  # positions read in place
+    rs = jnp.clip(rs_ref[r], 0, cached)
     # Virtual sequence: compact prefix padded to whole blocks, then the recent window.
     c_pad = pl.cdiv(c_len, bk) * bk
-    total = c_pad + (length - rs)
+    total = c_pad + (cached - rs)
     chunk = pl.cdiv(pl.cdiv(total, n_splits), bk) * bk
     a = j * chunk
     b = jnp.minimum(a + chunk, total)
@@ -182,11 +210,26 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
                     jnp.minimum(b, c_len), _init(dp), **kw)
     carry = _attend(q, k_ref, v_ref, (layer, r, h),
                     rs + jnp.maximum(a - c_pad, 0), rs + b - c_pad, carry, **kw)
+    if write_kv:
+        first = (j == 0) & (length > 0)
+        carry, kn, kc, vc = _new_token(q, kn_ref, vn_ref, r, h, carry, first, dp=dp,
+                                       dmask=dmask, scale=scale, cache_dtype=k_out.dtype)
+        at = (layer, r, h, pl.ds(length - 1, 1))
+        row = jnp.full((1, dp), True) if dmask is None else dmask[None, :]
+        plgpu_triton.store(k_out.at[(*at, pl.ds(0, dp))], kc[None, :], mask=row & first)
+        plgpu_triton.store(v_out.at[(*at, pl.ds(0, dp))], vc[None, :], mask=row & first)
+        if write_norms:
+            kf = kn.astype(jnp.float32)
+            norm = jnp.broadcast_to(jnp.sqrt(jnp.sum(kf * kf)), (1,))
+            plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(valid_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_splits, nsp, d, dp):
-    """One query head of one row: merge its first valid_ref[r] per-split partials exactly."""
+def _combine_kernel(valid_ref, dst_ref, o_ref, m_ref, l_ref, *refs, n_splits, nsp, d, dp,
+                    n_out, into):
+    """One query head of one row: merge its first valid_ref[r] per-split partials exactly and
+    store the result in output row dst_ref[r] (none when it is >= n_out)."""
+    out_ref, lse_ref = refs[1:] if into else refs  # refs[0]: the aliased output buffer
     r, h = pl.program_id(0), pl.program_id(1)
     jmask = jnp.arange(nsp) < jnp.minimum(valid_ref[r], n_splits)
     dmask = jnp.arange(dp) < d
@@ -200,7 +243,9 @@ def _combine_kernel(valid_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_split
     acc = jnp.sum(o * w[:, None], axis=0)
     ok = lsum > 0
     out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
-    plgpu_triton.store(out_ref.at[r, h, pl.ds(0, dp)], out.astype(out_ref.dtype), mask=dmask)
+    dst = dst_ref[r]
+    plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
+                       out.astype(out_ref.dtype), mask=dmask & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
                                                    -jnp.inf))
 
@@ -218,30 +263,41 @@ def _combine_xla(o, m, l, valid, dtype):
     return out.astype(dtype), lse
 
 
-def _combine(o, m, l, valid, dtype, interpret):
+def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
-    first valid[r] splits (the others were not written).
+    first valid[r] splits (the others were not written). Returns (out [R, Hq, D], lse), or
+    with out_into [N, Hq, D] and out_rows [R] that buffer with row r's result in row
+    out_rows[r] (rows >= N dropped), updated in place.
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
     """
     valid = valid.astype(jnp.int32)
-    if not PALLAS_COMBINE:
-        return _combine_xla(o, m, l, valid, dtype)
     n_rows, n_splits, hq, d = o.shape
+    into = out_into is not None
+    if not PALLAS_COMBINE:
+        out, lse = _combine_xla(o, m, l, valid, dtype)
+        if into:
+            out = out_into.at[out_rows].set(out.astype(out_into.dtype), mode="drop")
+        return out, lse
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
-    kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp)
+    n_out = out_into.shape[0] if into else n_rows
+    dst = out_rows.astype(jnp.int32) if into else jnp.arange(n_rows, dtype=jnp.int32)
+    kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
+                               n_out=n_out, into=into)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
     # benchmarks/diag_slow_step.json)
     warps = 1 if nsp * dp <= 4096 else 4
+    args = [valid, dst, o, m, l] + ([out_into] if into else [])
     return pl.pallas_call(
         kernel, grid=(n_rows, hq),
-        out_shape=[jax.ShapeDtypeStruct((n_rows, hq, d), dtype),
+        out_shape=[jax.ShapeDtypeStruct((n_out, hq, d), out_into.dtype if into else dtype),
                    jax.ShapeDtypeStruct((n_rows, hq), jnp.float32)],
+        input_output_aliases={5: 0} if into else {},
         compiler_params=plgpu_triton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="sfi_decode_combine",
-    )(valid, o, m, l)
+    )(*args)
 
 
 def _as_stack(k, layer):
@@ -259,16 +315,17 @@ def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"),
-                   donate_argnames=("logits_into",))
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
-                 logits_into=None, interpret=False, config=None):
+                 logits_into=None, out_into=None, out_rows=None, interpret=False, config=None):
     """Dense decode attention (see kernels.api.dense_decode); one pass over K and V.
 
     logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
     whose layer `layer` receives the logits in place; returns (out, buffer, lse). Positions at
     or past a row's length keep their old values, and a row of length 0 costs next to nothing:
     the engine calls it every step for its refresh slots, empty ones included.
+    out_into [N, Hq, D], out_rows [R]: row r's output goes to out_into[out_rows[r]] in place
+    (rows >= N dropped), and that buffer is returned as `out`.
     """
     into = logits_into is not None
     cfg = config or (DENSE_LOGITS if (return_logits or into) else DENSE)
@@ -306,7 +363,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
     valid = -(-jnp.clip(lengths, 0, s_len) // split)
-    out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret)
+    out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows)
     if return_logits or into:
         return out, res[3], lse
     return out
@@ -314,8 +371,17 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
 
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  interpret=False, config=None):
-    """Compact + recent-window decode attention (see kernels.api.sparse_decode)."""
+                  new_kv=None, key_norms=None, interpret=False, config=None):
+    """Compact + recent-window decode attention (see kernels.api.sparse_decode).
+
+    new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
+    k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
+    returns (out, k, v, key_norms), updated in place inside a jitted caller that owns them.
+    """
+    write_kv, write_norms = new_kv is not None, key_norms is not None
+    if write_norms and not write_kv:
+        raise ValueError("key_norms is written only together with new_kv")
+    stacked = layer is not None
     ck, layer_arr = _as_stack(ck, layer)
     cv, _ = _as_stack(cv, layer)
     k, _ = _as_stack(k, layer)
@@ -333,13 +399,32 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
-        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
+        write_norms=write_norms)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
-    o, m, l = pl.pallas_call(
+    args = [layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
+            lengths.astype(jnp.int32), q, ck, cv, k, v]
+    aliases = {}
+    if write_kv:
+        out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        args += list(new_kv)
+        aliases = {7: 3, 8: 4}
+        if write_norms:
+            norms = key_norms if stacked else key_norms[None]
+            out_shape.append(jax.ShapeDtypeStruct(norms.shape, norms.dtype))
+            args.append(norms)
+            aliases[11] = 5
+    res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
-    )(layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
-      lengths.astype(jnp.int32), q, ck, cv, k, v)
-    return _combine(o, m, l, jnp.full((n_rows,), n_splits, jnp.int32), q.dtype, interpret)[0]
+    )(*args)
+    out = _combine(res[0], res[1], res[2], jnp.full((n_rows,), n_splits, jnp.int32), q.dtype,
+                   interpret)[0]
+    if not write_kv:
+        return out
+    unstack = (lambda x: x) if stacked else (lambda x: x[0])
+    return (out, unstack(res[3]), unstack(res[4]),
+            unstack(res[5]) if write_norms else None)

@@ -19,7 +19,7 @@ import numpy as np
 
 from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.api import skips_empty_rows
+from sfi_jax.kernels.api import skips_empty_rows, write_new_token
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -284,27 +284,36 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs at the
     next step's start, per occupied slot for all layers together (`_select_all_layers`), not
     once per layer: the selector is ~30 small kernels, which per layer cost more than the
-    selection itself. The fast read
-    of a refreshed row is replaced by its dense result, so deferring changes nothing. The
-    oracle policy selects before its read, per layer."""
+    selection itself. The fast read of a refreshed row is replaced by its dense result, so
+    deferring changes nothing. The oracle policy selects before its read, per layer.
+
+    On GPU the launches per layer are few: the sparse kernel also stores the new key, value
+    and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
+    next to nothing), writes its logits into `buf` and its output into the fast rows' output."""
     B = q.shape[0]
-    rows = jnp.arange(B)
-    k = k.at[l, rows, :, pos].set(kk.astype(k.dtype))
-    v = v.at[l, rows, :, pos].set(vv.astype(v.dtype))
     lengths = pos + 1
+    deferred = sfi is not None and sfi.policy in ("sfi", "tmax")
+    if not deferred:  # write first; the deferred path's sparse kernel writes them itself
+        k, v, norms = write_new_token(k, v, None if sfi is None else st.key_norms, (kk, vv),
+                                      pos, l)
+        if sfi is not None:
+            st = st._replace(key_norms=norms)
     if sfi is None:
         return dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf
 
-    norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, Hkv]
-    st = st._replace(key_norms=st.key_norms.at[l, rows, :, pos].set(norms))
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
-    def fast_attention(st):
+    def fast_attention(st, k, v):
         c_len = jnp.where(dense_rows[:, None], 0, st.c_len[l])
         # dense rows (context within the budget) read [0, length) as their "recent" window,
         # so no row reads more than `budget` cache positions in place
-        return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, layer=l,
-                             impl=impl, window=min(sfi.budget, k.shape[3]))
+        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
+        if not deferred:
+            return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
+                k, v, st
+        out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
+                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
+        return out, k, v, st._replace(key_norms=norms)
 
     n_slots = slots.shape[0]
     safe = jnp.minimum(slots, B - 1)
@@ -326,10 +335,11 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
                          positions=st.positions.at[l, slots].set(positions, mode="drop"))
-        return fast_attention(st), k, v, st, buf
+        return fast_attention(st, k, v)[0], k, v, st, buf
     if sfi.policy in ("streaming", "prefill_only"):
-        return fast_attention(st), k, v, st, buf
+        return fast_attention(st, k, v)[0], k, v, st, buf
 
+    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
@@ -350,15 +360,16 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
 
     if qh is None and _refresh_unconditionally(impl):
-        # the GPU kernel writes the logits into `buf` in place and skips empty slots: no
-        # condition (a device-to-host round trip per layer and step) and no logits copy
+        # the GPU kernel writes the logits into `buf` and the refreshed rows' output into
+        # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
+        # layer and step), no logits copy, no merge launch
         flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
-        out_d, flat, _ = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
-                                      logits_into=flat)
+        attn, flat, _ = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
+                                     logits_into=flat, out_into=(attn, slots))
         buf = flat.reshape(buf.shape)
     else:
         buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
-    attn = fast_attention(st).at[slots].set(out_d, mode="drop")
+        attn = attn.at[slots].set(out_d, mode="drop")
     if qh is not None:
         return attn, k, v, st, buf, qh
     return attn, k, v, st, buf
