@@ -326,3 +326,7 @@ def test_kv_cache_that_does_not_fit(tiny_qwen3, monkeypatch):
         sfi_jax.generate(tiny_qwen3.model, [[1, 2, 3]], max_new_tokens=4, mode="dense")
     with pytest.raises(MemoryError, match="GiB"):
         sfi_jax.generate(tiny_qwen3.model, [[1, 2, 3]], max_new_tokens=4, mode="sfi")
+    gpu = type("FakeGpu", (), {"platform": "gpu"})()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION is 0.5" in runtime._memory_fraction_hint(gpu)
+    assert runtime._memory_fraction_hint(type("Cpu", (), {"platform": "cpu"})()) == ""

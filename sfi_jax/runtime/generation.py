@@ -47,6 +47,15 @@ def _available_device_bytes(device) -> int | None:
     return None
 
 
+def _memory_fraction_hint(device) -> str:
+    """On GPU, JAX takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set)."""
+    if device.platform != "gpu":
+        return ""
+    frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (the default)")
+    return (f", or give JAX more of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION is {frac}; set it "
+            "(e.g. to 0.94) before jax is imported")
+
+
 def _tokenize(prompts, tokenizer) -> list[list[int]]:
     if hasattr(prompts, "tolist"):  # numpy / jax arrays: [T] one prompt, [B, T] a batch
         prompts = prompts.tolist()
@@ -196,7 +205,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / split / 2**30:.2f} "
                           f"GiB per device ({B} rows x {S} positions, split {split} ways) but the "
                           f"device has {avail / 2**30:.2f} GiB free; reduce the batch, the prompt "
-                          "length or max_new_tokens")
+                          "length or max_new_tokens" + _memory_fraction_hint(device))
     if forced_tokens is not None:
         forced_tokens = np.asarray(forced_tokens, np.int32)
         if forced_tokens.shape != (B, max_new_tokens):
