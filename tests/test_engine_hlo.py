@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -62,8 +63,12 @@ def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
 
 
-def test_gpu_kernel_writes_logits_in_place():
+@pytest.mark.parametrize("repack", ["xla", "kernel"])
+def test_gpu_kernels_update_in_place(monkeypatch, repack):
     """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
-    logits into the scratch buffer through an aliased output, without copying it."""
+    logits into the scratch buffer, the sparse kernel the cache, and the repack kernel the
+    compact buffers, through aliased outputs, without copying them."""
+    monkeypatch.setenv("SFI_JAX_REPACK", repack)
+    jax.clear_caches()  # the engine reads the switch at trace time
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     assert _big_copies(sfi, True, impl="pallas_gpu") == []

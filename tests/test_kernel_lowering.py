@@ -84,7 +84,9 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
     cases = [(sparse, (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"],
                        sp["vec"], sp["vec"], sp["layer"], new, new, norms)),
              (dense, (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sp["vec"],
-                      sds((L, B, hq, s), jnp.float32), sds((B + 3, hq, d), dtype)))]
+                      sds((L, B, hq, s), jnp.float32), sds((B + 3, hq, d), dtype))),
+             (gpu.repack, (sp["ckv"], sp["ckv"], sp["kv"], sp["kv"],
+                           sds((L, 3, hkv, c), jnp.int32), sds((3,), jnp.int32)))]
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()

@@ -257,6 +257,39 @@ def test_dense_output_into_rows(impl):
     assert not np.asarray(got[0]).any()  # a row of length 0 gives zeros
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+def test_repack_copies_the_selected_rows(impl):
+    """repack: occupied slots get the cache rows at their positions (entries at -1 move
+    nothing on GPU), every other row of the compact buffers stays as it was."""
+    n_layers, b, hkv, s, c, d = 3, 4, 2, 50, 37, 64
+    ks = jax.random.split(jax.random.PRNGKey(41), 5)
+    k = _rand(ks[0], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    v = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    ck = _rand(ks[2], (n_layers, b, hkv, c, d), jnp.bfloat16)
+    cv = _rand(ks[3], (n_layers, b, hkv, c, d), jnp.bfloat16)
+    slots = jnp.asarray([2, 0, 5], jnp.int32)  # 5 >= b: an empty slot
+    pos = jax.random.randint(ks[4], (n_layers, 3, hkv, c), -1, s)
+    if impl == "pallas_gpu":
+        got = gpu.repack(ck, cv, k, v, pos, slots, interpret=True, block=16)
+    else:
+        got = api.repack(ck, cv, k, v, pos, slots, impl=impl)
+    pos_np = np.asarray(pos)
+    for new, old, cache in zip(got, (ck, cv), (k, v)):
+        new, old, cache = np.asarray(new), np.asarray(old), np.asarray(cache)
+        np.testing.assert_array_equal(new[:, [1, 3]], old[:, [1, 3]])
+        for j, row in enumerate([2, 0]):
+            for l in range(n_layers):
+                for h in range(hkv):
+                    p = pos_np[l, j, h]
+                    np.testing.assert_array_equal(new[l, row, h][p >= 0],
+                                                  cache[l, row, h][p[p >= 0]])
+                    if impl == "pallas_gpu":
+                        np.testing.assert_array_equal(new[l, row, h][p < 0],
+                                                      old[l, row, h][p < 0])
+    with pytest.raises(ValueError, match="positions"):
+        api.repack(ck, cv, k, v, pos[:, :2], slots)
+
+
 def test_sparse_equals_dense_over_the_union():
     """The compact buffer holding positions [0, P) plus the window [P, len) is dense attention."""
     b, hq, hkv, s, d, p = 2, 8, 2, 90, 64, 40

@@ -43,3 +43,29 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
     assert f"| SFI arm >= 0.75 of its bytes floor | {want}" in md
     rows = json.loads((merged / "e2e.json").read_text())["results"]
     assert len(rows) == 2 and all("--smoke" in r["command"] for r in rows)
+
+
+def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
+    """Variants of the smoke benchmark, each in its own process with its environment: a JSON,
+    a log and a table row each; a variant whose process fails is reported, not fatal."""
+    out = tmp_path / "ab"
+    text = _run(os.path.join(SCRIPTS, "bench_variants.py"), "--out", str(out),
+                "--variant", "cond=SFI_JAX_REFRESH_COND=1",
+                "--variant", "broken=SFI_JAX_LAYER_UNROLL=x", "--", "--smoke")
+    rec = json.loads((out / "cond.json").read_text())["results"][0]
+    assert rec["model"] == "tiny" and rec["refresh_cond"] == "1"
+    assert "| cond | tiny | 2560 | 2 |" in text
+    assert (out / "broken.log").exists() and not (out / "broken.json").exists()
+    assert "| broken | - |" in text and "| broken | - | - | - | - | - | - | - | - | 1 |" in text
+    assert text[text.index("| variant"):].strip() in (out / "variants.md").read_text()
+    sys.path.insert(0, SCRIPTS)
+    import bench_variants
+
+    assert bench_variants.parse_variant("a=X=1,Y=2") == ("a", {"X": "1", "Y": "2"})
+    for bad in ("=X=1", "a=X"):
+        try:
+            bench_variants.parse_variant(bad)
+        except SystemExit as e:
+            assert bad in str(e)
+        else:
+            raise AssertionError(bad)

@@ -247,13 +247,16 @@ def test_tmax_one_refresh_slot(per_row_runs):
 
 # ---------------------------------------------------------------- GPU kernels in the loop
 
-@pytest.mark.parametrize("cond", ["0", "1"], ids=["unconditional", "cond"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond):
+@pytest.mark.parametrize("cond, repack", [("0", "xla"), ("1", "xla"), ("0", "kernel")],
+                         ids=["unconditional", "cond", "repack-kernel"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
-    or behind a condition (SFI_JAX_REFRESH_COND=1); both give the xla path's logits."""
+    or behind a condition (SFI_JAX_REFRESH_COND=1), and the repack kernel (SFI_JAX_REPACK=
+    kernel); all give the xla path's logits."""
     prompts, forced, runs = per_row_runs
     monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
+    monkeypatch.setenv("SFI_JAX_REPACK", repack)
     import jax
 
     jax.clear_caches()  # the engine reads the switch at trace time

@@ -189,3 +189,31 @@ def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
         norms = jnp.linalg.norm(kn.astype(jnp.float32), axis=-1)
         key_norms = key_norms.at[at].set(norms.astype(key_norms.dtype))
     return k, v, key_norms
+
+
+def repack(ck, cv, k, v, positions, slots, *, impl="auto"):
+    """Compact buffers of the refreshed rows: for each slot j with slots[j] < B, layer l and KV
+    head h, ck[l, slots[j], h, i] = k[l, slots[j], h, positions[l, j, h, i]] (same for cv, v)
+    where positions >= 0; entries at -1 keep unspecified values (readers stop at c_len).
+
+    ck, cv [L, B, Hkv, C, D]; k, v [L, B, Hkv, S, D]; positions int32 [L, n_slots, Hkv, C];
+    slots int32 [n_slots] (>= B: empty, skipped; occupied ones unique). Returns (ck, cv),
+    updated in place inside a jitted caller that owns them. "pallas_gpu" is one launch that
+    does no work for empty slots; the others are one XLA gather + scatter over every slot.
+    """
+    L, B, Hkv, C, D = ck.shape
+    if cv.shape != ck.shape or k.shape[:3] != (L, B, Hkv) or k.shape[-1] != D or \
+            v.shape != k.shape:
+        raise ValueError(f"ck {ck.shape}, cv {cv.shape}, k {k.shape}, v {v.shape} do not match")
+    if positions.shape != (L, slots.shape[0], Hkv, C):
+        raise ValueError(f"positions has shape {positions.shape}; expected "
+                         f"{(L, slots.shape[0], Hkv, C)}")
+    if _resolve(impl) == "pallas_gpu":
+        from sfi_jax.kernels import gpu
+
+        return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=_interpret("pallas_gpu")))
+    safe = jnp.minimum(slots, B - 1)
+    idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
+           jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    return ck.at[:, slots].set(k[idx], **kw), cv.at[:, slots].set(v[idx], **kw)

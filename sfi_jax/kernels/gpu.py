@@ -428,3 +428,45 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     unstack = (lambda x: x) if stacked else (lambda x: x[0])
     return (out, unstack(res[3]), unstack(res[4]),
             unstack(res[5]) if write_norms else None)
+
+
+def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, _ck_in, _cv_in, ck_out, cv_out, *, n_rows,
+                   block, c_size, d, dp):
+    """Block c of one (slot, layer, KV head): gather the cache rows at the slot's positions into
+    the compact buffers. Empty slots (>= n_rows) and padding positions (-1) move nothing."""
+    s, layer, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    row = slots_ref[s]
+    occupied = row < n_rows
+    row = jnp.minimum(row, n_rows - 1)
+    idx = c * block + jnp.arange(block)
+    inside = (idx < c_size) & occupied
+    pos = plgpu_triton.load(pos_ref.at[layer, s, h, pl.ds(c * block, block)], mask=inside,
+                            other=-1)
+    ok = inside & (pos >= 0)
+    mask = ok[:, None] if dp == d else ok[:, None] & (jnp.arange(dp) < d)[None, :]
+    # a gather: array indexers only (Triton takes mixed ones, interpret mode does not)
+    src = (layer, row, h, jnp.maximum(pos, 0)[:, None], jnp.arange(dp)[None, :])
+    dst = (layer, row, h, pl.ds(c * block, block), pl.ds(0, dp))
+    plgpu_triton.store(ck_out.at[dst], plgpu_triton.load(k_ref.at[src], mask=mask, other=0.0),
+                       mask=mask)
+    plgpu_triton.store(cv_out.at[dst], plgpu_triton.load(v_ref.at[src], mask=mask, other=0.0),
+                       mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block"))
+def repack(ck, cv, k, v, positions, slots, *, interpret=False, block=64):
+    """Copy cache rows into the compact buffers of the refreshed rows (see
+    kernels.api.repack): one launch, in place, that does no work for empty slots."""
+    n_layers, n_rows, hkv, c_size, d = ck.shape
+    n_slots = slots.shape[0]
+    dp = _pow2(d)
+    kernel = functools.partial(_repack_kernel, n_rows=n_rows, block=block, c_size=c_size, d=d,
+                               dp=dp)
+    return pl.pallas_call(
+        kernel, grid=(n_slots, n_layers, hkv, pl.cdiv(c_size, block)),
+        out_shape=[jax.ShapeDtypeStruct(ck.shape, ck.dtype),
+                   jax.ShapeDtypeStruct(cv.shape, cv.dtype)],
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="sfi_repack",
+    )(slots.astype(jnp.int32), positions.astype(jnp.int32), k, v, ck, cv)

@@ -19,7 +19,7 @@ import numpy as np
 
 from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.api import skips_empty_rows, write_new_token
+from sfi_jax.kernels.api import repack, skips_empty_rows, write_new_token
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -45,6 +45,15 @@ def _refresh_unconditionally(impl):
     """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
     empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
     return skips_empty_rows(impl) and os.environ.get("SFI_JAX_REFRESH_COND") != "1"
+
+
+def _repack_impl(impl):
+    """The compact-buffer repack: one XLA gather + scatter over every refresh slot (default), or
+    with SFI_JAX_REPACK=kernel on GPU a Pallas kernel that skips empty slots (not yet measured
+    end to end)."""
+    if os.environ.get("SFI_JAX_REPACK") == "kernel" and skips_empty_rows(impl):
+        return impl
+    return "xla"
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -375,7 +384,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     return attn, k, v, st, buf
 
 
-def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
+def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None, impl="auto"):
     """Selection for the refreshed rows of every layer (logits from `buf`), repacked into their
     compact buffers. The selector runs once per occupied slot (one `lax.cond` each, all layers
     together), so its cost follows the slow rows, not `refresh_rows`; the repack is one
@@ -389,13 +398,9 @@ def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None):
         positions, c_len = jax.lax.cond(
             slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, head_axis=head_axis),
             lambda p, c, *_: (p, c), positions, c_len, buf, st.key_norms, pos, slots)
-    safe = jnp.minimum(slots, B - 1)
-    idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
-           jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))
+    ck, cv = repack(st.ck, st.cv, k, v, positions, slots, impl=_repack_impl(impl))
     kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
-    return st._replace(ck=st.ck.at[:, slots].set(k[idx], **kw),
-                       cv=st.cv.at[:, slots].set(v[idx], **kw),
-                       c_len=st.c_len.at[:, slots].set(c_len, **kw),
+    return st._replace(ck=ck, cv=cv, c_len=st.c_len.at[:, slots].set(c_len, **kw),
                        positions=st.positions.at[:, slots].set(positions, **kw))
 
 
@@ -488,7 +493,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     L, Hkv = cfg.num_layers, cfg.num_kv_heads
     out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
 
-    select_all = functools.partial(_select_all_layers, sfi=sfi)
+    select_all = functools.partial(_select_all_layers, sfi=sfi, impl=impl)
     if plan is not None:
         select_all = functools.partial(sharding.select_all_layers, plan, select_all)
 

@@ -1,0 +1,97 @@
+"""A/B engine variants end to end: bench_e2e.py once per variant, each in its own process
+(environment switches such as SFI_JAX_REFRESH_COND, SFI_JAX_REPACK or XLA_FLAGS are read at
+start-up or trace time), then one comparison table.
+
+    python scripts/bench_variants.py --out /tmp/ab \\
+        --variant base= --variant repack=SFI_JAX_REPACK=kernel \\
+        -- --models qwen3-4b --contexts 131072,8192 --no-check
+
+Each variant writes <out>/<name>.json (bench_e2e's e2e.json) and <name>.log; the table goes to
+stdout and <out>/variants.md. A variant that fails or runs past --timeout is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_variant(text: str):
+    """'name=K1=V1,K2=V2' -> (name, {K1: V1, K2: V2}); 'name=' is the unchanged environment."""
+    name, _, rest = text.partition("=")
+    if not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME=[VAR=VALUE,...]")
+    env = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not VAR=VALUE")
+        env[key] = value
+    return name, env
+
+
+def run_variant(name, env, bench_args, out, timeout):
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--out", tmp, *bench_args]
+        with open(os.path.join(out, f"{name}.log"), "w") as log:
+            try:
+                rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log,
+                                    stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        src = os.path.join(tmp, "e2e.json")
+        if os.path.exists(src):  # bench_e2e writes after every context: keep partial runs
+            shutil.copy(src, os.path.join(out, f"{name}.json"))
+            return rc, json.load(open(src))["results"]
+    return rc, []
+
+
+def table(rows):
+    head = ("| variant | model | ctx | batch | dense tok/s | SFI tok/s | speedup | fast step ms "
+            "| SFI of floor | rc |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for name, rc, r in rows:
+        if r is None:
+            lines.append(f"| {name} | - | - | - | - | - | - | - | - | {rc} |")
+            continue
+        lines.append(f"| {name} | {r['model']} | {r['context']} | {r['batch']} | "
+                     f"{r['dense_tokens_per_s']:.0f} | {r['sfi_tokens_per_s']:.0f} | "
+                     f"{r['speedup']:.2f}x | {r['fast_step_s'] * 1e3:.2f} | "
+                     f"{r['sfi_of_floor']:.2f} | {rc} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=[VAR=VALUE,...]")
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
+    args = p.parse_args(argv[:split])
+    bench_args = argv[split + 1:]
+    variants = [parse_variant(v) for v in args.variant]
+    if len({n for n, _ in variants}) != len(variants):
+        raise SystemExit("variant names must be distinct")
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, env in variants:
+        rc, results = run_variant(name, env, bench_args, args.out, args.timeout)
+        rows += [(name, rc, r) for r in results] or [(name, rc, None)]
+        print(f"{name}: rc={rc}, {len(results)} result(s)", flush=True)
+    text = table(rows)
+    with open(os.path.join(args.out, "variants.md"), "w") as f:
+        f.write(f"Variants: {', '.join(args.variant)}\n\nbench_e2e.py {' '.join(bench_args)}"
+                f"\n\n{text}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
