@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_e2e as be  # noqa: E402
 from bench_selector import timeit  # noqa: E402
-from profile_decode import big_copies, kernel_stats  # noqa: E402
+from profile_decode import big_copies, kernel_sources, kernel_stats  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
@@ -162,12 +162,15 @@ def main():
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
-        copies = big_copies(fn.as_text(), shapes)
+        hlo = fn.as_text()
+        copies = big_copies(hlo, shapes)
         for name, sched in schedules.items():
             forced = jnp.asarray(sched)
             st = st._replace(sfi=st.sfi._replace(pending=jnp.zeros((B,), bool)))
             st, step_ms, slow, prof = time_and_profile(fn, params, st, eos, trig, forced, n,
                                                        a.top)
+            if prof:  # each listed kernel's ops and source lines, from the compiled HLO
+                prof["sources"] = kernel_sources(hlo, [k for k, *_ in prof["top_us_per_step"]])
             r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": step_ms,
                  "slow_rows_per_step": float(np.asarray(slow).sum(0).mean()),
                  "compile_s": compile_s, "copies": copies, "profile": prof}
@@ -181,6 +184,8 @@ def main():
     fn = engine.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
     _, step_ms, _, prof = time_and_profile(fn, params, dst, eos, trig, jnp.asarray(plain), n,
                                            a.top)
+    if prof:
+        prof["sources"] = kernel_sources(fn.as_text(), [k for k, *_ in prof["top_us_per_step"]])
     runs.append({"arm": "dense", "schedule": "-", "step_ms": step_ms, "profile": prof})
     res["runs"] = runs
     os.makedirs(a.out, exist_ok=True)

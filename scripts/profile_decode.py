@@ -63,6 +63,88 @@ def kernel_stats(trace_dir, n_steps, top=12):
                                 for n, t in dur.most_common(top)]}
 
 
+def _tables(hlo_text):
+    """The stack-frame tables of compiled HLO text: {frame id: [(file, line, function), ...]}
+    from the innermost frame outwards (newer XLA writes metadata as stack_frame_id)."""
+    section, tabs = None, collections.defaultdict(dict)
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            continue
+        if not line.strip() or line.startswith("%") or line.startswith("ENTRY"):
+            section = None
+            continue
+        if section:
+            key, _, rest = line.partition(" ")
+            tabs[section][int(key)] = rest.strip().strip('"')
+    def fields(text):
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+    frames = {}
+    for start in tabs["StackFrames"]:
+        chain, fid, seen = [], start, set()
+        while fid in tabs["StackFrames"] and fid not in seen:  # a root is its own parent
+            seen.add(fid)
+            fr = fields(tabs["StackFrames"][fid])
+            loc = fields(tabs["FileLocations"].get(fr.get("file_location_id"), ""))
+            chain.append((tabs["FileNames"].get(loc.get("file_name_id"), "?"),
+                          loc.get("line", 0),
+                          tabs["FunctionNames"].get(loc.get("function_name_id"), "?")))
+            fid = fr.get("parent_frame_id")
+        frames[start] = chain
+    return frames
+
+
+def kernel_sources(hlo_text, names, prefer="sfi_jax", most=4):
+    """For kernel names from a profile (HLO instruction names with '.' as '_'), where in the
+    source their work comes from: the `most` commonest 'file:line function' of the ops inside
+    (for a fusion, those of its fused computation), preferring frames under `prefer`, and the
+    ops' kinds. {name: {"ops": [...], "sources": [...]}}; unknown names are left out."""
+    frames = _tables(hlo_text)
+    comps, current, insts = {}, None, {}
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if head:
+            current = comps.setdefault(head.group(1), [])
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%(\S+) = \S+ ([\w-]+)\(", line)
+        if m and current is not None:
+            inst = (m.group(2), re.findall(r"calls=%([\w.\-]+)", line), line)
+            current.append(inst)
+            insts[m.group(1).replace(".", "_").replace("-", "_")] = inst
+
+    def where(line):
+        sid = re.search(r"stack_frame_id=(\d+)", line)
+        chain = frames.get(int(sid.group(1)), []) if sid else []
+        if not chain:
+            f = re.search(r'source_file="([^"]+)" source_line=(\d+)', line)
+            chain = [(f.group(1), int(f.group(2)), "?")] if f else []
+        ours = [c for c in chain if prefer in c[0]] or chain
+        return f"{os.path.basename(ours[0][0])}:{ours[0][1]} {ours[0][2]}" if ours else None
+
+    def walk(inst, ops, srcs, depth=0):
+        op, calls, line = inst
+        if op not in ("parameter", "constant", "fusion"):
+            ops[op] += 1
+            w = where(line)
+            if w:
+                srcs[w] += 1
+        for c in calls:
+            if depth < 4:
+                for sub in comps.get(c, []):
+                    walk(sub, ops, srcs, depth + 1)
+
+    out = {}
+    for name in names:
+        inst = insts.get(name.replace(".", "_").replace("-", "_"))
+        if inst is None:
+            continue
+        ops, srcs = collections.Counter(), collections.Counter()
+        walk(inst, ops, srcs)
+        out[name] = {"ops": [o for o, _ in ops.most_common(most)],
+                     "sources": [w for w, _ in srcs.most_common(most)]}
+    return out
+
+
 def big_copies(hlo_text, shapes):
     """Copies in compiled HLO text of buffers whose shape string is a key of `shapes`
     ({"[L,B,H,S,D]": "cache", ...}), counted by name."""

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
 
@@ -69,3 +72,28 @@ def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
             assert bad in str(e)
         else:
             raise AssertionError(bad)
+
+
+def _scaled_sine(x, y):
+    a = jnp.sin(x) * y + 1.0
+    return jnp.sum(a * a, axis=-1), jnp.exp(a)
+
+
+def test_kernel_sources_maps_fusions_to_lines():
+    """kernel_sources: a compiled fusion's name (as a profile writes it) -> its ops and the
+    source lines they come from, here this file's `_scaled_sine`."""
+    import inspect
+    import re
+
+    sys.path.insert(0, SCRIPTS)
+    from profile_decode import kernel_sources
+
+    x = jnp.ones((64, 128))
+    hlo = jax.jit(_scaled_sine).lower(x, x).compile().as_text()
+    names = [n.replace(".", "_") for n in re.findall(r"%(\S*fusion\S*) = ", hlo)]
+    got = kernel_sources(hlo, names + ["no_such_kernel"], prefer="test_scripts")
+    assert set(got) == set(names) and names
+    first = inspect.getsourcelines(_scaled_sine)[1]
+    lines = {f"test_scripts.py:{first + 1} _scaled_sine", f"test_scripts.py:{first + 2} _scaled_sine"}
+    assert all(set(v["sources"]) <= lines and v["sources"] for v in got.values()), got
+    assert any("sine" in v["ops"] for v in got.values())
