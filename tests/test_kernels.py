@@ -183,6 +183,10 @@ def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, leng
         assert _rel(out, ref) <= TOL[dtype]
 
 
+def f_stacked(impl, *args):
+    return _sparse(impl, *args, layer=jnp.int32(2), window=130)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sparse_layer_read_in_place(impl):
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=260, c=140,
@@ -193,6 +197,9 @@ def test_sparse_layer_read_in_place(impl):
     out = f(jnp.int32(2))
     ref = reference.sparse_decode(q, ck[2], cv[2], c_len, k[2], v[2], rs, lens)
     assert _rel(out, ref) <= 1e-5
+    if impl == "pallas_gpu":  # c_len stacked like the caches: layer 2's counts are read
+        stacked = jnp.stack([c_len[::-1], c_len[::-1], c_len])
+        assert _rel(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
@@ -255,6 +262,16 @@ def test_dense_output_into_rows(impl):
     assert _rel(got, want) <= 1e-5
     np.testing.assert_array_equal(np.asarray(got)[[1, 2, 3]], np.asarray(base)[[1, 2, 3]])
     assert not np.asarray(got[0]).any()  # a row of length 0 gives zeros
+    # gather_q: q with the cache's rows, row i using q[rows[i]] (no gathered copy)
+    q_all = _rand(ks[0], (b, hq, d), jnp.float32)
+    if impl == "pallas_gpu":
+        out = gpu.dense_decode(q_all, k, v, lens, None, rows, gather_q=True, config=GPU_CFG,
+                               interpret=True)
+    else:
+        out = api.dense_decode(q_all, k, v, lens, rows=rows, gather_q=True, impl=impl)
+    assert _rel(out, reference.dense_decode(q_all[rows], k[rows], v[rows], lens)) <= 1e-5
+    with pytest.raises(ValueError, match="gather_q"):
+        api.dense_decode(q_all[:3], k, v, lens, rows=rows, gather_q=True)
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])

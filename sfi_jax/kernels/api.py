@@ -48,7 +48,7 @@ def _check_cache(name, cache, layer, ndim=4):
         raise ValueError(f"{name} has shape {cache.shape}; expected {want} dims{stacked}")
 
 
-def _check(q, k, v, lengths, layer):
+def _check(q, k, v, lengths, layer, n_rows=None):
     if q.ndim != 3:
         raise ValueError(f"q has shape {q.shape}; expected [B, Hq, D]")
     _check_cache("k", k, layer)
@@ -60,12 +60,13 @@ def _check(q, k, v, lengths, layer):
         raise ValueError(f"head dim of q ({d}) and k ({k.shape[-1]}) differ")
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-    if lengths.shape != (q.shape[0],):
-        raise ValueError(f"lengths has shape {lengths.shape}; expected ({q.shape[0]},)")
+    n_rows = q.shape[0] if n_rows is None else n_rows
+    if lengths.shape != (n_rows,):
+        raise ValueError(f"lengths has shape {lengths.shape}; expected ({n_rows},)")
 
 
 def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
-                 logits_into=None, out_into=None):
+                 logits_into=None, out_into=None, gather_q=False):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
@@ -80,20 +81,28 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     (dest >= N: dropped) and the buffer is returned as `out` (the engine merges the refreshed
     rows into the fast rows' output this way, in the same launch on GPU).
     Buffers passed in are updated in place inside a jitted caller that owns them.
+    gather_q: q has one row per cache row and row i of the result uses q[rows[i]] (the kernel
+    reads it there: no gathered copy); lengths, the outputs and buffers then have R rows.
     """
-    _check(q, k, v, lengths, layer)
-    if rows is not None and rows.shape != (q.shape[0],):
-        raise ValueError(f"rows has shape {rows.shape}; expected ({q.shape[0]},)")
-    want = ((k.shape[0] if layer is not None else 1),) + q.shape[:2] + (k.shape[-2],)
+    if gather_q and rows is None:
+        raise ValueError("gather_q=True needs rows")
+    n_rows = rows.shape[0] if gather_q else q.shape[0]
+    _check(q, k, v, lengths, layer, n_rows)
+    if rows is not None and rows.shape != (n_rows,):
+        raise ValueError(f"rows has shape {rows.shape}; expected ({n_rows},)")
+    if gather_q and q.shape[0] != k.shape[-4]:
+        raise ValueError(f"gather_q: q has {q.shape[0]} rows; expected the cache's "
+                         f"{k.shape[-4]}")
+    want = ((k.shape[0] if layer is not None else 1), n_rows) + q.shape[1:2] + (k.shape[-2],)
     if logits_into is not None and (logits_into.shape != want or
                                     logits_into.dtype != jnp.float32):
         raise ValueError(f"logits_into is {logits_into.dtype}{list(logits_into.shape)}; "
                          f"expected float32{list(want)}")
     if out_into is not None:
         buf, dest = out_into
-        if buf.ndim != 3 or buf.shape[1:] != q.shape[1:] or dest.shape != (q.shape[0],):
+        if buf.ndim != 3 or buf.shape[1:] != q.shape[1:] or dest.shape != (n_rows,):
             raise ValueError(f"out_into is ({list(buf.shape)}, {list(dest.shape)}); expected "
-                             f"([N, {q.shape[1]}, {q.shape[2]}], [{q.shape[0]}])")
+                             f"([N, {q.shape[1]}, {q.shape[2]}], [{n_rows}])")
     impl = _resolve(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
     if impl == "pallas_gpu":
@@ -102,7 +111,9 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         buf, dest = out_into if out_into is not None else (None, None)
         return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
                                 logits_into=logits_into, out_into=buf, out_rows=dest,
-                                interpret=_interpret(impl))
+                                gather_q=gather_q, interpret=_interpret(impl))
+    if gather_q:
+        q = q[rows]
     if impl == "xla":
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
                                      return_logits=return_logits or logits_into is not None)
@@ -135,13 +146,16 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     position lengths[b] - 1 of k, v (lengths >= 1, recent_start < lengths), and with
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
     (out, k, v, key_norms). On GPU one launch does the stores and the attention.
+    With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
     if ck.shape != cv.shape or ck.shape[-1] != k.shape[-1] or ck.shape[-3] != k.shape[-3]:
         raise ValueError(f"ck {ck.shape}, cv {cv.shape} do not match the cache {k.shape}")
-    if c_len.shape != (q.shape[0], k.shape[-3]):
-        raise ValueError(f"c_len has shape {c_len.shape}; expected {(q.shape[0], k.shape[-3])}")
+    want_c = (q.shape[0], k.shape[-3])
+    if c_len.shape != want_c and (layer is None or c_len.shape != k.shape[:1] + want_c):
+        stacked = "" if layer is None else f" or {k.shape[:1] + want_c}"
+        raise ValueError(f"c_len has shape {c_len.shape}; expected {want_c}{stacked}")
     if recent_start.shape != (q.shape[0],):
         raise ValueError(f"recent_start has shape {recent_start.shape}; expected ({q.shape[0]},)")
     if window is not None and int(window) < 0:
@@ -166,6 +180,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
                                  interpret=_interpret(impl))
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
+    if c_len.ndim == 3:
+        c_len = c_len[layer]
     if impl == "xla":
         out = reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
                                       layer=layer, window=window)

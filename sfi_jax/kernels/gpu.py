@@ -118,7 +118,7 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
 
 
 def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into):
+                  d, dp, bk, scale, precision, logits, into, gather_q):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them)."""
@@ -130,7 +130,7 @@ def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, grou
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, row = layer_ref[0], rows_ref[r]
     dmask = None if dp == d else jnp.arange(dp) < d
-    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
+    q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
@@ -179,7 +179,7 @@ def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_d
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms):
+                   write_kv, write_norms, clen_stacked):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
@@ -195,7 +195,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
-    c_len = jnp.clip(clen_ref[r, h], 0, c_size)
+    c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
     cached = jnp.maximum(length - 1, 0) if write_kv else length  # positions read in place
     rs = jnp.clip(rs_ref[r], 0, cached)
@@ -315,9 +315,10 @@ def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("return_logits", "gather_q", "interpret", "config"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
-                 logits_into=None, out_into=None, out_rows=None, interpret=False, config=None):
+                 logits_into=None, out_into=None, out_rows=None, gather_q=False, interpret=False,
+                 config=None):
     """Dense decode attention (see kernels.api.dense_decode); one pass over K and V.
 
     logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
@@ -326,12 +327,14 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     the engine calls it every step for its refresh slots, empty ones included.
     out_into [N, Hq, D], out_rows [R]: row r's output goes to out_into[out_rows[r]] in place
     (rows >= N dropped), and that buffer is returned as `out`.
+    gather_q: q has the cache's rows and row r uses q[rows[r]] (no gathered copy of q).
     """
     into = logits_into is not None
     cfg = config or (DENSE_LOGITS if (return_logits or into) else DENSE)
     k, layer_arr = _as_stack(k, layer)
     v, _ = _as_stack(v, layer)
-    n_rows, hq, d = q.shape
+    _, hq, d = q.shape
+    n_rows = rows.shape[0] if gather_q else q.shape[0]
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv
     if group > _ROWS:
@@ -347,7 +350,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
-        logits=return_logits or into, into=into)
+        logits=return_logits or into, into=into, gather_q=gather_q)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -377,6 +380,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
     k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
     returns (out, k, v, key_norms), updated in place inside a jitted caller that owns them.
+    c_len may be stacked [L, B, Hkv] like the caches (layer `layer` is read).
     """
     write_kv, write_norms = new_kv is not None, key_norms is not None
     if write_norms and not write_kv:
@@ -400,7 +404,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
-        write_norms=write_norms)
+        write_norms=write_norms, clen_stacked=c_len.ndim == 3)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -408,7 +412,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
             lengths.astype(jnp.int32), q, ck, cv, k, v]
     aliases = {}
     if write_kv:
-        out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)]
         args += list(new_kv)
         aliases = {7: 3, 8: 4}
         if write_norms:

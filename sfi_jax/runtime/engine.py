@@ -313,7 +313,8 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
     def fast_attention(st, k, v):
-        c_len = jnp.where(dense_rows[:, None], 0, st.c_len[l])
+        # stacked and the same for every layer (one op per step): the kernel reads layer l
+        c_len = jnp.where(dense_rows[None, :, None], 0, st.c_len)
         # dense rows (context within the budget) read [0, length) as their "recent" window,
         # so no row reads more than `budget` cache positions in place
         kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
@@ -373,8 +374,8 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
         # layer and step), no logits copy, no merge launch
         flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
-        attn, flat, _ = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
-                                     logits_into=flat, out_into=(attn, slots))
+        attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=safe, impl=impl,
+                                     logits_into=flat, out_into=(attn, slots), gather_q=True)
         buf = flat.reshape(buf.shape)
     else:
         buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
