@@ -81,10 +81,31 @@ def same_greedy(got, want, want_logits, what):
     return ""
 
 
-def run_generate(model, mode, mesh=None):
+def run_generate(model, mode, mesh=None, impl="auto"):
     return sfi_jax.generate(model, prompts(), max_new_tokens=NEW_TOKENS, mode=mode, sfi=SFI,
                             trigger_ids=TRIGGERS, return_logits=True, chunk_steps=16,
-                            stop_at_eos=False, mesh=mesh)
+                            stop_at_eos=False, mesh=mesh, impl=impl)
+
+
+def check_gpu_kernels():
+    """The GPU path under shard_map (Triton kernels in interpret mode): the sparse kernel's
+    cache stores, the unconditional refresh writing logits and outputs in place, the repack
+    kernel, each on a device's rows and KV heads; the same tokens as one device's XLA path."""
+    cfg = CONFIGS["qwen3"]
+    ref = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)), "sfi", impl="xla")
+    mesh = sharding.make_mesh("2x4")
+    model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
+    notes = []
+    for repack in ("xla", "kernel"):
+        os.environ["SFI_JAX_REPACK"] = repack
+        jax.clear_caches()
+        got = run_generate(model, "sfi", impl="pallas_gpu")
+        notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
+                                 f"pallas_gpu 2x4 repack={repack}"))
+        if got.tokens == ref.tokens:
+            assert got.stats["slow_steps"] == ref.stats["slow_steps"]
+    os.environ.pop("SFI_JAX_REPACK")
+    return "; ".join(n for n in notes if n) or "identical tokens"
 
 
 def check_generation(name, modes=("dense", "sfi"), meshes=MESHES):
@@ -348,6 +369,7 @@ CHECKS = {
     "generate_qwen3": lambda: check_generation("qwen3"),
     "generate_qwen3_moe": lambda: check_generation("qwen3_moe"),
     "generate_odd_heads": lambda: check_generation("odd_heads", modes=("sfi",), meshes=("2x4",)),
+    "gpu_kernels": check_gpu_kernels,
     "explicit_mesh": check_explicit_mesh,
     "multiprocess": check_multiprocess,
 }

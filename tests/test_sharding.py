@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # two checker processes side by side (compiling is mostly single-threaded)
 GROUPS = (["rules", "selector", "loading", "orbax", "generate_qwen3", "explicit_mesh",
            "multiprocess"],
-          ["generate_qwen3_moe", "generate_odd_heads"])
+          ["generate_qwen3_moe", "generate_odd_heads", "gpu_kernels"])
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def checks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["rules", "selector", "loading", "orbax", "generate_qwen3",
-                                  "generate_qwen3_moe", "generate_odd_heads", "explicit_mesh",
-                                  "multiprocess"])
+                                  "generate_qwen3_moe", "generate_odd_heads", "gpu_kernels",
+                                  "explicit_mesh", "multiprocess"])
 def test_sharded(checks, name):
     assert name in checks, f"check {name} did not run (the checker stopped early)"
     assert checks[name]["ok"], checks[name]["detail"]
