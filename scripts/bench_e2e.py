@@ -224,13 +224,15 @@ def bytes_model(cfg, B, ctx, sfi, slow_share, bw):
                 pred_sfi_step_s=t_sfi)
 
 
-def bench_one(name, cfg, params, ctx, args, bw, limit, max_batch=None):
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl)
+def _steps(ctx, args):
+    """Steps per chunk, timed chunks, and the cache length they need."""
     n = args.chunk_steps
     chunks = max(1, args.new_tokens // n)
-    S = ctx + (chunks + 3) * n + 128
-    B = pick_batch(cfg, ctx, min(args.batch, max_batch or args.batch), S, sfi, limit)
-    _last_batch[0] = B
+    return n, chunks, ctx + (chunks + 3) * n + 128
+
+
+def bench_one(name, cfg, params, ctx, args, bw, B):
+    n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
     sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, refresh_rows=slots)
@@ -302,27 +304,25 @@ def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=3):
     """bench_one at the largest batch that fits; when the decode loop still runs out of memory
     (XLA temporaries the estimate does not count, e.g. MoE routing), one row fewer, and the
     record says which batches failed."""
-    failed, cap = [], None
+    S = _steps(ctx, args)[2]
+    B = pick_batch(cfg, ctx, args.batch, S, SFIConfig(t_max=args.t_max), limit)
+    failed = []
     for _ in range(tries):
         try:
-            rec = bench_one(name, cfg, params, ctx, args, bw, limit, max_batch=cap)
+            rec = bench_one(name, cfg, params, ctx, args, bw, B)
             if failed:
                 rec["batches_out_of_memory"] = failed
             return rec
         except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
-            b = _last_batch[0]
-            failed.append(b)
-            print(f"{name} {ctx}: batch {b} ran out of memory; trying {b - 1}", flush=True)
-            if b <= 1:
+            failed.append(B)
+            print(f"{name} {ctx}: batch {B} ran out of memory; trying {B - 1}", flush=True)
+            if B <= 1:
                 raise
-            cap = b - 1
+            B -= 1
             jax.clear_caches()
     raise SystemExit(f"{name} at {ctx}: out of memory at batches {failed}")
-
-
-_last_batch = [0]
 
 
 def attention_time(cfg, B, ctx, reps=5):

@@ -50,7 +50,8 @@ def ms(f, *args, reps=5, inner=5):
 
 def time_and_profile(fn, params, st, eos, trig, forced, n, top):
     """One warm-up chunk, the median of three timed chunks (ms per step), then one chunk under
-    the profiler. Returns the state, ms per step, the last slow flags and the kernel stats."""
+    the profiler. Returns the state, ms per step, the last slow flags and the kernel stats
+    (with each listed kernel's ops and source lines, from fn's compiled HLO)."""
     st, *_ = fn(params, st, eos, trig, forced)
     ts = []
     for _ in range(3):
@@ -62,7 +63,10 @@ def time_and_profile(fn, params, st, eos, trig, forced, n, top):
     with jax.profiler.trace(d):
         st, toks, *_ = fn(params, st, eos, trig, forced)
         jax.block_until_ready(toks)
-    return st, statistics.median(ts) * 1e3, slow, kernel_stats(d, n, top)
+    prof = kernel_stats(d, n, top)
+    if prof:
+        prof["sources"] = kernel_sources(fn.as_text(), [k for k, *_ in prof["top_us_per_step"]])
+    return st, statistics.median(ts) * 1e3, slow, prof
 
 
 def selector_parts(cfg, ctx, sfi):
@@ -162,15 +166,12 @@ def main():
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
-        hlo = fn.as_text()
-        copies = big_copies(hlo, shapes)
+        copies = big_copies(fn.as_text(), shapes)
         for name, sched in schedules.items():
             forced = jnp.asarray(sched)
             st = st._replace(sfi=st.sfi._replace(pending=jnp.zeros((B,), bool)))
             st, step_ms, slow, prof = time_and_profile(fn, params, st, eos, trig, forced, n,
                                                        a.top)
-            if prof:  # each listed kernel's ops and source lines, from the compiled HLO
-                prof["sources"] = kernel_sources(hlo, [k for k, *_ in prof["top_us_per_step"]])
             r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": step_ms,
                  "slow_rows_per_step": float(np.asarray(slow).sum(0).mean()),
                  "compile_s": compile_s, "copies": copies, "profile": prof}
@@ -184,8 +185,6 @@ def main():
     fn = engine.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
     _, step_ms, _, prof = time_and_profile(fn, params, dst, eos, trig, jnp.asarray(plain), n,
                                            a.top)
-    if prof:
-        prof["sources"] = kernel_sources(fn.as_text(), [k for k, *_ in prof["top_us_per_step"]])
     runs.append({"arm": "dense", "schedule": "-", "step_ms": step_ms, "profile": prof})
     res["runs"] = runs
     os.makedirs(a.out, exist_ok=True)

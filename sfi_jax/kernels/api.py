@@ -114,23 +114,21 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
                                 gather_q=gather_q, interpret=_interpret(impl))
     if gather_q:
         q = q[rows]
+    with_logits = return_logits or logits_into is not None
     if impl == "xla":
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
-                                     return_logits=return_logits or logits_into is not None)
+                                     return_logits=with_logits)
     else:
         from sfi_jax.kernels import tpu
 
-        res = tpu.dense_decode(q, k, v, lengths, layer, rows,
-                               return_logits=return_logits or logits_into is not None,
+        res = tpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=with_logits,
                                interpret=_interpret(impl))
+    out, extra = (res[0], res[1:]) if with_logits else (res, ())
     if out_into is not None:
-        out = out_into[0].at[out_into[1]].set(
-            (res[0] if isinstance(res, tuple) else res).astype(out_into[0].dtype), mode="drop")
-        res = (out,) + res[1:] if isinstance(res, tuple) else out
-    if logits_into is None:
-        return res
-    at = 0 if layer is None else layer
-    return res[0], logits_into.at[at].set(res[1]), res[2]
+        out = out_into[0].at[out_into[1]].set(out.astype(out_into[0].dtype), mode="drop")
+    if logits_into is not None:
+        extra = (logits_into.at[0 if layer is None else layer].set(extra[0]), extra[1])
+    return (out, *extra) if with_logits else out
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,

@@ -50,10 +50,8 @@ def _refresh_unconditionally(impl):
 def _repack_impl(impl):
     """The compact-buffer repack: one XLA gather + scatter over every refresh slot (default), or
     with SFI_JAX_REPACK=kernel on GPU a Pallas kernel that skips empty slots (not yet measured
-    end to end)."""
-    if os.environ.get("SFI_JAX_REPACK") == "kernel" and skips_empty_rows(impl):
-        return impl
-    return "xla"
+    end to end; `repack` uses it only for the GPU implementation)."""
+    return impl if os.environ.get("SFI_JAX_REPACK") == "kernel" else "xla"
 
 
 # ----------------------------------------------------------------------------- prefill
