@@ -15,6 +15,7 @@ benchmarks/kernels.md) reading the cache in place.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -166,7 +167,8 @@ def selector_time(cfg, B, ctx, sfi, reps=5):
     norms = jax.random.uniform(key, (B, cfg.num_kv_heads, ctx), jnp.float32) + 0.5
     lo = jnp.full((B,), sfi.n_sink, jnp.int32)
     hi = jnp.full((B,), ctx - sfi.n_recent, jnp.int32)
-    f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=sfi.topk_impl))
+    f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=sfi.topk_impl,
+                                     scores_impl=sfi.scores_impl))
     return timeit(f, logits, norms, iters=5, repeats=reps) / 1e6
 
 
@@ -235,7 +237,8 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, refresh_rows=slots)
+    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, scores_impl=args.scores_impl,
+                    refresh_rows=slots)
     trig = np.zeros((cfg.vocab_size,), bool)
     trig[TRIGGER_ID] = True
     trig = jnp.asarray(trig)
@@ -243,7 +246,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     rec = dict(model=name, context=ctx, batch=B, new_tokens=chunks * n, fill=args.fill,
                trigger_every=args.trigger_every, t_max=args.t_max, k_select=sfi.k_select,
                n_recent=sfi.n_recent, n_sink=sfi.n_sink, topk_impl=sfi.topk_impl,
-               refresh_rows=slots)
+               scores_impl=sfi.scores_impl, refresh_rows=slots)
 
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
@@ -361,8 +364,10 @@ def engine_check():
                             sfi=SFIConfig(k_select=2048))
     out["full_budget_equals_dense"] = full.tokens == dense.tokens
     small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
-    a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
-                         impl="xla", trigger_ids=[5, 6, 7])
+    # the xla arm: jnp attention and jnp selector scores; the other the platform's kernels
+    a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
+                         sfi=dataclasses.replace(small, scores_impl="xla"), impl="xla",
+                         trigger_ids=[5, 6, 7])
     b = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
                          trigger_ids=[5, 6, 7])
     out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
@@ -494,6 +499,8 @@ def main(argv=None):
                    help="refresh slots per step (0: max(2, batch/4))")
     p.add_argument("--topk-impl", choices=("lax", "threshold"), default="threshold",
                    help="selector top-k (threshold measured faster on the H200 at 16K-128K)")
+    p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu"), default="auto",
+                   help="selector scores (auto: the Triton kernel on GPU)")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")

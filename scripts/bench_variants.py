@@ -3,7 +3,7 @@
 start-up or trace time), then one comparison table.
 
     python scripts/bench_variants.py --out /tmp/ab \\
-        --variant base= --variant repack=SFI_JAX_REPACK=kernel \\
+        --variant base= --variant xla_repack=SFI_JAX_REPACK=xla \\
         -- --models qwen3-4b --contexts 131072,8192 --no-check
 
 Each variant writes <out>/<name>.json (bench_e2e's e2e.json) and <name>.log; the table goes to

@@ -73,6 +73,9 @@ class SFIConfig:
     # selector top-k: "lax" (lax.top_k), "threshold" (radix threshold + compaction, faster on
     # the H200 at long contexts) or "auto" (threshold on GPU, lax elsewhere)
     topk_impl: str = "auto"
+    # selector scores (§4 steps 1-4): "xla" (jnp), "pallas_gpu" (one Triton kernel, three
+    # passes over the logits) or "auto" (the kernel on GPU, xla elsewhere)
+    scores_impl: str = "auto"
     # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
     # each layer's last W queries and selects from all of them, as prefill does with 16.
@@ -106,6 +109,9 @@ class SFIConfig:
         if self.topk_impl not in ("auto", "lax", "threshold"):
             raise ValueError(f"SFIConfig.topk_impl must be 'auto', 'lax' or 'threshold', got "
                              f"{self.topk_impl!r}")
+        if self.scores_impl not in ("auto", "xla", "pallas_gpu"):
+            raise ValueError(f"SFIConfig.scores_impl must be 'auto', 'xla' or 'pallas_gpu', got "
+                             f"{self.scores_impl!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
 

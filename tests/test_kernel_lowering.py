@@ -90,3 +90,25 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("r", [4, 3, 64])
+def test_selector_scores_kernel_exports_for_cuda(r):
+    """The selector's kernels compile for CUDA: the scores (SFI_METHOD.md §4 steps 1-4) from
+    the engine's scratch-buffer layout, with and without the prior term, and steps 5-6."""
+    from sfi_jax.config import SFIConfig
+    from sfi_jax.kernels import selector_gpu
+
+    sds = jax.ShapeDtypeStruct
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    args = (sds((L, 2, 8, r, 4096), jnp.float32), sds((L, B, 8, 4096), jnp.float32),
+            sds((L,), jnp.int32), sds((L,), jnp.int32), sds((), jnp.int32), sds((), jnp.int32))
+    for cfg in (SFIConfig(), SFIConfig(lam_clip=0.0)):
+        fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, cfg=c))
+        exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1)):  # steps 5-6
+        fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, cfg=c))
+        exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            sds((L, 8, 4096), jnp.float32), args[2], args[3])
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()

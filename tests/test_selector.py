@@ -112,11 +112,14 @@ def check_selection(got, z_ref, lo, hi, k, tol=2e-4):
 
 
 def run_both(logits, key_norms, lo, hi, cfg):
+    """The jnp scores and the GPU scores kernel (interpret mode here) against the float64
+    reference."""
     z_ref = ref_scores(logits, key_norms, lo, hi, cfg)
-    z = np.asarray(selector_scores(logits, key_norms, lo, hi, cfg))
     finite = np.isfinite(z_ref)
-    np.testing.assert_array_equal(np.isfinite(z), finite)
-    np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
+    for impl in ("xla", "pallas_gpu"):
+        z = np.asarray(selector_scores(logits, key_norms, lo, hi, cfg, impl=impl))
+        np.testing.assert_array_equal(np.isfinite(z), finite, err_msg=impl)
+        np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4, err_msg=impl)
     return z_ref
 
 
@@ -359,3 +362,47 @@ def test_topk_prefilter_exact(case):
     got = np.asarray(topk_positions(jnp.asarray(scores), k, impl="threshold"))
     want = np.asarray(topk_positions(jnp.asarray(scores), k, impl="lax"))
     np.testing.assert_array_equal(got, want)
+
+
+def test_scores_kernel_reads_the_given_slot_and_row():
+    """selector_scores_at (the engine's call): the kernel reads logits[:, slot] and
+    key_norms[:, row] of the full buffers in place, as the jnp path does after slicing."""
+    from sfi_jax.selector.select import selector_scores_at
+
+    rng = np.random.default_rng(11)
+    N, M, B, H, R, S = 3, 3, 4, 4, 4, 300
+    logits = (rng.standard_normal((N, M, H, R, S)) * 3).astype(np.float32)
+    norms = rng.uniform(0.2, 5.0, (N, B, H, S)).astype(np.float32)
+    lo, hi = np.array([4, 4, 4], np.int32), np.array([250, 200, 280], np.int32)
+    cfg = dataclasses.replace(BASE, lam_clip=1.0)  # a large prior share: the row matters
+    for slot, row in ((0, 3), (2, 1)):
+        z_ref = ref_scores(logits[:, slot], norms[:, row], lo, hi, cfg)
+        for impl in ("xla", "pallas_gpu"):
+            z = np.asarray(jax.jit(lambda lg, kn, s, r, i=impl: selector_scores_at(
+                lg, s, kn, r, lo, hi, cfg, impl=i))(logits, norms, slot, row))
+            finite = np.isfinite(z_ref)
+            np.testing.assert_array_equal(np.isfinite(z), finite)
+            np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("change", [{}, dict(nms_radius=1), dict(nms_radius=4, cross_temp=1.0),
+                                    dict(alpha_cross=0.0), dict(alpha_soft=0.0)],
+                         ids=["default", "radius1", "radius4,T1", "no_cross", "no_nms"])
+def test_adjust_kernel_against_jnp(change):
+    """Steps 5-6 by the GPU kernel (interpret mode here; power-of-two radii, in chunks of the
+    radius) against the jnp steps, on ragged ranges including an empty one and a range that
+    ends inside the first chunk."""
+    from sfi_jax.kernels import selector_gpu
+    from sfi_jax.selector.select import adjust_scores
+
+    cfg = dataclasses.replace(SFIConfig(), **change)
+    rng = np.random.default_rng(len(str(change)))
+    S = 700
+    lo, hi = np.array([4, 0, 30, 9], np.int32), np.array([650, 700, 30, 13], np.int32)
+    z = (rng.standard_normal((4, 3, S)) * 3).astype(np.float32)
+    z = np.where(np.asarray(allowed_mask(S, lo, hi))[:, None, :], z, -np.inf).astype(np.float32)
+    want = np.asarray(adjust_scores(z, lo, hi, cfg))
+    got = np.asarray(selector_gpu.adjust_scores(z, lo, hi, cfg=cfg, interpret=True))
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)

@@ -252,15 +252,17 @@ def test_tmax_one_refresh_slot(per_row_runs):
 def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
-    or behind a condition (SFI_JAX_REFRESH_COND=1), and the repack kernel (SFI_JAX_REPACK=
-    kernel); all give the xla path's logits."""
+    or behind a condition (SFI_JAX_REFRESH_COND=1), with the repack kernel (the GPU default)
+    or the XLA repack (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla
+    path's logits."""
     prompts, forced, runs = per_row_runs
     monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
     monkeypatch.setenv("SFI_JAX_REPACK", repack)
     import jax
 
     jax.clear_caches()  # the engine reads the switch at trace time
-    got = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL,
+    sfi = dataclasses.replace(SMALL, scores_impl="pallas_gpu")
+    got = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=sfi,
                            trigger_ids=[TRIGGER], forced_tokens=forced, stop_at_eos=False,
                            return_logits=True, impl="pallas_gpu")
     want = runs["sfi"]

@@ -38,12 +38,16 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     programs: int = 8 * _NUM_SMS
+    per_row: bool = False  # programs aimed for per query row instead of per call
 
 
 # Chosen by the sweep in scripts/bench_kernels.py on an H200 (benchmarks/kernels.json);
 # neighbouring configurations were within a few percent.
 DENSE = Config(block_k=128, num_warps=8, num_stages=2, programs=8 * _NUM_SMS)
 DENSE_LOGITS = Config(block_k=128, num_warps=4, num_stages=2, programs=16 * _NUM_SMS)
+# The engine's refresh call (logits written in place): its slots are mostly empty, and an
+# empty slot's programs still cost a launch wave each, so split counts follow one row.
+REFRESH = Config(block_k=128, num_warps=4, num_stages=2, programs=2 * _NUM_SMS, per_row=True)
 SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
 SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
 SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
@@ -225,11 +229,14 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(valid_ref, dst_ref, o_ref, m_ref, l_ref, *refs, n_splits, nsp, d, dp,
-                    n_out, into):
+def _combine_kernel(valid_ref, *refs, n_splits, nsp, d, dp, n_out, into):
     """One query head of one row: merge its first valid_ref[r] per-split partials exactly and
-    store the result in output row dst_ref[r] (none when it is >= n_out)."""
-    out_ref, lse_ref = refs[1:] if into else refs  # refs[0]: the aliased output buffer
+    store the result in output row r, or with `into` row dst_ref[r] of the aliased buffer
+    (none when it is >= n_out)."""
+    if into:
+        dst_ref, o_ref, m_ref, l_ref, _, out_ref, lse_ref = refs
+    else:
+        o_ref, m_ref, l_ref, out_ref, lse_ref = refs
     r, h = pl.program_id(0), pl.program_id(1)
     jmask = jnp.arange(nsp) < jnp.minimum(valid_ref[r], n_splits)
     dmask = jnp.arange(dp) < d
@@ -243,7 +250,7 @@ def _combine_kernel(valid_ref, dst_ref, o_ref, m_ref, l_ref, *refs, n_splits, ns
     acc = jnp.sum(o * w[:, None], axis=0)
     ok = lsum > 0
     out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
-    dst = dst_ref[r]
+    dst = dst_ref[r] if into else r
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
                        out.astype(out_ref.dtype), mask=dmask & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
@@ -282,14 +289,13 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
         return out, lse
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
     n_out = out_into.shape[0] if into else n_rows
-    dst = out_rows.astype(jnp.int32) if into else jnp.arange(n_rows, dtype=jnp.int32)
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
                                n_out=n_out, into=into)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
     # benchmarks/diag_slow_step.json)
     warps = 1 if nsp * dp <= 4096 else 4
-    args = [valid, dst, o, m, l] + ([out_into] if into else [])
+    args = [valid, out_rows.astype(jnp.int32), o, m, l, out_into] if into else [valid, o, m, l]
     return pl.pallas_call(
         kernel, grid=(n_rows, hq),
         out_shape=[jax.ShapeDtypeStruct((n_out, hq, d), out_into.dtype if into else dtype),
@@ -330,7 +336,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     gather_q: q has the cache's rows and row r uses q[rows[r]] (no gathered copy of q).
     """
     into = logits_into is not None
-    cfg = config or (DENSE_LOGITS if (return_logits or into) else DENSE)
+    cfg = config or (REFRESH if into else DENSE_LOGITS if return_logits else DENSE)
     k, layer_arr = _as_stack(k, layer)
     v, _ = _as_stack(v, layer)
     _, hq, d = q.shape
@@ -346,7 +352,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     lengths = lengths.astype(jnp.int32)
     dp = _pow2(d)
     bk = min(cfg.block_k, max(16, _pow2(s_len)))
-    split, n_splits = _splits(s_len, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
+    pairs = hkv if cfg.per_row else n_rows * hkv
+    split, n_splits = _splits(s_len, pairs, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),

@@ -147,17 +147,18 @@ def successor_spread(z, in_j, radius: int, penalty: float = SUCCESSOR_PENALTY):
     return jnp.where(in_j[:, None, :], out, NEG_INF)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce"))
-def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, cross_head_reduce=None):
-    """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
+SCORES_IMPLS = ("auto", "xla", "pallas_gpu")
 
-    cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
-    mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
-    """
-    size = logits.shape[-1]
-    allowed_lo = jnp.clip(jnp.asarray(allowed_lo, jnp.int32), 0, size)
-    allowed_hi = jnp.clip(jnp.asarray(allowed_hi, jnp.int32), 0, size)
-    in_j = allowed_mask(size, allowed_lo, allowed_hi)
+
+def _clipped_range(size, lo, hi):
+    return (jnp.clip(jnp.asarray(lo, jnp.int32), 0, size),
+            jnp.clip(jnp.asarray(hi, jnp.int32), 0, size))
+
+
+def base_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig):
+    """z = log(s + eps) of SFI_METHOD.md §4 steps 1-4, [B, H, S] float32, -inf outside J
+    (lo, hi already clipped to [0, S]); the jnp reference of kernels.selector_gpu."""
+    in_j = allowed_mask(logits.shape[-1], allowed_lo, allowed_hi)
     f = evidence(logits, in_j, cfg.power_alpha)
     if cfg.lam_clip > 0.0:
         r = prior(key_norms, allowed_lo, allowed_hi, in_j, cfg)
@@ -165,12 +166,63 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
         s = (1.0 - lam) * f + lam * r
     else:
         s = f
-    z = jnp.where(in_j[:, None, :], jnp.log(s + cfg.eps), NEG_INF)
+    return jnp.where(in_j[:, None, :], jnp.log(s + cfg.eps), NEG_INF)
+
+
+def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=None):
+    """Steps 5-6 (soft-NMS, cross-head exclusivity) and the successor spread on z [B, H, S]."""
+    in_j = allowed_mask(z.shape[-1], allowed_lo, allowed_hi)
     z = soft_nms(z, in_j, cfg.nms_radius, cfg.alpha_soft)
     z = cross_head(z, in_j, cfg, cross_head_reduce)
     if cfg.successor_radius > 0:
         z = successor_spread(z, in_j, cfg.successor_radius)
     return z
+
+
+def _scores_impl(impl):
+    if impl not in SCORES_IMPLS:
+        raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
+    if impl == "auto":  # one kernel instead of a dozen XLA passes over the logits
+        return "pallas_gpu" if on_gpu() else "xla"
+    return impl
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl"))
+def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+                    cross_head_reduce=None, impl: str = "xla"):
+    """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
+
+    cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
+    mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
+    impl: steps 1-4 in jnp ("xla"), or by the Triton kernel ("pallas_gpu", interpret mode off
+    the GPU); "auto" picks the kernel on GPU.
+    """
+    return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
+                              allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl)
+
+
+def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+                       cross_head_reduce=None, impl: str = "xla"):
+    """`selector_scores` of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
+    logits [N, M, H, R, S] and key_norms [N, B, H, S]: the kernel reads them in place (the
+    engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
+    size = logits.shape[-1]
+    lo, hi = _clipped_range(size, allowed_lo, allowed_hi)
+    if _scores_impl(impl) == "pallas_gpu":
+        from sfi_jax.kernels import selector_gpu
+
+        kw = dict(cfg=cfg, interpret=not on_gpu())
+        z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row, **kw)
+        if cross_head_reduce is None and selector_gpu.adjust_supported(cfg):
+            z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
+            if cfg.successor_radius > 0:
+                z = successor_spread(z, allowed_mask(size, lo, hi), cfg.successor_radius)
+            return z
+    else:
+        lg = lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
+        kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
+        z = base_scores(lg, kn, lo, hi, cfg)
+    return adjust_scores(z, lo, hi, cfg, cross_head_reduce)
 
 
 def _sortable_keys(x):
@@ -325,12 +377,13 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
 
 
 def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
-           cross_head_reduce=None):
+           cross_head_reduce=None, scores_impl: str = "xla"):
     """Selected positions int32 [B, H, cfg.k_select]: the top-k of J by z_adj, in ascending
     position order, -1 in the slots beyond min(k_select, |J|).
 
     Both halves are jitted with static arguments, so this is cheap to call eagerly and
     inlines under an outer jit or shard_map.
     """
-    z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg, cross_head_reduce=cross_head_reduce)
+    z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg,
+                        cross_head_reduce=cross_head_reduce, impl=scores_impl)
     return topk_positions(z, cfg.k_select, impl=topk_impl)

@@ -1,0 +1,300 @@
+"""The selector's scores (SFI_METHOD.md §4) as Triton-lowered Pallas kernels: a few passes over
+the logits instead of the dozens of XLA reductions and elementwise passes the jnp version
+(`selector.select.base_scores`, `adjust_scores`) becomes on the GPU.
+
+Steps 1-4 need two sums over all of J per (n, KV head): each row's log-sum-exp, then the
+evidence's normaliser and the dot products of the fusion weight lambda. So three kernels, each
+over chunks of positions of every (n, head) (enough programs to fill the GPU at one refreshed
+row), with the chunks' partial sums merged by a few tiny XLA ops in between:
+`_row_stats` (per-row online max and sum), `_fusion_stats` (g = log(mu) / a and the prior
+r, as max-shifted running sums: f is never stored) and `_write_scores` (z = log((1 - lambda)
+f + lambda r + eps), -inf outside J). The logits are read from the engine's scratch buffer
+[N, M, H, R, S] at a slot and the key norms from the cache's [N, B, H, S] at a row, so no
+per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) are one more kernel over z.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as plgpu_triton
+
+_M_INIT = -1e30  # finite running-max start: exp(m_old - m_new) is never NaN
+_TILE = 4096  # logits per block (rows x positions), a few registers per thread
+_CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 programs at 128K)
+
+
+def _pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class _Plan:
+    """Static shapes of one call, and the per-(n, head) helpers the three kernels share."""
+
+    def __init__(self, cfg, r, s_len):
+        self.cfg, self.r, self.s_len = cfg, r, s_len
+        self.rp = _pow2(r)
+        self.blk = min(_pow2(s_len), max(16, _TILE // self.rp))
+        self.chunk = self.blk * _CHUNK_BLOCKS
+        self.n_chunks = pl.cdiv(s_len, self.chunk)
+
+    def blocks(self, c, lo, hi):
+        """Block range of chunk c inside J (empty when they do not meet)."""
+        first = jnp.maximum(c * _CHUNK_BLOCKS, lo // self.blk)
+        stop = jnp.minimum((c + 1) * _CHUNK_BLOCKS, pl.cdiv(hi, self.blk))
+        return first, jnp.maximum(stop, first)
+
+    def load(self, logits_ref, at, start, lo, hi):
+        """Logits [rp, blk] (-inf outside J and past R), positions, and the J mask."""
+        pos = start + jnp.arange(self.blk)
+        inj = (pos >= lo) & (pos < hi)
+        rvalid = jnp.arange(self.rp) < self.r
+        x = plgpu_triton.load(logits_ref.at[(*at, pl.ds(0, self.rp), pl.ds(start, self.blk))],
+                              mask=rvalid[:, None] & inj[None, :], other=-jnp.inf)
+        return x.astype(jnp.float32), pos, inj
+
+    def evidence(self, x, lse, inj):
+        """g = log(sum_r p_r^a) / a per position (-inf where no row has mass) and its mask."""
+        a = self.cfg.power_alpha
+        mu = jnp.sum(jnp.exp(a * (x - lse[:, None])), axis=0)
+        ok = inj & (mu > 0)
+        return jnp.where(ok, jnp.log(jnp.where(ok, mu, 1.0)) / a, -jnp.inf), ok
+
+    def prior(self, norms_ref, at, start, pos, inj, lo, hi):
+        """pi_kn * pi_pos (unnormalised), 0 outside J."""
+        c = self.cfg
+        lo_f, last = lo.astype(jnp.float32), hi.astype(jnp.float32) - 1.0
+        span = jnp.maximum(last - lo_f, 0.0) + c.eps
+        posf = pos.astype(jnp.float32)
+        u = jnp.where(inj, (posf - lo_f) / span, 0.0)
+        omu = jnp.where(inj, (last - posf + c.eps) / span, 1.0)
+        u_p = jnp.where(u > 0, jnp.exp(c.p * jnp.log(jnp.where(u > 0, u, 1.0))), 0.0)
+        pi_pos = jnp.exp(-c.beta * u_p) * jnp.exp(c.eta * jnp.log(omu + c.eps))
+        kn = plgpu_triton.load(norms_ref.at[(*at, pl.ds(start, self.blk))], mask=inj, other=1.0)
+        pi_kn = jnp.exp(-c.gamma * jnp.log(kn.astype(jnp.float32) + c.eps))
+        return jnp.where(inj, pi_kn * pi_pos, 0.0)
+
+
+def _row_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, m_ref, l_ref, *, plan):
+    """Chunk c of J: each row's running max and sum of exp (partials of its log-sum-exp)."""
+    n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = lo_ref[n], hi_ref[n]
+    at = (n, idx_ref[0], h)
+
+    def body(i, carry):
+        m, l = carry
+        x, _, _ = plan.load(logits_ref, at, i * plan.blk, lo, hi)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))
+        return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
+
+    m, l = lax.fori_loop(*plan.blocks(c, lo, hi), body,
+                         (jnp.full((plan.rp,), _M_INIT, jnp.float32),
+                          jnp.zeros((plan.rp,), jnp.float32)))
+    plgpu_triton.store(m_ref.at[n, h, c, pl.ds(0, plan.rp)], m)
+    plgpu_triton.store(l_ref.at[n, h, c, pl.ds(0, plan.rp)], l)
+
+
+def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref, out_ref, *,
+                         plan):
+    """Chunk c of J: max of g, sums of exp(g - max), exp(2 (g - max)), exp(g - max) * pi, pi
+    and pi^2 (partials of the evidence normaliser and of f.f, f.r, r.r)."""
+    n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = lo_ref[n], hi_ref[n]
+    lse = plgpu_triton.load(lse_ref.at[n, h, pl.ds(0, plan.rp)])
+    with_prior = plan.cfg.lam_clip > 0.0
+
+    def body(i, carry):
+        gm, s1, s2, s3, p1, p2 = carry
+        start = i * plan.blk
+        x, pos, inj = plan.load(logits_ref, (n, idx_ref[0], h), start, lo, hi)
+        g, ok = plan.evidence(x, lse, inj)
+        gm_new = jnp.maximum(gm, jnp.max(jnp.where(ok, g, _M_INIT)))
+        sc = jnp.exp(gm - gm_new)
+        e = jnp.where(ok, jnp.exp(g - gm_new), 0.0)
+        s1, s2 = s1 * sc + jnp.sum(e), s2 * sc * sc + jnp.sum(e * e)
+        if with_prior:
+            pi = plan.prior(norms_ref, (n, idx_ref[1], h), start, pos, inj, lo, hi)
+            s3 = s3 * sc + jnp.sum(e * pi)
+            p1, p2 = p1 + jnp.sum(pi), p2 + jnp.sum(pi * pi)
+        return gm_new, s1, s2, s3, p1, p2
+
+    zero = jnp.float32(0.0)
+    stats = lax.fori_loop(*plan.blocks(c, lo, hi), body,
+                          (jnp.float32(_M_INIT), zero, zero, zero, zero, zero))
+    plgpu_triton.store(out_ref.at[n, h, c, pl.ds(0, 8)],
+                       sum(jnp.where(jnp.arange(8) == k, v, 0.0) for k, v in enumerate(stats)))
+
+
+def _write_scores_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref, fuse_ref, z_ref,
+                         *, plan):
+    """Chunk c of all positions: z = log((1 - lambda) f + lambda r + eps) in J, -inf outside."""
+    n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = lo_ref[n], hi_ref[n]
+    lse = plgpu_triton.load(lse_ref.at[n, h, pl.ds(0, plan.rp)])
+    gm, inv_s1, inv_p1, lam = (fuse_ref[n, h, k] for k in range(4))
+    eps = plan.cfg.eps
+
+    def body(i, carry):
+        start = i * plan.blk
+        x, pos, inj = plan.load(logits_ref, (n, idx_ref[0], h), start, lo, hi)
+        g, ok = plan.evidence(x, lse, inj)
+        s = (1.0 - lam) * jnp.where(ok, jnp.exp(g - gm) * inv_s1, 0.0)
+        if plan.cfg.lam_clip > 0.0:
+            s = s + lam * plan.prior(norms_ref, (n, idx_ref[1], h), start, pos, inj, lo, hi) \
+                * inv_p1
+        z = jnp.where(inj, jnp.log(s + eps), -jnp.inf)
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(start, plan.blk)], z, mask=pos < plan.s_len)
+        return carry
+
+    first = c * _CHUNK_BLOCKS
+    lax.fori_loop(first, jnp.minimum(first + _CHUNK_BLOCKS, pl.cdiv(plan.s_len, plan.blk)),
+                  body, 0)
+
+
+def _merge_lse(m, l):
+    """Per-row log-sum-exp [N, H, rp] from chunk partials [N, H, C, rp]; +inf for rows with no
+    mass in J (their p_r^a is then zero)."""
+    mx = jnp.max(m, axis=2)
+    total = jnp.sum(l * jnp.exp(m - mx[:, :, None]), axis=2)
+    return jnp.where(total > 0, mx + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
+
+
+def _merge_fusion(stats, lam_clip):
+    """(max g, 1 / evidence normaliser, 1 / prior normaliser, lambda) [N, H, 4] from chunk
+    partials [N, H, C, 8]; lambda = (f.f - f.r) / |f - r|^2, clipped, 0 when that is 0."""
+    gm_c, s1, s2, s3, p1, p2 = (stats[..., k] for k in range(6))
+    gm = jnp.max(gm_c, axis=2)
+    sc = jnp.exp(gm_c - gm[:, :, None])
+    s1, s2, s3 = (jnp.sum(v * w, axis=2) for v, w in ((s1, sc), (s2, sc * sc), (s3, sc)))
+    p1, p2 = jnp.sum(p1, axis=2), jnp.sum(p2, axis=2)
+    inv_s1 = jnp.where(s1 > 0, 1.0 / jnp.where(s1 > 0, s1, 1.0), 0.0)
+    inv_p1 = jnp.where(p1 > 0, 1.0 / jnp.where(p1 > 0, p1, 1.0), 0.0)
+    ff, fr, rr = s2 * inv_s1 * inv_s1, s3 * inv_s1 * inv_p1, p2 * inv_p1 * inv_p1
+    den, num = ff - 2.0 * fr + rr, ff - fr
+    lam = jnp.where(den > 0, jnp.clip(num / jnp.where(den > 0, den, 1.0), 0.0, lam_clip), 0.0)
+    if lam_clip == 0.0:
+        lam = jnp.zeros_like(lam)
+    return jnp.stack([gm, inv_s1, inv_p1, lam], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def base_scores(logits, key_norms, lo, hi, slot, row, *, cfg, interpret=False):
+    """z [N, H, S] float32 of SFI_METHOD.md §4 steps 1-4 (-inf outside J = [lo[n], hi[n])).
+
+    logits [N, M, H, R, S] (read at index `slot` of axis 1), key_norms [N, B, H, S] (read at
+    `row`); lo, hi int32 [N], already clipped to [0, S]. cfg: an SFIConfig.
+    """
+    n_sets, _, hkv, r, s_len = logits.shape
+    if key_norms.shape[0] != n_sets or key_norms.shape[2:] != (hkv, s_len):
+        raise ValueError(f"key_norms {key_norms.shape} do not match logits {logits.shape}")
+    plan = _Plan(cfg, r, s_len)
+    grid = (n_sets, hkv, plan.n_chunks)
+    idx = jnp.stack([jnp.asarray(slot, jnp.int32), jnp.asarray(row, jnp.int32)])
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    kw = dict(compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
+              interpret=interpret)
+    part = jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, plan.rp), jnp.float32)
+    m, l = pl.pallas_call(functools.partial(_row_stats_kernel, plan=plan), grid=grid,
+                          out_shape=[part, part], name="sfi_selector_row_stats",
+                          **kw)(idx, lo, hi, logits)
+    lse = _merge_lse(m, l)
+    stats = pl.pallas_call(
+        functools.partial(_fusion_stats_kernel, plan=plan), grid=grid,
+        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
+        name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
+    fuse = _merge_fusion(stats, cfg.lam_clip)
+    return pl.pallas_call(
+        functools.partial(_write_scores_kernel, plan=plan), grid=grid,
+        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32),
+        name="sfi_selector_scores", **kw)(idx, lo, hi, logits, key_norms, lse, fuse)
+
+
+def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, s_len, blk, radius, alpha_soft,
+                   alpha_cross, cross_temp, log_eps):
+    """Soft-NMS then cross-head exclusivity for one block of positions of every KV head.
+
+    The window max over |i - j| <= radius uses chunks of `radius` positions: j's window is
+    the tail of the previous chunk (offsets >= j's), its own chunk, and the head of the next
+    (offsets <= j's), so three loads of the block (shifted by -radius, 0, +radius) give it
+    exactly, with in-register prefix and suffix maxima."""
+    n, b = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[n], hi_ref[n]
+    start = b * blk
+    pos = start + jnp.arange(blk)
+    inj = (pos >= lo) & (pos < hi)
+    nc = blk // max(radius, 1)
+
+    def load(h, shift):
+        # positions by an index array (interpret mode would clamp a slice that starts before 0)
+        at = start + shift + jnp.arange(blk)
+        inside = (at >= 0) & (at < s_len)
+        return plgpu_triton.load(z_ref.at[n, jnp.int32(h), jnp.clip(at, 0, s_len - 1)],
+                                 mask=inside, other=-jnp.inf)
+
+    def window_max(h):
+        o = jnp.arange(radius)
+        prev = load(h, -radius).reshape(nc, radius)
+        cur = load(h, 0).reshape(nc, radius)
+        nxt = load(h, radius).reshape(nc, radius)
+        tail = jnp.max(jnp.where(o[None, None, :] >= o[None, :, None], prev[:, None, :],
+                                 -jnp.inf), axis=2)
+        head = jnp.max(jnp.where(o[None, None, :] <= o[None, :, None], nxt[:, None, :],
+                                 -jnp.inf), axis=2)
+        m = jnp.maximum(jnp.maximum(tail, head), jnp.max(cur, axis=1)[:, None])
+        return cur.reshape(blk), m.reshape(blk)
+
+    zs = []
+    for h in range(hkv):
+        if radius > 0 and alpha_soft != 0.0:
+            z, m = window_max(h)
+            z = jnp.where(inj, z - alpha_soft * jnp.maximum(m - z, 0.0), -jnp.inf)
+        else:
+            z = load(h, 0)
+        zs.append(z)
+    if alpha_cross != 0.0:
+        ys = [z / cross_temp for z in zs]
+        mx = ys[0]
+        for y in ys[1:]:
+            mx = jnp.maximum(mx, y)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        total = sum(jnp.exp(y - mx) for y in ys)
+        log_total = jnp.log(jnp.where(total > 0, total, 1.0))
+        zs = [jnp.where(inj, z + alpha_cross * jnp.maximum(y - mx - log_total, log_eps),
+                        -jnp.inf) for z, y in zip(zs, ys)]
+    for h, z in enumerate(zs):
+        plgpu_triton.store(out_ref.at[n, jnp.int32(h), pl.ds(start, blk)], z, mask=pos < s_len)
+
+
+def adjust_supported(cfg) -> bool:
+    """The adjust kernel's window decomposition needs a power-of-two radius (16 by default)."""
+    r = cfg.nms_radius
+    return r == 0 or cfg.alpha_soft == 0.0 or (r & (r - 1)) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def adjust_scores(z, lo, hi, *, cfg, interpret=False):
+    """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6) on z [N, H, S] from
+    `base_scores` (-inf outside J = [lo[n], hi[n])), all KV heads local: one pass."""
+    if not adjust_supported(cfg):
+        raise ValueError(f"nms_radius {cfg.nms_radius} is not a power of two")
+    n_sets, hkv, s_len = z.shape
+    radius = cfg.nms_radius if cfg.alpha_soft != 0.0 else 0
+    blk = min(max(_pow2(s_len), max(radius, 1)), max(256, radius))
+    kernel = functools.partial(
+        _adjust_kernel, hkv=hkv, s_len=s_len, blk=blk, radius=radius, alpha_soft=cfg.alpha_soft,
+        alpha_cross=cfg.alpha_cross, cross_temp=cfg.cross_temp, log_eps=math.log(cfg.eps))
+    return pl.pallas_call(
+        kernel, grid=(n_sets, pl.cdiv(s_len, blk)),
+        out_shape=jax.ShapeDtypeStruct(z.shape, jnp.float32),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="sfi_selector_adjust",
+    )(jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), z)
