@@ -237,8 +237,13 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, scores_impl=args.scores_impl,
-                    refresh_rows=slots)
+    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, refresh_rows=slots,
+                    scores_impl="auto" if args.scores_impl == "best" else args.scores_impl)
+    by_impl = None
+    if args.scores_impl == "best":  # time the selector with each scores path, keep the faster
+        by_impl = {impl: selector_time(cfg, 1, ctx, dataclasses.replace(sfi, scores_impl=impl))
+                   for impl in ("xla", "pallas_gpu")}
+        sfi = dataclasses.replace(sfi, scores_impl=min(by_impl, key=by_impl.get))
     trig = np.zeros((cfg.vocab_size,), bool)
     trig[TRIGGER_ID] = True
     trig = jnp.asarray(trig)
@@ -247,6 +252,8 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
                trigger_every=args.trigger_every, t_max=args.t_max, k_select=sfi.k_select,
                n_recent=sfi.n_recent, n_sink=sfi.n_sink, topk_impl=sfi.topk_impl,
                scores_impl=sfi.scores_impl, refresh_rows=slots)
+    if by_impl:
+        rec["selector_row_s_by_scores_impl"] = by_impl
 
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
@@ -499,8 +506,9 @@ def main(argv=None):
                    help="refresh slots per step (0: max(2, batch/4))")
     p.add_argument("--topk-impl", choices=("lax", "threshold"), default="threshold",
                    help="selector top-k (threshold measured faster on the H200 at 16K-128K)")
-    p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu"), default="auto",
-                   help="selector scores (auto: the Triton kernel on GPU)")
+    p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
+                   help="selector scores (auto: the Triton kernels on GPU; best: time both "
+                        "per context and use the faster)")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")

@@ -1,0 +1,105 @@
+"""Time the selector's score stages on the GPU, jnp against the Triton kernels, for one
+refreshed row of every layer (N = layers sets of KV heads x R rows x S positions):
+steps 1-4 (and, for the kernels, their first one and two passes), steps 5-6, and the whole
+scores. Prints one line per part and writes selector_kernels.json.
+
+    python scripts/bench_selector_kernels.py --out /tmp/selk            # on the GPU
+    python scripts/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_selector import timeit  # noqa: E402
+from sfi_jax.config import SFIConfig  # noqa: E402
+from sfi_jax.kernels import selector_gpu as sg  # noqa: E402
+
+selmod = importlib.import_module("sfi_jax.selector.select")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--out", default="/tmp/selk")
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args()
+    if a.smoke:
+        a.layers, a.heads, a.seq = 2, 2, 4096
+    interpret = jax.default_backend() != "gpu"
+    cfg = SFIConfig()
+    N, H, R, S = a.layers, a.heads, a.rows, a.seq
+    key = jax.random.key(0)
+    logits = jax.random.normal(key, (N, 1, H, R, S), jnp.float32) * 3
+    norms = jax.random.uniform(key, (N, 1, H, S), jnp.float32) + 0.5
+    lo = jnp.full((N,), cfg.n_sink, jnp.int32)
+    hi = jnp.full((N,), S - cfg.n_recent, jnp.int32)
+    it = dict(iters=2 if a.smoke else 10, repeats=2 if a.smoke else 5)
+    plan = sg._Plan(cfg, R, S)
+    grid = (N, H, plan.n_chunks)
+    idx = jnp.zeros((2,), jnp.int32)
+    kw = dict(compiler_params=sg.plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
+              interpret=interpret)
+    part = jax.ShapeDtypeStruct((N, H, plan.n_chunks, plan.rp), jnp.float32)
+
+    @jax.jit
+    def k1(lg):
+        m, l = pl.pallas_call(functools.partial(sg._row_stats_kernel, plan=plan), grid=grid,
+                              out_shape=[part, part], **kw)(idx, lo, hi, lg)
+        return sg._merge_lse(m, l)
+
+    @jax.jit
+    def k12(lg, kn):
+        lse = k1(lg)
+        stats = pl.pallas_call(
+            functools.partial(sg._fusion_stats_kernel, plan=plan), grid=grid,
+            out_shape=jax.ShapeDtypeStruct((N, H, plan.n_chunks, 8), jnp.float32),
+            **kw)(idx, lo, hi, lg, kn, lse)
+        return sg._merge_fusion(stats, cfg.lam_clip)
+
+    base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, cfg=cfg,
+                                                   interpret=interpret))
+    base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, cfg))
+    z = base_x(logits, norms)
+    adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, cfg=cfg, interpret=interpret))
+    adj_x = jax.jit(lambda z: selmod.adjust_scores(z, lo, hi, cfg))
+    full = {impl: jax.jit(lambda lg, kn, i=impl: selmod.selector_scores_at(
+        lg, 0, kn, 0, lo, hi, cfg, impl=i)) for impl in ("xla", "pallas_gpu")}
+    res = {"device": jax.devices()[0].device_kind, "shape": [N, H, R, S],
+           "chunks": plan.n_chunks, "blk": plan.blk}
+    parts = [("kernel pass 1 (row stats)", k1, (logits,)),
+             ("kernel passes 1-2", k12, (logits, norms)),
+             ("kernel steps 1-4", base_k, (logits, norms)),
+             ("jnp steps 1-4", base_x, (logits, norms)),
+             ("kernel steps 5-6", adj_k, (z,)),
+             ("jnp steps 5-6", adj_x, (z,)),
+             ("kernel steps 1-6", full["pallas_gpu"], (logits, norms)),
+             ("jnp steps 1-6", full["xla"], (logits, norms))]
+    for name, fn, args in parts:
+        res[name] = timeit(fn, *args, **it)
+        print(f"{name:<28} {res[name]:10.1f} us", flush=True)
+    zk, zx = full["pallas_gpu"](logits, norms), full["xla"](logits, norms)
+    res["max_abs_diff"] = float(jnp.max(jnp.where(jnp.isfinite(zx), jnp.abs(zk - zx), 0.0)))
+    print("max |kernel - jnp| on finite scores:", res["max_abs_diff"])
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "selector_kernels.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
