@@ -485,6 +485,8 @@ def merge_reports(paths, out, notes=None):
         for r in d["results"]:
             r.setdefault("command", d["meta"]["command"])
             records.append(r)
+    models = list(dict.fromkeys(r["model"] for r in records))  # first-seen order, longest first
+    records.sort(key=lambda r: (models.index(r["model"]), -r["context"]))
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
     meta["copy_bw_tbs"] = statistics.median(json.load(open(p))["meta"]["copy_bw_tbs"]
                                             for p in paths)
@@ -507,8 +509,8 @@ def main(argv=None):
     p.add_argument("--topk-impl", choices=("lax", "threshold"), default="threshold",
                    help="selector top-k (threshold measured faster on the H200 at 16K-128K)")
     p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
-                   help="selector scores (auto: the Triton kernels on GPU; best: time both "
-                        "per context and use the faster)")
+                   help="selector scores (auto: xla; pallas_gpu: the Triton kernels; best: "
+                        "time both per context and use the faster)")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")

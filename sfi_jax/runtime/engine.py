@@ -411,8 +411,8 @@ def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, head_a
     L = buf.shape[0]
     row = slots[j]
     lo, hi = _allowed(jnp.full((L,), pos[row]), sfi)
-    # the scores kernel reads slot j's logits and row's key norms in place (slices would be
-    # copies: 0.25 ms per refreshed row at 128K)
+    # with scores_impl="pallas_gpu" the kernels read slot j's logits and the row's key norms
+    # in place (a sliced operand of a custom call is a copy)
     z = selector_scores_at(buf, j, key_norms, row, lo, hi, sfi, cross_head_reduce=head_axis,
                            impl=sfi.scores_impl)
     sel = topk_positions(z, sfi.k_select, impl=sfi.topk_impl)  # [L, Hkv, K]

@@ -182,8 +182,8 @@ def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=N
 def _scores_impl(impl):
     if impl not in SCORES_IMPLS:
         raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
-    if impl == "auto":  # one kernel instead of a dozen XLA passes over the logits
-        return "pallas_gpu" if on_gpu() else "xla"
+    if impl == "auto":  # the kernels measured slower than XLA on the H200 (2.79 vs 2.19 ms per
+        return "xla"    # refreshed row at qwen3-4b 128K, benchmarks/e2e.json): opt-in for now
     return impl
 
 
@@ -194,8 +194,8 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
 
     cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
-    impl: steps 1-4 in jnp ("xla"), or by the Triton kernel ("pallas_gpu", interpret mode off
-    the GPU); "auto" picks the kernel on GPU.
+    impl: jnp ("xla"), or the Triton kernels ("pallas_gpu", interpret mode off the GPU; opt-in:
+    slower than XLA on the H200 so far); "auto" is "xla".
     """
     return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
                               allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl)
