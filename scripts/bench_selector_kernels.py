@@ -1,7 +1,7 @@
 """Time the selector's score stages on the GPU, jnp against the Triton kernels, for one
 refreshed row of every layer (N = layers sets of KV heads x R rows x S positions):
-steps 1-4 (and, for the kernels, their first one and two passes), steps 5-6, and the whole
-scores. Prints one line per part and writes selector_kernels.json.
+steps 1-4 (and, for the kernels, their first one and two passes, and a few tuning knobs),
+steps 5-6, and the whole scores. Prints one line per part and writes selector_kernels.json.
 
     python scripts/bench_selector_kernels.py --out /tmp/selk            # on the GPU
     python scripts/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
@@ -66,16 +66,19 @@ def main():
     @jax.jit
     def k12(lg, kn):
         lse = k1(lg)
-        stats = pl.pallas_call(
+        per_position = jax.ShapeDtypeStruct((N, H, S), jnp.float32)
+        stats, g, pi = pl.pallas_call(
             functools.partial(sg._fusion_stats_kernel, plan=plan), grid=grid,
-            out_shape=jax.ShapeDtypeStruct((N, H, plan.n_chunks, 8), jnp.float32),
+            out_shape=[jax.ShapeDtypeStruct((N, H, plan.n_chunks, 8), jnp.float32),
+                       per_position, per_position],
             **kw)(idx, lo, hi, lg, kn, lse)
-        return sg._merge_fusion(stats, cfg.lam_clip)
+        return sg._merge_fusion(stats, cfg.lam_clip), g, pi
 
     base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, cfg=cfg,
                                                    interpret=interpret))
     base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, cfg))
-    z = base_x(logits, norms)
+    pad = sg.adjust_pad(cfg)
+    z = jnp.pad(base_x(logits, norms), ((0, 0), (0, 0), (pad, pad)), constant_values=-jnp.inf)
     adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, cfg=cfg, interpret=interpret))
     adj_x = jax.jit(lambda z: selmod.adjust_scores(z, lo, hi, cfg))
     full = {impl: jax.jit(lambda lg, kn, i=impl: selmod.selector_scores_at(
@@ -87,9 +90,14 @@ def main():
              ("kernel steps 1-4", base_k, (logits, norms)),
              ("jnp steps 1-4", base_x, (logits, norms)),
              ("kernel steps 5-6", adj_k, (z,)),
-             ("jnp steps 5-6", adj_x, (z,)),
+             ("jnp steps 5-6", adj_x, (z[:, :, pad:pad + S],)),
              ("kernel steps 1-6", full["pallas_gpu"], (logits, norms)),
              ("jnp steps 1-6", full["xla"], (logits, norms))]
+    for warps, tile, chunk in ((8, 4096, 8), (4, 8192, 8), (4, 4096, 4), (4, 4096, 16)):
+        fn = jax.jit(lambda lg, kn, w=warps, t=tile, c=chunk: sg.base_scores(
+            lg, kn, lo, hi, 0, 0, cfg=cfg, interpret=interpret, num_warps=w, tile=t,
+            chunk_blocks=c))
+        parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)
         print(f"{name:<28} {res[name]:10.1f} us", flush=True)

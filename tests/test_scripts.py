@@ -97,3 +97,13 @@ def test_kernel_sources_maps_fusions_to_lines():
     lines = {f"test_scripts.py:{first + 1} _scaled_sine", f"test_scripts.py:{first + 2} _scaled_sine"}
     assert all(set(v["sources"]) <= lines and v["sources"] for v in got.values()), got
     assert any("sine" in v["ops"] for v in got.values())
+
+
+def test_bench_selector_kernels_smoke(tmp_path):
+    """The selector-stage timing script runs (interpret mode here) and finds the kernels'
+    scores equal to the jnp ones."""
+    _run(os.path.join(SCRIPTS, "bench_selector_kernels.py"), "--smoke", "--out", str(tmp_path))
+    with open(tmp_path / "selector_kernels.json") as f:
+        res = json.load(f)
+    assert res["max_abs_diff"] < 1e-4
+    assert all(res[k] > 0 for k in ("kernel steps 1-6", "jnp steps 1-6", "kernel steps 5-6"))

@@ -390,8 +390,8 @@ def test_scores_kernel_reads_the_given_slot_and_row():
                          ids=["default", "radius1", "radius4,T1", "no_cross", "no_nms"])
 def test_adjust_kernel_against_jnp(change):
     """Steps 5-6 by the GPU kernel (interpret mode here; power-of-two radii, in chunks of the
-    radius) against the jnp steps, on ragged ranges including an empty one and a range that
-    ends inside the first chunk."""
+    radius; heads accumulated online) against the jnp steps, on ragged ranges including an
+    empty one and a range that ends inside the first chunk."""
     from sfi_jax.kernels import selector_gpu
     from sfi_jax.selector.select import adjust_scores
 
@@ -402,7 +402,9 @@ def test_adjust_kernel_against_jnp(change):
     z = (rng.standard_normal((4, 3, S)) * 3).astype(np.float32)
     z = np.where(np.asarray(allowed_mask(S, lo, hi))[:, None, :], z, -np.inf).astype(np.float32)
     want = np.asarray(adjust_scores(z, lo, hi, cfg))
-    got = np.asarray(selector_gpu.adjust_scores(z, lo, hi, cfg=cfg, interpret=True))
+    pad = selector_gpu.adjust_pad(cfg)  # the kernel reads rows between -inf pads
+    padded = np.pad(z, ((0, 0), (0, 0), (pad, pad)), constant_values=-np.inf)
+    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, cfg=cfg, interpret=True))
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)

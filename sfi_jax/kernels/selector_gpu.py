@@ -31,6 +31,7 @@ with warnings.catch_warnings():
 _M_INIT = -1e30  # finite running-max start: exp(m_old - m_new) is never NaN
 _TILE = 4096  # logits per block (rows x positions), a few registers per thread
 _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 programs at 128K)
+# (both first guesses, not tuned on a GPU yet)
 
 
 def _pow2(n):
@@ -40,17 +41,17 @@ def _pow2(n):
 class _Plan:
     """Static shapes of one call, and the per-(n, head) helpers the three kernels share."""
 
-    def __init__(self, cfg, r, s_len):
+    def __init__(self, cfg, r, s_len, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
         self.cfg, self.r, self.s_len = cfg, r, s_len
         self.rp = _pow2(r)
-        self.blk = min(_pow2(s_len), max(16, _TILE // self.rp))
-        self.chunk = self.blk * _CHUNK_BLOCKS
-        self.n_chunks = pl.cdiv(s_len, self.chunk)
+        self.blk = min(_pow2(s_len), max(16, tile // self.rp))
+        self.chunk_blocks = chunk_blocks
+        self.n_chunks = pl.cdiv(s_len, self.blk * chunk_blocks)
 
     def blocks(self, c, lo, hi):
         """Block range of chunk c inside J (empty when they do not meet)."""
-        first = jnp.maximum(c * _CHUNK_BLOCKS, lo // self.blk)
-        stop = jnp.minimum((c + 1) * _CHUNK_BLOCKS, pl.cdiv(hi, self.blk))
+        first = jnp.maximum(c * self.chunk_blocks, lo // self.blk)
+        stop = jnp.minimum((c + 1) * self.chunk_blocks, pl.cdiv(hi, self.blk))
         return first, jnp.maximum(stop, first)
 
     def load(self, logits_ref, at, start, lo, hi):
@@ -103,10 +104,12 @@ def _row_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, m_ref, l_ref, *, plan
     plgpu_triton.store(l_ref.at[n, h, c, pl.ds(0, plan.rp)], l)
 
 
-def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref, out_ref, *,
-                         plan):
+def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref, out_ref, g_ref,
+                         *pi_ref, plan):
     """Chunk c of J: max of g, sums of exp(g - max), exp(2 (g - max)), exp(g - max) * pi, pi
-    and pi^2 (partials of the evidence normaliser and of f.f, f.r, r.r)."""
+    and pi^2 (partials of the evidence normaliser and of f.f, f.r, r.r). Also stores g and pi
+    (the unnormalised prior) for J's blocks, so the last pass reads two floats per position
+    instead of the R logits and the key norm, and computes no transcendentals again."""
     n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[n], hi_ref[n]
     lse = plgpu_triton.load(lse_ref.at[n, h, pl.ds(0, plan.rp)])
@@ -117,12 +120,15 @@ def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref
         start = i * plan.blk
         x, pos, inj = plan.load(logits_ref, (n, idx_ref[0], h), start, lo, hi)
         g, ok = plan.evidence(x, lse, inj)
+        inside = pos < plan.s_len
+        plgpu_triton.store(g_ref.at[n, h, pl.ds(start, plan.blk)], g, mask=inside)
         gm_new = jnp.maximum(gm, jnp.max(jnp.where(ok, g, _M_INIT)))
         sc = jnp.exp(gm - gm_new)
         e = jnp.where(ok, jnp.exp(g - gm_new), 0.0)
         s1, s2 = s1 * sc + jnp.sum(e), s2 * sc * sc + jnp.sum(e * e)
         if with_prior:
             pi = plan.prior(norms_ref, (n, idx_ref[1], h), start, pos, inj, lo, hi)
+            plgpu_triton.store(pi_ref[0].at[n, h, pl.ds(start, plan.blk)], pi, mask=inside)
             s3 = s3 * sc + jnp.sum(e * pi)
             p1, p2 = p1 + jnp.sum(pi), p2 + jnp.sum(pi * pi)
         return gm_new, s1, s2, s3, p1, p2
@@ -134,29 +140,40 @@ def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref
                        sum(jnp.where(jnp.arange(8) == k, v, 0.0) for k, v in enumerate(stats)))
 
 
-def _write_scores_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref, fuse_ref, z_ref,
-                         *, plan):
-    """Chunk c of all positions: z = log((1 - lambda) f + lambda r + eps) in J, -inf outside."""
+def _write_scores_kernel(lo_ref, hi_ref, fuse_ref, g_ref, *refs, plan, pad):
+    """Chunk c of all positions: z = log((1 - lambda) f + lambda r + eps) in J, -inf outside,
+    from the stored g and pi; z is stored at offset `pad` of a row of S + 2 pad positions whose
+    pads are -inf (chunk 0 and the last chunk write them), so the next kernel's shifted reads
+    start at or after 0."""
+    pi_ref, z_ref = refs if plan.cfg.lam_clip > 0.0 else (None, refs[0])
     n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[n], hi_ref[n]
-    lse = plgpu_triton.load(lse_ref.at[n, h, pl.ds(0, plan.rp)])
     gm, inv_s1, inv_p1, lam = (fuse_ref[n, h, k] for k in range(4))
     eps = plan.cfg.eps
+    if pad:
+        neg = jnp.full((pad,), -jnp.inf, jnp.float32)
+        every = jnp.full((pad,), True)
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(0, pad)], neg, mask=every & (c == 0))
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(plan.s_len + pad, pad)], neg,
+                           mask=every & (c == plan.n_chunks - 1))
 
     def body(i, carry):
         start = i * plan.blk
-        x, pos, inj = plan.load(logits_ref, (n, idx_ref[0], h), start, lo, hi)
-        g, ok = plan.evidence(x, lse, inj)
-        s = (1.0 - lam) * jnp.where(ok, jnp.exp(g - gm) * inv_s1, 0.0)
-        if plan.cfg.lam_clip > 0.0:
-            s = s + lam * plan.prior(norms_ref, (n, idx_ref[1], h), start, pos, inj, lo, hi) \
-                * inv_p1
+        pos = start + jnp.arange(plan.blk)
+        inj = (pos >= lo) & (pos < hi)
+        g = plgpu_triton.load(g_ref.at[n, h, pl.ds(start, plan.blk)], mask=inj, other=-jnp.inf)
+        ok = inj & (g > -jnp.inf)
+        s = (1.0 - lam) * jnp.where(ok, jnp.exp(jnp.where(ok, g, gm) - gm) * inv_s1, 0.0)
+        if pi_ref is not None:
+            pi = plgpu_triton.load(pi_ref.at[n, h, pl.ds(start, plan.blk)], mask=inj, other=0.0)
+            s = s + lam * pi * inv_p1
         z = jnp.where(inj, jnp.log(s + eps), -jnp.inf)
-        plgpu_triton.store(z_ref.at[n, h, pl.ds(start, plan.blk)], z, mask=pos < plan.s_len)
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(pad + start, plan.blk)], z,
+                           mask=pos < plan.s_len)
         return carry
 
-    first = c * _CHUNK_BLOCKS
-    lax.fori_loop(first, jnp.minimum(first + _CHUNK_BLOCKS, pl.cdiv(plan.s_len, plan.blk)),
+    first = c * plan.chunk_blocks
+    lax.fori_loop(first, jnp.minimum(first + plan.chunk_blocks, pl.cdiv(plan.s_len, plan.blk)),
                   body, 0)
 
 
@@ -186,62 +203,74 @@ def _merge_fusion(stats, lam_clip):
     return jnp.stack([gm, inv_s1, inv_p1, lam], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def base_scores(logits, key_norms, lo, hi, slot, row, *, cfg, interpret=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "pad", "num_warps", "tile",
+                                             "chunk_blocks"))
+def base_scores(logits, key_norms, lo, hi, slot, row, *, cfg, interpret=False, pad=0,
+                num_warps=4, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
     """z [N, H, S] float32 of SFI_METHOD.md §4 steps 1-4 (-inf outside J = [lo[n], hi[n])).
 
     logits [N, M, H, R, S] (read at index `slot` of axis 1), key_norms [N, B, H, S] (read at
-    `row`); lo, hi int32 [N], already clipped to [0, S]. cfg: an SFIConfig.
+    `row`); lo, hi int32 [N], already clipped to [0, S]. cfg: an SFIConfig. pad > 0 (a power
+    of two): z comes as [N, H, S + 2 pad] with -inf pads on both sides (`adjust_scores`' input).
+    num_warps, tile (logits per block), chunk_blocks (blocks per program): tuning knobs
+    (scripts/bench_selector_kernels.py times a few).
     """
     n_sets, _, hkv, r, s_len = logits.shape
     if key_norms.shape[0] != n_sets or key_norms.shape[2:] != (hkv, s_len):
         raise ValueError(f"key_norms {key_norms.shape} do not match logits {logits.shape}")
-    plan = _Plan(cfg, r, s_len)
+    plan = _Plan(cfg, r, s_len, tile, chunk_blocks)
     grid = (n_sets, hkv, plan.n_chunks)
     idx = jnp.stack([jnp.asarray(slot, jnp.int32), jnp.asarray(row, jnp.int32)])
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    kw = dict(compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
+    kw = dict(compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=2),
               interpret=interpret)
     part = jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, plan.rp), jnp.float32)
     m, l = pl.pallas_call(functools.partial(_row_stats_kernel, plan=plan), grid=grid,
                           out_shape=[part, part], name="sfi_selector_row_stats",
                           **kw)(idx, lo, hi, logits)
     lse = _merge_lse(m, l)
-    stats = pl.pallas_call(
+    per_position = jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32)
+    with_prior = cfg.lam_clip > 0.0
+    stats, *g_pi = pl.pallas_call(
         functools.partial(_fusion_stats_kernel, plan=plan), grid=grid,
-        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
+                   per_position] + [per_position] * with_prior,
         name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
     fuse = _merge_fusion(stats, cfg.lam_clip)
     return pl.pallas_call(
-        functools.partial(_write_scores_kernel, plan=plan), grid=grid,
-        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32),
-        name="sfi_selector_scores", **kw)(idx, lo, hi, logits, key_norms, lse, fuse)
+        functools.partial(_write_scores_kernel, plan=plan, pad=pad), grid=grid,
+        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len + 2 * pad), jnp.float32),
+        name="sfi_selector_scores", **kw)(lo, hi, fuse, *g_pi)
 
 
 def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, s_len, blk, radius, alpha_soft,
                    alpha_cross, cross_temp, log_eps):
-    """Soft-NMS then cross-head exclusivity for one block of positions of every KV head.
+    """Soft-NMS then cross-head exclusivity for one block of positions of every KV head; z_ref
+    holds each row at offset `radius` between -inf pads (`base_scores(pad=radius)`).
 
     The window max over |i - j| <= radius uses chunks of `radius` positions: j's window is
     the tail of the previous chunk (offsets >= j's), its own chunk, and the head of the next
-    (offsets <= j's), so three loads of the block (shifted by -radius, 0, +radius) give it
-    exactly, with in-register prefix and suffix maxima."""
+    (offsets <= j's), so three contiguous loads of the block (shifted by -radius, 0, +radius)
+    give it exactly, with in-register prefix and suffix maxima. The cross-head softmax is
+    accumulated online over the heads, then each head's soft-NMS score is recomputed for its
+    output, so only one head's values are live at a time."""
     n, b = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[n], hi_ref[n]
     start = b * blk
     pos = start + jnp.arange(blk)
     inj = (pos >= lo) & (pos < hi)
-    nc = blk // max(radius, 1)
+    nms = radius > 0 and alpha_soft != 0.0
 
     def load(h, shift):
-        # positions by an index array (interpret mode would clamp a slice that starts before 0)
-        at = start + shift + jnp.arange(blk)
-        inside = (at >= 0) & (at < s_len)
-        return plgpu_triton.load(z_ref.at[n, jnp.int32(h), jnp.clip(at, 0, s_len - 1)],
-                                 mask=inside, other=-jnp.inf)
+        at = start + shift + jnp.arange(blk)  # position; the pads hold -radius..-1, S..S+radius-1
+        return plgpu_triton.load(z_ref.at[n, jnp.int32(h), pl.ds(radius + start + shift, blk)],
+                                 mask=at < s_len + radius, other=-jnp.inf)
 
-    def window_max(h):
-        o = jnp.arange(radius)
+    def scores(h):
+        """Soft-NMS score of head h in J (-inf outside)."""
+        if not nms:
+            return load(h, 0)
+        nc, o = blk // radius, jnp.arange(radius)
         prev = load(h, -radius).reshape(nc, radius)
         cur = load(h, 0).reshape(nc, radius)
         nxt = load(h, radius).reshape(nc, radius)
@@ -249,29 +278,31 @@ def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, s_len, blk, radius, a
                                  -jnp.inf), axis=2)
         head = jnp.max(jnp.where(o[None, None, :] <= o[None, :, None], nxt[:, None, :],
                                  -jnp.inf), axis=2)
-        m = jnp.maximum(jnp.maximum(tail, head), jnp.max(cur, axis=1)[:, None])
-        return cur.reshape(blk), m.reshape(blk)
+        m = jnp.maximum(jnp.maximum(tail, head), jnp.max(cur, axis=1)[:, None]).reshape(blk)
+        z = cur.reshape(blk)
+        return jnp.where(inj, z - alpha_soft * jnp.maximum(m - z, 0.0), -jnp.inf)
 
-    zs = []
-    for h in range(hkv):
-        if radius > 0 and alpha_soft != 0.0:
-            z, m = window_max(h)
-            z = jnp.where(inj, z - alpha_soft * jnp.maximum(m - z, 0.0), -jnp.inf)
-        else:
-            z = load(h, 0)
-        zs.append(z)
+    def body(h, carry):
+        mx, total = carry
+        y = scores(h) / cross_temp
+        mx_new = jnp.maximum(mx, y)
+        total = total * jnp.exp(mx - mx_new) + jnp.where(inj, jnp.exp(y - mx_new), 0.0)
+        return mx_new, total
+
     if alpha_cross != 0.0:
-        ys = [z / cross_temp for z in zs]
-        mx = ys[0]
-        for y in ys[1:]:
-            mx = jnp.maximum(mx, y)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        total = sum(jnp.exp(y - mx) for y in ys)
-        log_total = jnp.log(jnp.where(total > 0, total, 1.0))
-        zs = [jnp.where(inj, z + alpha_cross * jnp.maximum(y - mx - log_total, log_eps),
-                        -jnp.inf) for z, y in zip(zs, ys)]
-    for h, z in enumerate(zs):
-        plgpu_triton.store(out_ref.at[n, jnp.int32(h), pl.ds(start, blk)], z, mask=pos < s_len)
+        mx, total = lax.fori_loop(0, hkv, body, (jnp.full((blk,), _M_INIT, jnp.float32),
+                                                  jnp.zeros((blk,), jnp.float32)))
+        log_norm = mx + jnp.log(jnp.where(total > 0, total, 1.0))
+
+    def write(h, carry):
+        z = scores(h)
+        if alpha_cross != 0.0:
+            z = jnp.where(inj, z + alpha_cross * jnp.maximum(z / cross_temp - log_norm, log_eps),
+                          -jnp.inf)
+        plgpu_triton.store(out_ref.at[n, h, pl.ds(start, blk)], z, mask=pos < s_len)
+        return carry
+
+    lax.fori_loop(0, hkv, write, 0)
 
 
 def adjust_supported(cfg) -> bool:
@@ -280,21 +311,27 @@ def adjust_supported(cfg) -> bool:
     return r == 0 or cfg.alpha_soft == 0.0 or (r & (r - 1)) == 0
 
 
+def adjust_pad(cfg) -> int:
+    """The -inf padding `adjust_scores` reads around each row (`base_scores(pad=...)`)."""
+    return cfg.nms_radius if cfg.alpha_soft != 0.0 else 0
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def adjust_scores(z, lo, hi, *, cfg, interpret=False):
-    """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6) on z [N, H, S] from
-    `base_scores` (-inf outside J = [lo[n], hi[n])), all KV heads local: one pass."""
+def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False):
+    """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6), all KV heads local, in
+    one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(cfg))` -> [N, H, S]."""
     if not adjust_supported(cfg):
         raise ValueError(f"nms_radius {cfg.nms_radius} is not a power of two")
-    n_sets, hkv, s_len = z.shape
-    radius = cfg.nms_radius if cfg.alpha_soft != 0.0 else 0
+    radius = adjust_pad(cfg)
+    n_sets, hkv, padded = z_padded.shape
+    s_len = padded - 2 * radius
     blk = min(max(_pow2(s_len), max(radius, 1)), max(256, radius))
     kernel = functools.partial(
         _adjust_kernel, hkv=hkv, s_len=s_len, blk=blk, radius=radius, alpha_soft=cfg.alpha_soft,
         alpha_cross=cfg.alpha_cross, cross_temp=cfg.cross_temp, log_eps=math.log(cfg.eps))
     return pl.pallas_call(
         kernel, grid=(n_sets, pl.cdiv(s_len, blk)),
-        out_shape=jax.ShapeDtypeStruct(z.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32),
         compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="sfi_selector_adjust",
-    )(jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), z)
+    )(jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), z_padded)

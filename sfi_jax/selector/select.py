@@ -212,8 +212,10 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
         from sfi_jax.kernels import selector_gpu
 
         kw = dict(cfg=cfg, interpret=not on_gpu())
-        z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row, **kw)
-        if cross_head_reduce is None and selector_gpu.adjust_supported(cfg):
+        fused = cross_head_reduce is None and selector_gpu.adjust_supported(cfg)
+        z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
+                                     pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
+        if fused:
             z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
             if cfg.successor_radius > 0:
                 z = successor_spread(z, allowed_mask(size, lo, hi), cfg.successor_radius)
