@@ -73,9 +73,9 @@ class SFIConfig:
     # selector top-k: "lax" (lax.top_k), "threshold" (radix threshold + compaction, faster on
     # the H200 at long contexts) or "auto" (threshold on GPU, lax elsewhere)
     topk_impl: str = "auto"
-    # selector scores (§4 steps 1-6): "xla" (jnp), "pallas_gpu" (Triton kernels: three
-    # passes over the logits, one over the scores; slower than XLA on the H200 so far, so
-    # opt-in) or "auto" (xla)
+    # selector scores (§4 steps 1-6): "xla" (jnp), "pallas_gpu" (Triton kernels for steps 1-4:
+    # two passes over the logits and one over two floats per position; opt-in until measured
+    # end to end) or "auto" (xla)
     scores_impl: str = "auto"
     # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps

@@ -10,7 +10,8 @@ row), with the chunks' partial sums merged by a few tiny XLA ops in between:
 r, as max-shifted running sums: f is never stored) and `_write_scores` (z = log((1 - lambda)
 f + lambda r + eps), -inf outside J). The logits are read from the engine's scratch buffer
 [N, M, H, R, S] at a slot and the key norms from the cache's [N, B, H, S] at a row, so no
-per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) are one more kernel over z.
+per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) are one more kernel over z, off by
+default (`ADJUST_KERNEL`: slower than jnp so far).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as plgpu_triton
 
 _M_INIT = -1e30  # finite running-max start: exp(m_old - m_new) is never NaN
+# Steps 5-6 by `adjust_scores` (True) or by jnp after the steps 1-4 kernels (False): on the H200
+# at Qwen3-4B 128K the kernel took 1.80 ms per refreshed row (1.00 in a version holding all
+# eight heads live) against jnp's 0.50 (benchmarks/selector_kernels_128k*.json).
+ADJUST_KERNEL = False
 _TILE = 4096  # logits per block (rows x positions), a few registers per thread
 _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 programs at 128K)
 # (both first guesses, not tuned on a GPU yet)

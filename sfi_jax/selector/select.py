@@ -182,8 +182,8 @@ def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=N
 def _scores_impl(impl):
     if impl not in SCORES_IMPLS:
         raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
-    if impl == "auto":  # the kernels measured slower than XLA on the H200 (2.79 vs 2.19 ms per
-        return "xla"    # refreshed row at qwen3-4b 128K, benchmarks/e2e.json): opt-in for now
+    if impl == "auto":  # the kernels' steps 1-4 beat jnp by 0.13 ms per refreshed row at
+        return "xla"    # qwen3-4b 128K on the H200, not yet measured end to end: opt-in for now
     return impl
 
 
@@ -194,8 +194,8 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
 
     cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
-    impl: jnp ("xla"), or the Triton kernels ("pallas_gpu", interpret mode off the GPU; opt-in:
-    slower than XLA on the H200 so far); "auto" is "xla".
+    impl: jnp ("xla"), or Triton kernels for steps 1-4 ("pallas_gpu", interpret mode off the
+    GPU; opt-in until measured end to end); "auto" is "xla".
     """
     return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
                               allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl)
@@ -212,7 +212,8 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
         from sfi_jax.kernels import selector_gpu
 
         kw = dict(cfg=cfg, interpret=not on_gpu())
-        fused = cross_head_reduce is None and selector_gpu.adjust_supported(cfg)
+        fused = (selector_gpu.ADJUST_KERNEL and cross_head_reduce is None
+                 and selector_gpu.adjust_supported(cfg))
         z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
                                      pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
         if fused:
