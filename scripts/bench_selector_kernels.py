@@ -10,7 +10,6 @@ steps 5-6, and the whole scores. Prints one line per part and writes selector_ke
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import os
@@ -18,7 +17,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -51,29 +49,10 @@ def main():
     hi = jnp.full((N,), S - cfg.n_recent, jnp.int32)
     it = dict(iters=2 if a.smoke else 10, repeats=2 if a.smoke else 5)
     plan = sg._Plan(cfg, R, S)
-    grid = (N, H, plan.n_chunks)
     idx = jnp.zeros((2,), jnp.int32)
-    kw = dict(compiler_params=sg.plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
-              interpret=interpret)
-    part = jax.ShapeDtypeStruct((N, H, plan.n_chunks, plan.rp), jnp.float32)
-
-    @jax.jit
-    def k1(lg):
-        m, l = pl.pallas_call(functools.partial(sg._row_stats_kernel, plan=plan), grid=grid,
-                              out_shape=[part, part], **kw)(idx, lo, hi, lg)
-        return sg._merge_lse(m, l)
-
-    @jax.jit
-    def k12(lg, kn):
-        lse = k1(lg)
-        per_position = jax.ShapeDtypeStruct((N, H, S), jnp.float32)
-        stats, g, pi = pl.pallas_call(
-            functools.partial(sg._fusion_stats_kernel, plan=plan), grid=grid,
-            out_shape=[jax.ShapeDtypeStruct((N, H, plan.n_chunks, 8), jnp.float32),
-                       per_position, per_position],
-            **kw)(idx, lo, hi, lg, kn, lse)
-        return sg._merge_fusion(stats, cfg.lam_clip), g, pi
-
+    kw = sg._call_kwargs(plan, N, H, 4, interpret)
+    k1 = jax.jit(lambda lg: sg._row_lse(plan, kw, idx, lo, hi, lg))
+    k12 = jax.jit(lambda lg, kn: sg._fusion(plan, kw, idx, lo, hi, lg, kn, k1(lg)))
     base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, cfg=cfg,
                                                    interpret=interpret))
     base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, cfg))

@@ -80,15 +80,6 @@ def selector_parts(cfg, ctx, sfi):
     scores = jax.jit(lambda lg, n: selmod.selector_scores(lg, n, lo, hi, sfi))
     z = scores(logits, norms)
     out = {"scores": ms(scores, logits, norms)}
-    kern = jax.jit(lambda lg, n: selmod.selector_scores(lg, n, lo, hi, sfi, impl="pallas_gpu"))
-    out["scores_kernel"] = ms(kern, logits, norms)
-    zk = kern(logits, norms)
-    out["scores_kernel_max_abs_diff"] = float(jnp.max(jnp.where(jnp.isfinite(z), jnp.abs(zk - z), 0)))
-    from sfi_jax.kernels import selector_gpu
-
-    base = jax.jit(lambda lg, n: selector_gpu.base_scores(lg[:, None], n[:, None], lo, hi, 0, 0,
-                                                          cfg=sfi))
-    out["base_scores_kernel"] = ms(base, logits, norms)
     k = sfi.k_select
     ref = np.asarray(selmod._topk_lax(z, k, k))
     keys = selmod._sortable_keys(z)

@@ -89,14 +89,19 @@ def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
             assert not np.asarray(out[i]).any() and np.isneginf(np.asarray(lse[i])).all()
 
 
+def _stacked_case(seed, n_keys, dtype):
+    """Three query rows [3, 8, 64] and a stacked cache k, v [3 layers, 4, 2, 200, 64], and the
+    split keys (the first three made them)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), n_keys)
+    shape = (3, 4, 2, 200, 64)
+    return _rand(ks[0], (3, 8, 64), dtype), _rand(ks[1], shape, dtype), \
+        _rand(ks[2], shape, dtype), ks
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dense_layer_and_rows_read_in_place(impl):
-    n_layers, b, hq, hkv, s, d = 3, 4, 8, 2, 200, 64
-    ks = jax.random.split(jax.random.PRNGKey(5), 3)
-    k = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.float32)
-    v = _rand(ks[2], (n_layers, b, hkv, s, d), jnp.float32)
+    q, k, v, _ = _stacked_case(5, 3, jnp.float32)
     rows = jnp.asarray([3, 0, 3], jnp.int32)
-    q = _rand(ks[0], (3, hq, d), jnp.float32)
     lens = jnp.asarray([200, 65, 7], jnp.int32)
     layer = jnp.int32(1)
     out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True, layer=layer, rows=rows)
@@ -115,14 +120,10 @@ def test_dense_logits_into_buffer(impl):
     """Logits written into layer l of a stacked buffer: the valid positions equal the
     reference, other layers stay as they were; the GPU kernel also leaves positions past a
     row's length (all of an empty row) untouched and skips empty rows' splits."""
-    n_layers, b, hq, hkv, s, d = 3, 4, 8, 2, 200, 64
-    ks = jax.random.split(jax.random.PRNGKey(9), 4)
-    k = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
-    v = _rand(ks[2], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    q, k, v, ks = _stacked_case(9, 4, jnp.bfloat16)
     rows = jnp.asarray([2, 0, 3], jnp.int32)
-    q = _rand(ks[0], (3, hq, d), jnp.bfloat16)
     lens = jnp.asarray([200, 0, 71], jnp.int32)
-    buf = _rand(ks[3], (n_layers, 3, hq, s), jnp.float32)
+    buf = _rand(ks[3], (3, 3, 8, 200), jnp.float32)  # [L, rows, Hq, S]
     before = np.asarray(buf)
     kw = dict(config=GPU_CFG, interpret=True) if impl == "pallas_gpu" else {}
     fn = gpu.dense_decode if impl == "pallas_gpu" else (

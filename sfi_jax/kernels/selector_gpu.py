@@ -224,28 +224,44 @@ def base_scores(logits, key_norms, lo, hi, slot, row, *, cfg, interpret=False, p
     if key_norms.shape[0] != n_sets or key_norms.shape[2:] != (hkv, s_len):
         raise ValueError(f"key_norms {key_norms.shape} do not match logits {logits.shape}")
     plan = _Plan(cfg, r, s_len, tile, chunk_blocks)
-    grid = (n_sets, hkv, plan.n_chunks)
     idx = jnp.stack([jnp.asarray(slot, jnp.int32), jnp.asarray(row, jnp.int32)])
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    kw = dict(compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=2),
-              interpret=interpret)
-    part = jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, plan.rp), jnp.float32)
-    m, l = pl.pallas_call(functools.partial(_row_stats_kernel, plan=plan), grid=grid,
-                          out_shape=[part, part], name="sfi_selector_row_stats",
-                          **kw)(idx, lo, hi, logits)
-    lse = _merge_lse(m, l)
-    per_position = jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32)
-    with_prior = cfg.lam_clip > 0.0
-    stats, *g_pi = pl.pallas_call(
-        functools.partial(_fusion_stats_kernel, plan=plan), grid=grid,
-        out_shape=[jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
-                   per_position] + [per_position] * with_prior,
-        name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
-    fuse = _merge_fusion(stats, cfg.lam_clip)
+    kw = _call_kwargs(plan, n_sets, hkv, num_warps, interpret)
+    lse = _row_lse(plan, kw, idx, lo, hi, logits)
+    fuse, g_pi = _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse)
     return pl.pallas_call(
-        functools.partial(_write_scores_kernel, plan=plan, pad=pad), grid=grid,
+        functools.partial(_write_scores_kernel, plan=plan, pad=pad),
         out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len + 2 * pad), jnp.float32),
         name="sfi_selector_scores", **kw)(lo, hi, fuse, *g_pi)
+
+
+def _call_kwargs(plan, n_sets, hkv, num_warps, interpret):
+    """pallas_call arguments shared by the three passes: one program per chunk of each
+    (n, KV head)."""
+    return dict(grid=(n_sets, hkv, plan.n_chunks), interpret=interpret,
+                compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=2))
+
+
+def _row_lse(plan, kw, idx, lo, hi, logits):
+    """Pass 1: each query row's log-sum-exp over J [N, H, rp]."""
+    n_sets, hkv = kw["grid"][:2]
+    part = jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, plan.rp), jnp.float32)
+    m, l = pl.pallas_call(functools.partial(_row_stats_kernel, plan=plan),
+                          out_shape=[part, part], name="sfi_selector_row_stats",
+                          **kw)(idx, lo, hi, logits)
+    return _merge_lse(m, l)
+
+
+def _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse):
+    """Pass 2: (max g, normalisers, lambda) [N, H, 4], and g (and the prior) per position."""
+    n_sets, hkv = kw["grid"][:2]
+    per_position = jax.ShapeDtypeStruct((n_sets, hkv, plan.s_len), jnp.float32)
+    stats, *g_pi = pl.pallas_call(
+        functools.partial(_fusion_stats_kernel, plan=plan),
+        out_shape=[jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
+                   per_position] + [per_position] * (plan.cfg.lam_clip > 0.0),
+        name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
+    return _merge_fusion(stats, plan.cfg.lam_clip), g_pi
 
 
 def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, s_len, blk, radius, alpha_soft,
