@@ -506,7 +506,7 @@ def main(argv=None):
     p.add_argument("--t-max", type=int, default=64)
     p.add_argument("--refresh-rows", type=int, default=0,
                    help="refresh slots per step (0: max(2, batch/4))")
-    p.add_argument("--topk-impl", choices=("lax", "threshold"), default="threshold",
+    p.add_argument("--topk-impl", choices=("lax", "threshold", "radix"), default="threshold",
                    help="selector top-k (threshold measured faster on the H200 at 16K-128K)")
     p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
                    help="selector scores (auto: xla; pallas_gpu: the Triton kernels; best: "

@@ -101,6 +101,7 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--contexts", default="131072,32768")
     p.add_argument("--budget-s", type=float, default=400.0, help="stop sweeping after this")
+    p.add_argument("--kinds", default="dense,sparse", help="calls to sweep, in this order")
     a = p.parse_args()
     t_start = time.time()
     ctxs = [int(c) for c in a.contexts.split(",")]
@@ -138,12 +139,13 @@ def main():
                 print(kind, json.dumps(row), flush=True)
             save()
 
-    d = gpu.REFRESH
-    run("dense", dense_grid, dense_case, cases_d,
-        (d.block_k, d.num_warps, d.num_stages, d.programs / gpu._NUM_SMS))
-    s = gpu.SPARSE
-    run("sparse", sparse_grid, sparse_case, cases_s,
-        (s.block_k, s.num_warps, s.num_stages, s.programs // gpu._NUM_SMS))
+    d, s = gpu.REFRESH, gpu.SPARSE
+    sweeps = {"dense": (dense_grid, dense_case, cases_d,
+                        (d.block_k, d.num_warps, d.num_stages, d.programs / gpu._NUM_SMS)),
+              "sparse": (sparse_grid, sparse_case, cases_s,
+                         (s.block_k, s.num_warps, s.num_stages, s.programs // gpu._NUM_SMS))}
+    for kind in a.kinds.split(","):
+        run(kind, *sweeps[kind])
     save()
     print("\nkind   case                 default us   best us  best config (bk, warps, stages, waves)")
     for kind in ("dense", "sparse"):

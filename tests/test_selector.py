@@ -279,8 +279,8 @@ def test_topk_impls_match_reference(k, kind):
         scores[rng.random(shape) < 0.6] = -np.inf
         scores[0, 0] = -np.inf
     ref = ref_topk_sets(scores, k)
-    for impl in ("lax", "threshold"):
-        for bits in ((2, 4, 8) if k == 64 else (4,)) if impl == "threshold" else (4,):
+    for impl in ("lax", "threshold", "radix"):
+        for bits in ((2, 4, 8) if k == 64 else (4,)) if impl != "lax" else (4,):
             got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl, radix_bits=bits))
             assert got.shape == shape[:-1] + (k,)
             for idx in np.ndindex(*shape[:-1]):
@@ -294,8 +294,9 @@ def test_topk_threshold_matches_lax_on_long_rows():
     scores = jnp.asarray(rng.standard_normal((4, 20000)).astype(np.float32))
     scores = scores.at[:, 5000:5100].set(1.5)  # a block of exact ties straddling the threshold
     a = topk_positions(scores, 2048, impl="lax")
-    b = topk_positions(scores, 2048, impl="threshold")
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for impl in ("threshold", "radix"):
+        b = topk_positions(scores, 2048, impl=impl)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_window_max_against_loop():
@@ -357,11 +358,16 @@ def test_topk_prefilter_exact(case):
         scores[1, 1, rng.random(size) < 0.99] = -np.inf
     plan = sel._prefilter_plan(size, k)
     assert plan is not None
-    _, ok = sel._prefilter(jnp.asarray(scores.reshape(-1, size)), k, plan)
+    rows = jnp.asarray(scores.reshape(-1, size))
+    cand, ok = sel._prefilter(rows, k, plan)
     assert bool(ok) == (case in ("random", "ties")), case  # both paths are exercised
-    got = np.asarray(topk_positions(jnp.asarray(scores), k, impl="threshold"))
+    cand_r, ok_r = sel._prefilter(rows, k, plan, radix_bits=4)  # same sample threshold, no sort
+    np.testing.assert_array_equal(np.asarray(cand_r), np.asarray(cand))
+    assert bool(ok_r) == bool(ok)
     want = np.asarray(topk_positions(jnp.asarray(scores), k, impl="lax"))
-    np.testing.assert_array_equal(got, want)
+    for impl in ("threshold", "radix"):
+        got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl))
+        np.testing.assert_array_equal(got, want, err_msg=impl)
 
 
 def test_scores_kernel_reads_the_given_slot_and_row():

@@ -19,7 +19,7 @@ from sfi_jax.backend import on_gpu
 from sfi_jax.config import SFIConfig
 
 NEG_INF = float("-inf")
-TOPK_IMPLS = ("auto", "lax", "threshold")
+TOPK_IMPLS = ("auto", "lax", "threshold", "radix")
 
 
 def allowed_mask(size: int, lo, hi):
@@ -300,13 +300,19 @@ def _prefilter_plan(size: int, k: int):
     return stride, rank, cap
 
 
-def _prefilter(rows, k: int, plan):
+def _prefilter(rows, k: int, plan, radix_bits: int | None = None):
     """Candidates of the k largest: the positions (ascending, -1 padded) of the values at or
-    above a threshold read off a strided sample, and whether every row kept between k and cap."""
+    above a threshold read off a strided sample, and whether every row kept between k and cap.
+    The sample's threshold comes from lax.top_k (a sort), or with radix_bits from the radix
+    search on the float bits (a few fused counts)."""
     stride, rank, cap = plan
     sample = rows[:, ::stride]
-    t_lo = lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
-    pos, n = _compact_true((rows >= t_lo) & (rows > NEG_INF), cap)
+    if radix_bits is None:
+        keep = rows >= lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
+    else:
+        t = _kth_largest_key(_sortable_keys(sample), rank + 1, radix_bits)[:, None]
+        keep = _sortable_keys(rows) >= t
+    pos, n = _compact_true(keep & (rows > NEG_INF), cap)
     return pos, jnp.all((n >= k) & (n <= cap))
 
 
@@ -321,22 +327,26 @@ def _compact_true(mask, out_k: int):
     return jnp.where(want[None, :] <= total[:, None], pos, -1).astype(jnp.int32), total
 
 
-def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int):
+def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int, rank_by_radix: bool):
     """The exact top-k of long rows from a few passes: a sampled threshold keeps ~1.4 k
-    candidates per row, lax.top_k ranks them (in position order, so ties go to the lowest
-    positions as in lax.top_k); when any row kept fewer than k or more than the cap, the radix
-    threshold runs instead."""
+    candidates per row, which are ranked (in position order, so ties go to the lowest
+    positions as in lax.top_k) by lax.top_k and a sort, or with rank_by_radix by the radix
+    threshold (no sort at all); when any row kept fewer than k or more than the cap, the radix
+    threshold runs over the whole rows instead."""
     size = scores.shape[-1]
     plan = _prefilter_plan(size, k)
     if plan is None:
         return _topk_threshold(scores, k, out_k, radix_bits)
     rows = scores.reshape(-1, size)
-    cand, ok = _prefilter(rows, k, plan)
+    cand, ok = _prefilter(rows, k, plan, radix_bits if rank_by_radix else None)
 
     def ranked(rows, cand):
         vals = jnp.where(cand >= 0, jnp.take_along_axis(rows, jnp.maximum(cand, 0), axis=-1),
                          NEG_INF)
-        idx = _topk_lax(vals, k, out_k)
+        if rank_by_radix:
+            idx = _topk_threshold(vals, k, out_k, radix_bits)
+        else:
+            idx = _topk_lax(vals, k, out_k)
         return jnp.where(idx >= 0, jnp.take_along_axis(cand, jnp.maximum(idx, 0), axis=-1), -1)
 
     def exact(rows, cand):
@@ -364,6 +374,8 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     full top-k over long rows: a threshold read off a strided sample keeps ~1.4 k candidates,
     which lax.top_k ranks, and where a row keeps too few or too many it finds the exact k-th
     largest value by a radix search on the float bits and compacts the positions above it.
+    "radix" is "threshold" with no sort left: the sample's threshold and the candidates' k-th
+    largest come from the radix search too.
     Ties go to the lowest positions in every path. All return the same set.
     """
     if impl not in TOPK_IMPLS:
@@ -376,7 +388,7 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     scores = scores.astype(jnp.float32)
     if impl == "lax":
         return _topk_lax(scores, kk, k)
-    return _topk_prefiltered(scores, kk, k, radix_bits)
+    return _topk_prefiltered(scores, kk, k, radix_bits, rank_by_radix=impl == "radix")
 
 
 def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
