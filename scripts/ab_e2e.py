@@ -22,6 +22,7 @@ CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CU
           "WHILE,CONDITIONAL")
 VARIANTS = {
     "base": ({}, []),
+    "previous_selector": ({}, ["--topk-impl", "threshold", "--scores-impl", "xla"]),
     "radix": ({}, ["--topk-impl", "radix"]),
     "pallas_scores": ({}, ["--scores-impl", "pallas_gpu"]),
     "radix_pallas": ({}, ["--topk-impl", "radix", "--scores-impl", "pallas_gpu"]),
@@ -29,6 +30,8 @@ VARIANTS = {
     "cmdbuf": ({"XLA_FLAGS": CMDBUF}, []),
     "refresh_cond": ({"SFI_JAX_REFRESH_COND": "1"}, []),
     "repack_xla": ({"SFI_JAX_REPACK": "xla"}, []),
+    "heads_xla": ({"SFI_JAX_HEADS": "xla"}, []),
+    "cmdbuf_refresh_cond": ({"XLA_FLAGS": CMDBUF, "SFI_JAX_REFRESH_COND": "1"}, []),
 }
 __doc__ += "".join(f"    {k}: {v[0] or '-'} {' '.join(v[1]) or '-'}\n" for k, v in VARIANTS.items())
 

@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import sfi_jax  # noqa: E402
+from sfi_jax.backend import on_gpu  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
@@ -237,8 +238,11 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=args.topk_impl, refresh_rows=slots,
-                    scores_impl="auto" if args.scores_impl == "best" else args.scores_impl)
+    gpu = on_gpu()  # record what "auto" stands for
+    topk = {"auto": "radix" if gpu else "lax"}.get(args.topk_impl, args.topk_impl)
+    scores = {"auto": "pallas_gpu" if gpu else "xla"}.get(args.scores_impl, args.scores_impl)
+    sfi = SFIConfig(t_max=args.t_max, topk_impl=topk, refresh_rows=slots,
+                    scores_impl="xla" if scores == "best" else scores)
     by_impl = None
     if args.scores_impl == "best":  # time the selector with each scores path, keep the faster
         by_impl = {impl: selector_time(cfg, 1, ctx, dataclasses.replace(sfi, scores_impl=impl))
@@ -506,10 +510,10 @@ def main(argv=None):
     p.add_argument("--t-max", type=int, default=64)
     p.add_argument("--refresh-rows", type=int, default=0,
                    help="refresh slots per step (0: max(2, batch/4))")
-    p.add_argument("--topk-impl", choices=("lax", "threshold", "radix"), default="threshold",
-                   help="selector top-k (threshold measured faster on the H200 at 16K-128K)")
+    p.add_argument("--topk-impl", choices=("auto", "lax", "threshold", "radix"), default="auto",
+                   help="selector top-k (auto: the engine's default, radix on GPU)")
     p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
-                   help="selector scores (auto: xla; pallas_gpu: the Triton kernels; best: "
+                   help="selector scores (auto: the engine's default, pallas_gpu on GPU; best: "
                         "time both per context and use the faster)")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
@@ -540,6 +544,7 @@ def main(argv=None):
                 mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 refresh_cond=os.environ.get("SFI_JAX_REFRESH_COND", "0"),
+                engine_env={k: v for k, v in os.environ.items() if k.startswith("SFI_JAX_")},
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
@@ -563,7 +568,8 @@ def main(argv=None):
             t = time.perf_counter()
             rec = bench_fitting(name, cfg, params, ctx, args, bw, limit)
             rec["wall_s"] = time.perf_counter() - t
-            rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"])
+            rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"],
+                       engine_env=meta["engine_env"])
             records.append(rec)
             print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in rec.items()}), flush=True)

@@ -72,11 +72,11 @@ class SFIConfig:
     refresh_rows: int | None = None
     # selector top-k: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
     # lax.top_k; faster on the H200 at long contexts), "radix" (the same with radix searches in
-    # place of the sorts) or "auto" (threshold on GPU, lax elsewhere)
+    # place of the sorts) or "auto" (radix on GPU, lax elsewhere)
     topk_impl: str = "auto"
     # selector scores (§4 steps 1-6): "xla" (jnp), "pallas_gpu" (Triton kernels for steps 1-4:
-    # two passes over the logits and one over two floats per position; opt-in until measured
-    # end to end) or "auto" (xla)
+    # two passes over the logits and one over two floats per position) or "auto" (pallas_gpu
+    # on GPU, xla elsewhere)
     scores_impl: str = "auto"
     # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps

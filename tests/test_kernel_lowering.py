@@ -116,3 +116,22 @@ def test_selector_scores_kernel_exports_for_cuda(r):
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             sds((L, 8, 4096 + 2 * pad), jnp.float32), args[2], args[3])
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_norm_rope_heads_kernel_exports_for_cuda(qk_norm):
+    """The decode step's q/k norm + rope + v split compiles for CUDA (Qwen3-4B's heads)."""
+    from sfi_jax.kernels import heads_gpu
+
+    sds = jax.ShapeDtypeStruct
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    w = sds((128,), jnp.bfloat16) if qk_norm else None
+
+    def fn(qkv, cos, sin, qn, kn):
+        return heads_gpu.norm_rope_heads(qkv, cos, sin, qn, kn, num_q_heads=32, num_kv_heads=8,
+                                         eps=1e-6)
+
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+        sds((6, 48 * 128), jnp.bfloat16), sds((6, 64), jnp.float32), sds((6, 64), jnp.float32),
+        w, w)
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()

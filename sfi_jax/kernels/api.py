@@ -23,6 +23,11 @@ def _resolve(impl):
     return impl
 
 
+def resolve_impl(impl) -> str:
+    """The implementation `impl` stands for here ("auto" resolved for the current platform)."""
+    return _resolve(impl)
+
+
 def skips_empty_rows(impl) -> bool:
     """True when `dense_decode(..., logits_into=...)` does next to no work for rows of length 0
     (the GPU kernel): a caller may then run it unconditionally instead of behind a `lax.cond`

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sfi_jax.backend import on_gpu
+from sfi_jax.kernels.api import resolve_impl
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
@@ -184,25 +186,52 @@ def _matmul(x, w):
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def rope_cos_sin(positions, cfg: ModelConfig):
+    """cos, sin [B, T, D/2] float32 (the attention scale applied) for positions [B, T]."""
+    inv_freq, mscale = rope_inv_freq_and_scale(cfg)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
+
+
 def apply_rope(x, positions, cfg: ModelConfig):
     """Rotary embedding in the Hugging Face (rotate-half) layout. x [B, T, N, D], positions [B, T]."""
-    inv_freq, mscale = rope_inv_freq_and_scale(cfg)
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = (jnp.cos(angles) * mscale)[:, :, None, :]
-    sin = (jnp.sin(angles) * mscale)[:, :, None, :]
+    cos, sin = rope_cos_sin(positions, cfg)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
-def attention_inputs(w: dict, cfg: ModelConfig, x, positions):
-    """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x."""
+def _heads_kernel(impl, cfg: ModelConfig, w: dict, T: int):
+    """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): fused
+    q/k/v weights, one position per row, the Triton implementation, a supported head dim."""
+    if impl == "xla" or T != 1 or "wqkv" not in w:
+        return False
+    from sfi_jax.kernels import heads_gpu  # Triton's Pallas lowering, imported only when used
+
+    return resolve_impl(impl) == "pallas_gpu" and heads_gpu.supported(cfg.head_dim)
+
+
+def attention_inputs(w: dict, cfg: ModelConfig, x, positions, impl: str = "xla"):
+    """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x.
+
+    impl: "xla" (jnp), or a kernels.api implementation name: with "pallas_gpu" (or "auto" on
+    GPU) a decode step (T = 1) with fused q/k/v weights norms and rotates its heads in one
+    Triton launch (interpret mode off the GPU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in w:
         qkv = _matmul(h, w["wqkv"])
+        if _heads_kernel(impl, cfg, w, T):
+            from sfi_jax.kernels import heads_gpu
+
+            cos, sin = rope_cos_sin(positions, cfg)
+            q, k, v = heads_gpu.norm_rope_heads(
+                qkv[:, 0], cos[:, 0], sin[:, 0], w.get("q_norm") if cfg.qk_norm else None,
+                w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
+                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, interpret=not on_gpu())
+            return q[:, None], k[:, None], v[:, None]
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:

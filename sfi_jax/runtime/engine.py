@@ -56,6 +56,13 @@ def _repack_impl(impl):
     return "xla" if os.environ.get("SFI_JAX_REPACK") == "xla" else impl
 
 
+def _heads_impl(impl, plan):
+    """A decode step's q/k norm + rope: on one device with the GPU kernels one Triton launch
+    (kernels.heads_gpu) instead of XLA's four or five; on a mesh jnp (GSPMD does not partition
+    a Pallas call). SFI_JAX_HEADS=xla keeps jnp (for comparisons)."""
+    return "xla" if plan is not None or os.environ.get("SFI_JAX_HEADS") == "xla" else impl
+
+
 # ----------------------------------------------------------------------------- prefill
 
 def prefill_chunk_size(cfg: ModelConfig, batch: int, max_len: int, longest_prompt: int,
@@ -426,7 +433,7 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, ste
     x, k, v, st, diag, buf, qh = carry
     w, l = xs
     B = x.shape[0]
-    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None])
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], impl=_heads_impl(params_impl, plan))
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(_attend, cfg=cfg, sfi=sfi, impl=params_impl)
     if qh is not None:  # single device (generate checks)

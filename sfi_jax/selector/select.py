@@ -182,8 +182,9 @@ def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=N
 def _scores_impl(impl):
     if impl not in SCORES_IMPLS:
         raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
-    if impl == "auto":  # the kernels' steps 1-4 beat jnp by 0.13 ms per refreshed row at
-        return "xla"    # qwen3-4b 128K on the H200, not yet measured end to end: opt-in for now
+    if impl == "auto":  # H200, qwen3-4b 128K batch 6, with the radix top-k: selector 2.08 ->
+        # 1.92 ms per refreshed row, 989 -> 1011 tok/s (benchmarks/e2e_ab_selector_flags_128k.json)
+        return "pallas_gpu" if on_gpu() else "xla"
     return impl
 
 
@@ -195,7 +196,7 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
     cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
     impl: jnp ("xla"), or Triton kernels for steps 1-4 ("pallas_gpu", interpret mode off the
-    GPU; opt-in until measured end to end); "auto" is "xla".
+    GPU); "auto" is "pallas_gpu" on GPU, else "xla".
     """
     return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
                               allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl)
@@ -370,7 +371,7 @@ def _topk_lax(scores, k: int, out_k: int):
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
 
-    impl "lax" uses lax.top_k; "auto" is "threshold" on GPU, else "lax"; "threshold" avoids a
+    impl "lax" uses lax.top_k; "auto" is "radix" on GPU, else "lax"; "threshold" avoids a
     full top-k over long rows: a threshold read off a strided sample keeps ~1.4 k candidates,
     which lax.top_k ranks, and where a row keeps too few or too many it finds the exact k-th
     largest value by a radix search on the float bits and compacts the positions above it.
@@ -380,8 +381,8 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     """
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
-    if impl == "auto":  # the radix threshold measured faster on the H200 (16K-128K)
-        impl = "threshold" if on_gpu() else "lax"
+    if impl == "auto":  # H200, 288 rows x 128K (one refreshed qwen3-4b row): selector 2.17 ms
+        impl = "radix" if on_gpu() else "lax"  # with "threshold", 2.08 with "radix"
     if radix_bits not in (1, 2, 4, 8):
         raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
