@@ -4,7 +4,10 @@ start-up or trace time), then one comparison table.
 
     python scripts/bench_variants.py --out /tmp/ab \\
         --variant base= --variant xla_repack=SFI_JAX_REPACK=xla \\
+        --variant radix= --args "radix=--topk-impl radix" \\
         -- --models qwen3-4b --contexts 131072,8192 --no-check
+
+--args NAME=ARGS adds bench_e2e arguments to one variant (after the shared ones).
 
 Each variant writes <out>/<name>.json (bench_e2e's e2e.json) and <name>.log; the table goes to
 stdout and <out>/variants.md. A variant that fails or runs past --timeout is reported, not fatal.
@@ -37,9 +40,9 @@ def parse_variant(text: str):
     return name, env
 
 
-def run_variant(name, env, bench_args, out, timeout):
+def run_variant(name, env, bench_args, out, timeout, extra=()):
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--out", tmp, *bench_args]
+        cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--out", tmp, *bench_args, *extra]
         with open(os.path.join(out, f"{name}.log"), "w") as log:
             try:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log,
@@ -73,6 +76,8 @@ def main(argv=None):
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", required=True, metavar="NAME=[VAR=VALUE,...]")
+    p.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
+                   help="extra bench_e2e arguments for variant NAME (space-separated)")
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     args = p.parse_args(argv[:split])
@@ -80,10 +85,17 @@ def main(argv=None):
     variants = [parse_variant(v) for v in args.variant]
     if len({n for n, _ in variants}) != len(variants):
         raise SystemExit("variant names must be distinct")
+    extra = {}
+    for item in args.args:
+        name, sep, rest = item.partition("=")
+        if not sep or name not in {n for n, _ in variants}:
+            raise SystemExit(f"--args {item!r}: expected NAME=ARGS for a --variant NAME")
+        extra[name] = rest.split()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, env in variants:
-        rc, results = run_variant(name, env, bench_args, args.out, args.timeout)
+        rc, results = run_variant(name, env, bench_args, args.out, args.timeout,
+                                  extra.get(name, ()))
         rows += [(name, rc, r) for r in results] or [(name, rc, None)]
         print(f"{name}: rc={rc}, {len(results)} result(s)", flush=True)
     text = table(rows)

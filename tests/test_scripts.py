@@ -54,9 +54,11 @@ def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
     out = tmp_path / "ab"
     text = _run(os.path.join(SCRIPTS, "bench_variants.py"), "--out", str(out),
                 "--variant", "cond=SFI_JAX_REFRESH_COND=1",
-                "--variant", "broken=SFI_JAX_LAYER_UNROLL=x", "--", "--smoke")
+                "--variant", "broken=SFI_JAX_LAYER_UNROLL=x", "--variant", "radix=",
+                "--args", "radix=--topk-impl radix", "--", "--smoke")
     rec = json.loads((out / "cond.json").read_text())["results"][0]
-    assert rec["model"] == "tiny" and rec["refresh_cond"] == "1"
+    assert rec["model"] == "tiny" and rec["refresh_cond"] == "1" and rec["topk_impl"] == "lax"
+    assert json.loads((out / "radix.json").read_text())["results"][0]["topk_impl"] == "radix"
     assert "| cond | tiny | 2560 | 2 |" in text
     assert (out / "broken.log").exists() and not (out / "broken.json").exists()
     assert "| broken | - |" in text and "| broken | - | - | - | - | - | - | - | - | 1 |" in text
