@@ -135,3 +135,21 @@ def test_norm_rope_heads_kernel_exports_for_cuda(qk_norm):
         sds((6, 48 * 128), jnp.bfloat16), sds((6, 64), jnp.float32), sds((6, 64), jnp.float32),
         w, w)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_moe_kernels_export_for_cuda():
+    """The grouped expert matmuls compile for CUDA at Qwen3-30B-A3B's expert shapes (16 tokens
+    x top-8 of 128 experts): gate + up with the SiLU product, and down."""
+    from sfi_jax.kernels import moe_gpu
+
+    sds = jax.ShapeDtypeStruct
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    m, e, h, inter = 128, 128, 2048, 768
+    bf = jnp.bfloat16
+    cases = [(lambda x, w, g, w2: moe_gpu.grouped_matmul(x, w, g, w2),
+              (sds((m, h), bf), sds((e, h, inter), bf), sds((e,), jnp.int32), sds((e, h, inter), bf))),
+             (lambda x, w, g: moe_gpu.grouped_matmul(x, w, g),
+              (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32)))]
+    for fn, args in cases:
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()

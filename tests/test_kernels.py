@@ -441,3 +441,44 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
              "wv": w["wqkv"][:, nq + nkv:]}
     del split["wqkv"]
     assert not uses_kernel(split, x, pos)
+
+
+# ------------------------------------------------------------------ MoE grouped matmuls (GPU)
+
+@pytest.mark.parametrize("n, skew, dtype", [(5, False, jnp.float32), (6, False, jnp.bfloat16),
+                                            (40, True, jnp.float32)],
+                         ids=["decode-f32", "decode-bf16", "one-expert-many-blocks"])
+def test_moe_kernels_match_ragged_dot(n, skew, dtype):
+    """The grouped expert matmuls (interpret mode) against the lax.ragged_dot path of moe_mlp
+    on fresh random weights: experts with no rows, one row, and more rows than one block."""
+    from sfi_jax.kernels import moe_gpu
+    from sfi_jax.models.config import ModelConfig
+    from sfi_jax.models.modeling import moe_mlp
+
+    e, h, inter = 8, 128, 64
+    cfg = ModelConfig(num_layers=1, hidden_size=h, intermediate_size=inter, num_q_heads=2,
+                      num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
+                      num_experts=e, num_experts_per_tok=2, moe_intermediate_size=inter)
+    ks = jax.random.split(jax.random.key(n), 5)
+    w = {"router": _rand(ks[0], (h, e), dtype),
+         "we_gate": _rand(ks[1], (e, h, inter), dtype) * 0.1,
+         "we_up": _rand(ks[2], (e, h, inter), dtype) * 0.1,
+         "we_down": _rand(ks[3], (e, inter, h), dtype) * 0.1}
+    if skew:  # every token routes to expert 3 first: 40 rows there, three blocks of 16
+        w["router"] = w["router"].at[:, 3].add(50.0)
+    x = _rand(ks[4], (n, h), dtype) + (1.0 if skew else 0.0)
+    want = moe_mlp(w, cfg, x, impl="xla")
+    got = moe_mlp(w, cfg, x, impl="pallas_gpu")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
+    # the kernels ran (and are not the ragged_dot path)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="pallas_gpu"))(x))
+    assert "sfi_moe_swiglu" in jaxpr and "ragged_dot" not in jaxpr
+    # row blocks: each expert's rows in ceil(count / 16) blocks, then empty ones
+    sizes = jnp.array([0, 1, 17, 16, 0, 3], jnp.int32)
+    ex, start, rows = (np.asarray(a) for a in moe_gpu.row_blocks(sizes, 37))
+    n_used = 0 + 1 + 2 + 1 + 0 + 1
+    np.testing.assert_array_equal(ex[:n_used], [1, 2, 2, 3, 5])
+    np.testing.assert_array_equal(start, [0, 1, 17, 18, 34] + [37] * 4)
+    np.testing.assert_array_equal(rows[:n_used], [1, 16, 1, 16, 3])
+    assert len(rows) == 3 + 6 and not rows[n_used:].any()

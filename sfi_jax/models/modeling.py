@@ -245,18 +245,21 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, impl: str = "xla")
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
-def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn):
-    """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D]."""
+def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe_impl: str = "xla"):
+    """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
+    moe_impl: see `moe_mlp`."""
     B, T = attn.shape[:2]
     x = x + _matmul(attn.reshape(B, T, -1).astype(x.dtype), w["wo"])
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
-        return x + moe_mlp(w, cfg, h.reshape(B * T, -1)).reshape(B, T, -1)
+        return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe_impl).reshape(B, T, -1)
     return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
 
 
-def moe_mlp(w: dict, cfg: ModelConfig, x):
-    """Top-k routed experts via grouped matmuls (`lax.ragged_dot`) over expert-sorted tokens."""
+def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla"):
+    """Top-k routed experts via grouped matmuls over expert-sorted tokens: `lax.ragged_dot`,
+    or with impl "pallas_gpu" (or "auto" on GPU) the Triton kernels of kernels.moe_gpu (each
+    routed expert's weights read once; gate and up in one launch), interpret mode off the GPU."""
     n, k = x.shape[0], cfg.num_experts_per_tok
     router_logits = jnp.matmul(x, w["router"], preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
@@ -269,14 +272,28 @@ def moe_mlp(w: dict, cfg: ModelConfig, x):
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
 
+    if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
+        from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
+
+        if moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
+            kw = dict(interpret=not on_gpu())
+            hidden = moe_gpu.grouped_matmul(xs, w["we_gate"], group_sizes, w["we_up"], **kw)
+            ys = moe_gpu.grouped_matmul(hidden, w["we_down"], group_sizes, **kw)[:n * k]
+            return _combine_experts(ys.astype(jnp.float32), top_p, order, token_of, x)
+
     def grouped(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes,
                                   preferred_element_type=jnp.float32).astype(x.dtype)
 
     hidden = jax.nn.silu(grouped(xs, w["we_gate"])) * grouped(xs, w["we_up"])
     ys = grouped(hidden, w["we_down"]).astype(jnp.float32)
+    return _combine_experts(ys, top_p, order, token_of, x)
+
+
+def _combine_experts(ys, top_p, order, token_of, x):
+    """Each token's expert outputs (expert-sorted rows ys) weighted by its routing weights."""
     weights = top_p.reshape(-1)[order][:, None]
-    out = jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(ys * weights)
+    out = jnp.zeros(x.shape, jnp.float32).at[token_of].add(ys * weights)
     return out.astype(x.dtype)
 
 

@@ -63,6 +63,15 @@ def _heads_impl(impl, plan):
     return "xla" if plan is not None or os.environ.get("SFI_JAX_HEADS") == "xla" else impl
 
 
+def _moe_impl(impl, plan):
+    """A decode step's expert matmuls: `lax.ragged_dot`, or with SFI_JAX_MOE=kernel and the GPU
+    kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: not yet timed
+    end to end on the GPU; `scripts/bench_variants.py` A/Bs it)."""
+    if plan is not None or os.environ.get("SFI_JAX_MOE") != "kernel":
+        return "xla"
+    return impl
+
+
 # ----------------------------------------------------------------------------- prefill
 
 def prefill_chunk_size(cfg: ModelConfig, batch: int, max_len: int, longest_prompt: int,
@@ -444,7 +453,7 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, ste
     else:
         attn, k, v, st, buf = sharding.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                               dense_rows, slots)
-    x = attention_output_and_mlp(w, cfg, x, attn[:, None])
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe_impl=_moe_impl(params_impl, plan))
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh), None
     lengths = pos + 1

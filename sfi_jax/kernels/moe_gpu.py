@@ -1,0 +1,117 @@
+"""Grouped expert matmuls for MoE decoding as Triton-lowered Pallas kernels.
+
+In a decode step a few tokens each pick a few experts, so most routed experts hold one or two
+token rows. The kernels walk blocks of up to 16 expert-sorted rows ("row blocks", each inside
+one expert's group) and read each routed expert's weights once per output column block:
+the bytes of the experts touched, no more. Row blocks past the step's count do no work. The
+gate and up projections share one kernel whose epilogue applies SiLU(gate) * up, so the
+hidden activations are written once.
+
+The rounding follows `models.modeling.moe_mlp` (each projection accumulated in float32 and
+rounded to the activation dtype, SiLU and the product in that dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as plgpu_triton
+
+ROWS = 16  # rows per block: the smallest M of tl.dot
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+def supported(hidden: int, inter: int) -> bool:
+    """The weight blocks tile both matrix dims exactly (pl.ds past the end would clamp)."""
+    return all(d % BLOCK_N == 0 and d % BLOCK_K == 0 for d in (hidden, inter))
+
+
+def row_blocks(group_sizes, n_rows: int):
+    """Per row block b (a static upper bound of them): its expert, first sorted row and row
+    count (0 for blocks past the last, which start at n_rows). group_sizes [E] int32 counts
+    rows per expert, rows sorted by expert."""
+    n_experts = group_sizes.shape[0]
+    n_blocks = -(-n_rows // ROWS) + min(n_experts, n_rows)  # sum of ceil(c_e / 16) <= this
+    per_expert = -(-group_sizes // ROWS)
+    ends = jnp.cumsum(per_expert)
+    b = jnp.arange(n_blocks, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+    e = jnp.minimum(expert, n_experts - 1)
+    first_block = ends[e] - per_expert[e]
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    within = (b - first_block) * ROWS
+    rows = jnp.where(expert < n_experts, jnp.clip(group_sizes[e] - within, 0, ROWS), 0)
+    # an empty block points at the scratch rows past the last (see `grouped_matmul`)
+    start = jnp.where(rows > 0, row_start[e] + within, n_rows)
+    return e, start.astype(jnp.int32), rows.astype(jnp.int32)
+
+
+def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu):
+    """Program (b, n): rows [start, start + rows) of x times columns block n of expert e's
+    weight (two weights and SiLU(a) * b with swiglu)."""
+    if swiglu:
+        w2_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
+    b, n = pl.program_id(0), pl.program_id(1)
+    e, start, rows = expert_ref[b], start_ref[b], rows_ref[b]
+    ridx = jnp.arange(ROWS)
+    rmask = ridx < rows
+    src = start + ridx  # masked lanes: distinct rows, never read or written
+    cols = pl.ds(n * BLOCK_N, BLOCK_N)
+    zero = jnp.zeros((ROWS, BLOCK_N), jnp.float32)
+
+    def body(i, acc):
+        kk = i * BLOCK_K
+        x = plgpu_triton.load(x_ref.at[src[:, None], kk + jnp.arange(BLOCK_K)[None, :]],
+                              mask=rmask[:, None], other=0.0)
+        a = acc[0] + plgpu_triton.dot(x, plgpu_triton.load(w_ref.at[e, pl.ds(kk, BLOCK_K), cols]))
+        if not swiglu:
+            return (a,)
+        return a, acc[1] + plgpu_triton.dot(
+            x, plgpu_triton.load(w2_ref.at[e, pl.ds(kk, BLOCK_K), cols]))
+
+    # a block past the step's rows loads nothing
+    n_k = jnp.where(rows > 0, k_dim // BLOCK_K, 0)
+    acc = lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
+    dtype = o_ref.dtype
+    out = acc[0].astype(dtype)
+    if swiglu:  # jax.nn.silu(a) * b with a, b rounded to dtype, as jnp does it op by op
+        g = out.astype(jnp.float32)
+        sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+        silu = (g * sig).astype(dtype).astype(jnp.float32)
+        out = (silu * acc[1].astype(dtype).astype(jnp.float32)).astype(dtype)
+    dst = (src[:, None], n * BLOCK_N + jnp.arange(BLOCK_N)[None, :])
+    plgpu_triton.store(o_ref.at[dst], out, mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False):
+    """x [M, K] rows sorted by expert (group_sizes [E] rows each, summing to at most M) times
+    w [E, K, N] per group: [M + 16, N] in x's dtype (float32 accumulation), of which the rows
+    past the groups' total are scratch (a block's lanes past its rows address distinct rows, so
+    interpret mode's masked stores never collide). With w2 [E, K, N]: SiLU(x @ w) * (x @ w2)."""
+    m, k_dim = x.shape
+    n_experts, kw, n_dim = w.shape
+    if kw != k_dim or not supported(k_dim, n_dim):
+        raise ValueError(f"x {x.shape} and w {w.shape}: inner dims must match and both dims "
+                         f"be multiples of {BLOCK_K} / {BLOCK_N}")
+    expert, start, rows = row_blocks(group_sizes.astype(jnp.int32), m)
+    swiglu = w2 is not None
+    kernel = functools.partial(_kernel, k_dim=k_dim, swiglu=swiglu)
+    args = [expert, start, rows, x, w] + ([w2] if swiglu else [])
+    return pl.pallas_call(
+        kernel, grid=(expert.shape[0], n_dim // BLOCK_N),
+        out_shape=jax.ShapeDtypeStruct((m + ROWS, n_dim), x.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret, name="sfi_moe_swiglu" if swiglu else "sfi_moe_matmul",
+    )(*args)
