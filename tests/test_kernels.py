@@ -482,3 +482,59 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
     np.testing.assert_array_equal(start, [0, 1, 17, 18, 34] + [37] * 4)
     np.testing.assert_array_equal(rows[:n_used], [1, 16, 1, 16, 3])
     assert len(rows) == 3 + 6 and not rows[n_used:].any()
+
+
+# ------------------------------------------------------------------ sparse + refresh in one launch
+
+@pytest.mark.parametrize("slots", [[1, 3], [3, 4], [2, 0], [1, 2]],
+                         ids=["one-slot", "no-slot", "two-slots", "new-token-alone"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_and_refresh_in_one_launch(slots, dtype):
+    """The fused GPU launch (interpret mode) against the references over the updated cache:
+    the step's key/value/norm stored at lengths - 1 of layer l; fast rows get the sparse
+    result, refreshed rows (slots < B) the dense one; the refreshed rows' logits land in the
+    buffer at positions < length (the new token's included) and nothing else changes."""
+    n_layers, b, hq, hkv, s, c, d = 2, 3, 8, 2, 200, 40, 32
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(31), b=b, hq=hq, hkv=hkv, s=s, c=c,
+                                     d=d, dtype=dtype, layers=n_layers)
+    ks = jax.random.split(jax.random.PRNGKey(32), 4)
+    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
+    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    c_len = jnp.asarray([[[40, 3], [0, 0], [33, 17]]] * n_layers, jnp.int32)
+    lens = jnp.asarray([200, 1, 97], jnp.int32)
+    rs = jnp.asarray([190, 0, 88], jnp.int32)
+    slots = jnp.asarray(slots, jnp.int32)
+    safe = jnp.minimum(slots, b - 1)
+    row_len = jnp.where(slots < b, lens[safe], 0)
+    buf = jax.random.normal(ks[3], (n_layers, 2, hq, s), jnp.float32)
+    layer = jnp.int32(1)
+    out, k2, v2, n2, buf2 = jax.jit(lambda k, v, n, buf: gpu.sparse_and_refresh_decode(
+        q, ck, cv, c_len, k, v, rs, lens, layer, (kn, vn), n, safe, row_len, buf, window=16,
+        interpret=True))(k, v, norms, buf)
+    want_k, want_v, want_n = (np.array(x) for x in (k, v, norms))
+    for i, n in enumerate(np.asarray(lens)):
+        want_k[1, i, :, n - 1] = np.asarray(kn[i])
+        want_v[1, i, :, n - 1] = np.asarray(vn[i])
+        want_n[1, i, :, n - 1] = np.linalg.norm(np.asarray(kn[i], np.float32), axis=-1)
+    np.testing.assert_array_equal(np.asarray(k2), want_k)
+    np.testing.assert_array_equal(np.asarray(v2), want_v)
+    np.testing.assert_allclose(np.asarray(n2), want_n, rtol=1e-6)
+    kk, vv = jnp.asarray(want_k[1]), jnp.asarray(want_v[1])
+    sparse_ref = reference.sparse_decode(q, ck[1], cv[1], c_len[1], kk, vv, rs, lens)
+    dense_ref, logits_ref, _ = reference.dense_decode(q, kk, vv, lens, return_logits=True)
+    refreshed = [int(r) for r in np.asarray(slots) if r < b]
+    for i in range(b):
+        want = dense_ref[i] if i in refreshed else sparse_ref[i]
+        assert _rel(out[i], want) <= TOL[dtype], (i, refreshed)
+    want_buf = np.array(buf)
+    for j, r in enumerate(np.asarray(slots)):
+        if r < b:
+            n = int(lens[r])
+            want_buf[1, j, :, :n] = np.asarray(logits_ref[r, :, :n])
+    np.testing.assert_allclose(np.asarray(buf2), want_buf, rtol=2e-2 if dtype == jnp.bfloat16
+                               else 1e-5, atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    # each output row has exactly one writer in the merge (its programs run in no fixed order
+    # on the GPU, so a second writer would race; interpret mode runs them in order)
+    _, dst = gpu._fused_merge_plan(safe, row_len, b, 3, 64, s)
+    dst = np.asarray(dst)
+    assert sorted(dst[dst < b].tolist()) == list(range(b))

@@ -247,17 +247,20 @@ def test_tmax_one_refresh_slot(per_row_runs):
 
 # ---------------------------------------------------------------- GPU kernels in the loop
 
-@pytest.mark.parametrize("cond, repack", [("0", "xla"), ("1", "xla"), ("0", "kernel")],
-                         ids=["unconditional", "cond", "repack-kernel"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack):
+@pytest.mark.parametrize("cond, repack, fused", [("0", "xla", "0"), ("1", "xla", "0"),
+                                                 ("0", "kernel", "0"), ("0", "kernel", "1")],
+                         ids=["unconditional", "cond", "repack-kernel", "fused-refresh"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack,
+                                        fused):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
-    or behind a condition (SFI_JAX_REFRESH_COND=1), with the repack kernel (the GPU default)
-    or the XLA repack (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla
-    path's logits."""
+    or behind a condition (SFI_JAX_REFRESH_COND=1), or in the sparse read's launch
+    (SFI_JAX_FUSED_REFRESH=1), with the repack kernel (the GPU default) or the XLA repack
+    (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla path's logits."""
     prompts, forced, runs = per_row_runs
     monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
     monkeypatch.setenv("SFI_JAX_REPACK", repack)
+    monkeypatch.setenv("SFI_JAX_FUSED_REFRESH", fused)
     import jax
 
     jax.clear_caches()  # the engine reads the switch at trace time

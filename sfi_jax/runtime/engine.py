@@ -19,7 +19,8 @@ import numpy as np
 
 from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.api import repack, skips_empty_rows, write_new_token
+from sfi_jax.kernels.api import (repack, skips_empty_rows, sparse_and_refresh_decode,
+                                 write_new_token)
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -46,6 +47,13 @@ def _refresh_unconditionally(impl):
     """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
     empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
     return skips_empty_rows(impl) and os.environ.get("SFI_JAX_REFRESH_COND") != "1"
+
+
+def _fused_refresh(impl):
+    """SFI_JAX_FUSED_REFRESH=1 (opt-in, not yet timed on the GPU): with the GPU kernels, the
+    sparse read and the refresh slots' dense read in one launch and one merge per layer
+    (`kernels.api.sparse_and_refresh_decode`), so empty slots cost no launch of their own."""
+    return skips_empty_rows(impl) and os.environ.get("SFI_JAX_FUSED_REFRESH") == "1"
 
 
 def _repack_impl(impl):
@@ -366,6 +374,13 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     if sfi.policy in ("streaming", "prefill_only"):
         return fast_attention(st, k, v)[0], k, v, st, buf
 
+    if qh is None and _fused_refresh(impl):
+        flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
+        attn, k, v, norms, flat = sparse_and_refresh_decode(
+            q, st.ck, st.cv, st.c_len, k, v, recent_start, lengths, layer=l,
+            window=min(sfi.budget, k.shape[3]), new_kv=(kk, vv), key_norms=st.key_norms,
+            rows=safe, row_len=row_len, logits_into=flat, impl=impl)
+        return attn, k, v, st._replace(key_norms=norms), flat.reshape(buf.shape)
     attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
