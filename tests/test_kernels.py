@@ -203,6 +203,30 @@ def test_sparse_layer_read_in_place(impl):
         assert _rel(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= 1e-5
 
 
+def _new_token_case(seed, n_layers, b, hq, hkv, s, c, d, dtype):
+    """Stacked caches and compact buffers, the step's key/value [B, Hkv, D] and key norms."""
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(seed), b=b, hq=hq, hkv=hkv, s=s, c=c,
+                                     d=d, dtype=dtype, layers=n_layers)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
+    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    return q, ck, cv, k, v, kn, vn, norms
+
+
+def _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2, layer=1):
+    """k2, v2, n2 are k, v, norms with the step's key/value (and the key's norm) at position
+    lens[i] - 1 of layer `layer`, nothing else changed; returns the expected k, v."""
+    want_k, want_v, want_n = (np.array(x) for x in (k, v, norms))
+    for i, n in enumerate(np.asarray(lens)):
+        want_k[layer, i, :, n - 1] = np.asarray(kn[i])
+        want_v[layer, i, :, n - 1] = np.asarray(vn[i])
+        want_n[layer, i, :, n - 1] = np.linalg.norm(np.asarray(kn[i], np.float32), axis=-1)
+    np.testing.assert_array_equal(np.asarray(k2), want_k)
+    np.testing.assert_array_equal(np.asarray(v2), want_v)
+    np.testing.assert_allclose(np.asarray(n2), want_n, rtol=1e-6)
+    return want_k, want_v
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_writes_the_new_token(impl, dtype):
@@ -210,11 +234,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     else changes, and the output equals the reference over the updated cache (the GPU kernel
     attends to the new token from registers, so it never reads the position it writes)."""
     n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 70, 64
-    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(21), b=b, hq=hq, hkv=hkv, s=s, c=c,
-                                     d=d, dtype=dtype, layers=n_layers)
-    ks = jax.random.split(jax.random.PRNGKey(22), 3)
-    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
-    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    q, ck, cv, k, v, kn, vn, norms = _new_token_case(21, n_layers, b, hq, hkv, s, c, d, dtype)
     c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
     lens = jnp.asarray([200, 1, 97], jnp.int32)  # row 1: the new token alone
     rs = jnp.asarray([150, 0, 96], jnp.int32)  # row 2: an empty cached window
@@ -226,14 +246,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     else:
         out, k2, v2, n2 = sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer=layer,
                                         window=64, new_kv=(kn, vn), key_norms=norms, impl=impl)
-    want_k, want_v, want_n = (np.array(x) for x in (k, v, norms))
-    for i, n in enumerate(np.asarray(lens)):
-        want_k[1, i, :, n - 1] = np.asarray(kn[i])
-        want_v[1, i, :, n - 1] = np.asarray(vn[i])
-        want_n[1, i, :, n - 1] = np.linalg.norm(np.asarray(kn[i], np.float32), axis=-1)
-    np.testing.assert_array_equal(np.asarray(k2), want_k)
-    np.testing.assert_array_equal(np.asarray(v2), want_v)
-    np.testing.assert_allclose(np.asarray(n2), want_n, rtol=1e-6)
+    want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
     ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
                                   jnp.asarray(want_v[1]), rs, lens)
     assert _rel(out, ref) <= TOL[dtype]
@@ -495,30 +508,19 @@ def test_sparse_and_refresh_in_one_launch(slots, dtype):
     result, refreshed rows (slots < B) the dense one; the refreshed rows' logits land in the
     buffer at positions < length (the new token's included) and nothing else changes."""
     n_layers, b, hq, hkv, s, c, d = 2, 3, 8, 2, 200, 40, 32
-    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(31), b=b, hq=hq, hkv=hkv, s=s, c=c,
-                                     d=d, dtype=dtype, layers=n_layers)
-    ks = jax.random.split(jax.random.PRNGKey(32), 4)
-    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
-    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    q, ck, cv, k, v, kn, vn, norms = _new_token_case(31, n_layers, b, hq, hkv, s, c, d, dtype)
     c_len = jnp.asarray([[[40, 3], [0, 0], [33, 17]]] * n_layers, jnp.int32)
     lens = jnp.asarray([200, 1, 97], jnp.int32)
     rs = jnp.asarray([190, 0, 88], jnp.int32)
     slots = jnp.asarray(slots, jnp.int32)
     safe = jnp.minimum(slots, b - 1)
     row_len = jnp.where(slots < b, lens[safe], 0)
-    buf = jax.random.normal(ks[3], (n_layers, 2, hq, s), jnp.float32)
+    buf = jax.random.normal(jax.random.PRNGKey(33), (n_layers, 2, hq, s), jnp.float32)
     layer = jnp.int32(1)
     out, k2, v2, n2, buf2 = jax.jit(lambda k, v, n, buf: gpu.sparse_and_refresh_decode(
         q, ck, cv, c_len, k, v, rs, lens, layer, (kn, vn), n, safe, row_len, buf, window=16,
         interpret=True))(k, v, norms, buf)
-    want_k, want_v, want_n = (np.array(x) for x in (k, v, norms))
-    for i, n in enumerate(np.asarray(lens)):
-        want_k[1, i, :, n - 1] = np.asarray(kn[i])
-        want_v[1, i, :, n - 1] = np.asarray(vn[i])
-        want_n[1, i, :, n - 1] = np.linalg.norm(np.asarray(kn[i], np.float32), axis=-1)
-    np.testing.assert_array_equal(np.asarray(k2), want_k)
-    np.testing.assert_array_equal(np.asarray(v2), want_v)
-    np.testing.assert_allclose(np.asarray(n2), want_n, rtol=1e-6)
+    want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
     kk, vv = jnp.asarray(want_k[1]), jnp.asarray(want_v[1])
     sparse_ref = reference.sparse_decode(q, ck[1], cv[1], c_len[1], kk, vv, rs, lens)
     dense_ref, logits_ref, _ = reference.dense_decode(q, kk, vv, lens, return_logits=True)
