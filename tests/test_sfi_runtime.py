@@ -389,3 +389,18 @@ def test_evidence_window(tiny_qwen3, per_row_runs):
     assert rel_err(small.stats["logits"], runs["sfi"].stats["logits"]) > 1e-4
     with pytest.raises(ValueError, match="evidence_window"):
         sfi_jax.SFIConfig(evidence_window=0)
+
+
+@pytest.mark.parametrize("name, value", [("SFI_JAX_MOE", "yes"), ("SFI_JAX_REPACK", "pallas"),
+                                         ("SFI_JAX_FUSED_REFRESH", "true"),
+                                         ("SFI_JAX_LAYER_UNROLL", "x")])
+def test_engine_switches_reject_unknown_values(tiny_qwen3, monkeypatch, name, value):
+    """A mistyped engine switch is an error naming it, not a silent default."""
+    import jax
+
+    monkeypatch.setenv(name, value)
+    jax.clear_caches()  # the engine reads the switches at trace time
+    with pytest.raises(ValueError, match=name):
+        sfi_jax.generate(tiny_qwen3.model, [[5, 6, 7]], max_new_tokens=2, sfi=SMALL)
+    jax.clear_caches()
+

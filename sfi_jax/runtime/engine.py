@@ -33,27 +33,43 @@ from sfi_jax.selector import select
 from sfi_jax.selector.select import selector_scores_at, topk_positions
 
 
+_SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_FUSED_REFRESH": ("0", "1"),
+             "SFI_JAX_REPACK": ("kernel", "xla"), "SFI_JAX_HEADS": ("kernel", "xla"),
+             "SFI_JAX_MOE": ("xla", "kernel")}
+
+
+def _switch(name):
+    """An engine switch's value ("" when unset); an unknown value is an error, not a silent
+    default (README: Engine switches)."""
+    value = os.environ.get(name, "")
+    if value and value not in _SWITCHES[name]:
+        raise ValueError(f"{name}={value!r}: expected one of {_SWITCHES[name]} (or unset)")
+    return value
+
+
 def _layer_unroll():
     """Layers unrolled per decode-scan iteration over stacked weights (True: all); 6 measured
     best on the H200 (split weights, the GPU default, need no scan). Override with
     SFI_JAX_LAYER_UNROLL (an integer, or "all")."""
     env = os.environ.get("SFI_JAX_LAYER_UNROLL")
     if env:
-        return True if env == "all" else max(1, int(env))
+        if env != "all" and not (env.isdigit() and int(env) >= 1):
+            raise ValueError(f"SFI_JAX_LAYER_UNROLL={env!r}: expected a positive integer or 'all'")
+        return True if env == "all" else int(env)
     return 6 if on_gpu() else 1
 
 
 def _refresh_unconditionally(impl):
     """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
     empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
-    return skips_empty_rows(impl) and os.environ.get("SFI_JAX_REFRESH_COND") != "1"
+    return _switch("SFI_JAX_REFRESH_COND") != "1" and skips_empty_rows(impl)
 
 
 def _fused_refresh(impl):
     """SFI_JAX_FUSED_REFRESH=1 (opt-in, not yet timed on the GPU): with the GPU kernels, the
     sparse read and the refresh slots' dense read in one launch and one merge per layer
     (`kernels.api.sparse_and_refresh_decode`), so empty slots cost no launch of their own."""
-    return skips_empty_rows(impl) and os.environ.get("SFI_JAX_FUSED_REFRESH") == "1"
+    return _switch("SFI_JAX_FUSED_REFRESH") == "1" and skips_empty_rows(impl)
 
 
 def _repack_impl(impl):
@@ -61,21 +77,21 @@ def _repack_impl(impl):
     occupied slots' rows (H200, qwen3-4b 128K batch 6: 936 -> 950 tok/s over the XLA gather +
     scatter, which covers every slot); SFI_JAX_REPACK=xla keeps the XLA path (for comparisons).
     `repack` uses the kernel only for the GPU implementation."""
-    return "xla" if os.environ.get("SFI_JAX_REPACK") == "xla" else impl
+    return "xla" if _switch("SFI_JAX_REPACK") == "xla" else impl
 
 
 def _heads_impl(impl, plan):
     """A decode step's q/k norm + rope: on one device with the GPU kernels one Triton launch
     (kernels.heads_gpu) instead of XLA's four or five; on a mesh jnp (GSPMD does not partition
     a Pallas call). SFI_JAX_HEADS=xla keeps jnp (for comparisons)."""
-    return "xla" if plan is not None or os.environ.get("SFI_JAX_HEADS") == "xla" else impl
+    return "xla" if _switch("SFI_JAX_HEADS") == "xla" or plan is not None else impl
 
 
 def _moe_impl(impl, plan):
     """A decode step's expert matmuls: `lax.ragged_dot`, or with SFI_JAX_MOE=kernel and the GPU
     kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: not yet timed
     end to end on the GPU; `scripts/bench_variants.py` A/Bs it)."""
-    if plan is not None or os.environ.get("SFI_JAX_MOE") != "kernel":
+    if _switch("SFI_JAX_MOE") != "kernel" or plan is not None:
         return "xla"
     return impl
 
