@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import os
 import platform
@@ -334,8 +335,12 @@ def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=3):
             print(f"{name} {ctx}: batch {B} ran out of memory; trying {B - 1}", flush=True)
             if B <= 1:
                 raise
-            B -= 1
-            jax.clear_caches()
+        B -= 1
+        # the failed try's traceback held its device arrays in frames that form cycles: free
+        # them now (outside the except clause, which keeps the exception alive), not whenever
+        # the cyclic collector runs
+        gc.collect()
+        jax.clear_caches()
     raise SystemExit(f"{name} at {ctx}: out of memory at batches {failed}")
 
 

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
@@ -109,3 +110,36 @@ def test_bench_selector_kernels_smoke(tmp_path):
         res = json.load(f)
     assert res["max_abs_diff"] < 1e-4
     assert all(res[k] > 0 for k in ("kernel steps 1-6", "jnp steps 1-6", "kernel steps 5-6"))
+
+
+def test_bench_fitting_retries_one_row_fewer_on_out_of_memory(monkeypatch):
+    """When the decode loop runs out of device memory the benchmark retries with one row fewer
+    (and says which batches failed); other errors propagate."""
+    sys.path.insert(0, SCRIPTS)
+    import bench_e2e
+
+    from sfi_jax.models.config import PRESETS
+
+    tried = []
+
+    def fake_bench_one(name, cfg, params, ctx, args, bw, B):
+        tried.append(B)
+        if B > 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return {"batch": B}
+
+    monkeypatch.setattr(bench_e2e, "bench_one", fake_bench_one)
+    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 5)
+    args = bench_e2e.argparse.Namespace(chunk_steps=64, new_tokens=256, batch=16, t_max=64)
+    rec = bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
+    assert tried == [5, 4, 3] and rec == {"batch": 3, "batches_out_of_memory": [5, 4]}
+    tried.clear()
+    with pytest.raises(SystemExit, match=r"out of memory at batches \[5, 4\]"):
+        bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1, tries=2)
+
+    def broken(*a):
+        raise ValueError("not a memory error")
+
+    monkeypatch.setattr(bench_e2e, "bench_one", broken)
+    with pytest.raises(ValueError, match="not a memory error"):
+        bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
