@@ -36,7 +36,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import sfi_jax  # noqa: E402
-from sfi_jax.backend import on_gpu  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
@@ -44,6 +43,7 @@ from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.runtime.state import DecodeState, empty_sfi_state  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
+from sfi_jax.selector.select import resolve_scores_impl, resolve_topk_impl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_selector import timeit  # noqa: E402
@@ -239,11 +239,10 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
-    gpu = on_gpu()  # record what "auto" stands for
-    topk = {"auto": "radix" if gpu else "lax"}.get(args.topk_impl, args.topk_impl)
-    scores = {"auto": "pallas_gpu" if gpu else "xla"}.get(args.scores_impl, args.scores_impl)
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=topk, refresh_rows=slots,
-                    scores_impl="xla" if scores == "best" else scores)
+    # the record says what "auto" stands for
+    scores = "xla" if args.scores_impl == "best" else resolve_scores_impl(args.scores_impl)
+    sfi = SFIConfig(t_max=args.t_max, topk_impl=resolve_topk_impl(args.topk_impl),
+                    refresh_rows=slots, scores_impl=scores)
     by_impl = None
     if args.scores_impl == "best":  # time the selector with each scores path, keep the faster
         by_impl = {impl: selector_time(cfg, 1, ctx, dataclasses.replace(sfi, scores_impl=impl))

@@ -48,10 +48,11 @@ def ms(f, *args, reps=5, inner=5):
     return timeit(f, *args, iters=inner, repeats=reps) / 1e3
 
 
-def time_and_profile(fn, params, st, eos, trig, forced, n, top):
+def time_and_profile(fn, params, st, eos, trig, forced, n, top, hlo=None):
     """One warm-up chunk, the median of three timed chunks (ms per step), then one chunk under
     the profiler. Returns the state, ms per step, the last slow flags and the kernel stats
-    (with each listed kernel's ops and source lines, from fn's compiled HLO)."""
+    (with each listed kernel's ops and source lines, from fn's compiled HLO text `hlo`, made
+    here when not given)."""
     st, *_ = fn(params, st, eos, trig, forced)
     ts = []
     for _ in range(3):
@@ -65,7 +66,8 @@ def time_and_profile(fn, params, st, eos, trig, forced, n, top):
         jax.block_until_ready(toks)
     prof = kernel_stats(d, n, top)
     if prof:
-        prof["sources"] = kernel_sources(fn.as_text(), [k for k, *_ in prof["top_us_per_step"]])
+        prof["sources"] = kernel_sources(hlo or fn.as_text(),
+                                         [k for k, *_ in prof["top_us_per_step"]])
     return st, statistics.median(ts) * 1e3, slow, prof
 
 
@@ -166,12 +168,13 @@ def main():
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
-        copies = big_copies(fn.as_text(), shapes)
+        hlo = fn.as_text()  # once per program: the copy check and every schedule's sources
+        copies = big_copies(hlo, shapes)
         for name, sched in schedules.items():
             forced = jnp.asarray(sched)
             st = st._replace(sfi=st.sfi._replace(pending=jnp.zeros((B,), bool)))
             st, step_ms, slow, prof = time_and_profile(fn, params, st, eos, trig, forced, n,
-                                                       a.top)
+                                                       a.top, hlo)
             r = {"arm": f"sfi_{topk}", "schedule": name, "step_ms": step_ms,
                  "slow_rows_per_step": float(np.asarray(slow).sum(0).mean()),
                  "compile_s": compile_s, "copies": copies, "profile": prof}

@@ -385,7 +385,7 @@ def test_api_dispatch_and_defaults():
     k = _rand(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
     lens = jnp.asarray([40, 3], jnp.int32)
     want = reference.dense_decode(q, k, k, lens)
-    assert api._resolve("auto") == "xla"  # CPU
+    assert api.resolve_impl("auto") == "xla"  # CPU
     for impl in ["auto", "xla"] + IMPLS:
         assert _rel(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
 

@@ -15,7 +15,8 @@ from sfi_jax.kernels import reference
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 
 
-def _resolve(impl):
+def resolve_impl(impl) -> str:
+    """The implementation `impl` stands for here ("auto" resolved for the current platform)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
@@ -23,16 +24,11 @@ def _resolve(impl):
     return impl
 
 
-def resolve_impl(impl) -> str:
-    """The implementation `impl` stands for here ("auto" resolved for the current platform)."""
-    return _resolve(impl)
-
-
 def skips_empty_rows(impl) -> bool:
     """True when `dense_decode(..., logits_into=...)` does next to no work for rows of length 0
     (the GPU kernel): a caller may then run it unconditionally instead of behind a `lax.cond`
     (each of which costs a device-to-host round trip per step on GPU)."""
-    return _resolve(impl) == "pallas_gpu"
+    return resolve_impl(impl) == "pallas_gpu"
 
 
 def _interpret(impl):
@@ -108,7 +104,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         if buf.ndim != 3 or buf.shape[1:] != q.shape[1:] or dest.shape != (n_rows,):
             raise ValueError(f"out_into is ({list(buf.shape)}, {list(dest.shape)}); expected "
                              f"([N, {q.shape[1]}, {q.shape[2]}], [{n_rows}])")
-    impl = _resolve(impl)
+    impl = resolve_impl(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import gpu
@@ -171,7 +167,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
             raise ValueError(f"key_norms has shape {key_norms.shape}; expected {k.shape[:-1]}")
     elif key_norms is not None:
         raise ValueError("key_norms is written only together with new_kv")
-    impl = _resolve(impl)
+    impl = resolve_impl(impl)
     c_len = jnp.asarray(c_len, jnp.int32)
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -206,7 +202,7 @@ def sparse_and_refresh_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, 
     get their dense output and their logits in the buffer. Saves the refresh call's launch and
     merge, which cost about as much for empty slots (row_len 0) as for full ones.
     Returns (out, k, v, key_norms, logits_into); caches and buffers updated in place."""
-    if _resolve(impl) != "pallas_gpu":
+    if resolve_impl(impl) != "pallas_gpu":
         raise ValueError(f"sparse_and_refresh_decode has only a GPU kernel; impl={impl!r}")
     if layer is None or k.ndim != 5:
         raise ValueError("sparse_and_refresh_decode reads a stacked cache [L, B, Hkv, S, D] at "
@@ -255,7 +251,7 @@ def repack(ck, cv, k, v, positions, slots, *, impl="auto"):
     if positions.shape != (L, slots.shape[0], Hkv, C):
         raise ValueError(f"positions has shape {positions.shape}; expected "
                          f"{(L, slots.shape[0], Hkv, C)}")
-    if _resolve(impl) == "pallas_gpu":
+    if resolve_impl(impl) == "pallas_gpu":
         from sfi_jax.kernels import gpu
 
         return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=_interpret("pallas_gpu")))

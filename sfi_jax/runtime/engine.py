@@ -308,6 +308,12 @@ def _diagnostics(q, k_layer, lengths, st_layer_pos, fast_rows, recent_start, pre
     return coverage, jaccard.astype(jnp.float32), support
 
 
+def _per_query_head(buf, n_q_heads):
+    """The logits scratch [L, slots, Hkv, G, S] viewed as [L, slots, Hq, S] (a free reshape), the
+    layout the dense kernels write."""
+    return buf.reshape(buf.shape[:2] + (n_q_heads, buf.shape[-1]))
+
+
 def _window_logits(qh, k_rows, row_len, step):
     """Scaled logits [n, Hkv, G*W, S] of each row's last W queries qh [n, Hq, W, D] over its keys
     k_rows [n, Hkv, S, D]; -inf past row_len and for history slots not written yet (decode step
@@ -391,7 +397,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         return fast_attention(st, k, v)[0], k, v, st, buf
 
     if qh is None and _fused_refresh(impl):
-        flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
+        flat = _per_query_head(buf, q.shape[1])
         attn, k, v, norms, flat = sparse_and_refresh_decode(
             q, st.ck, st.cv, st.c_len, k, v, recent_start, lengths, layer=l,
             window=min(sfi.budget, k.shape[3]), new_kv=(kk, vv), key_norms=st.key_norms,
@@ -421,7 +427,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         # the GPU kernel writes the logits into `buf` and the refreshed rows' output into
         # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
         # layer and step), no logits copy, no merge launch
-        flat = buf.reshape(buf.shape[:2] + (q.shape[1], buf.shape[-1]))
+        flat = _per_query_head(buf, q.shape[1])
         attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=safe, impl=impl,
                                      logits_into=flat, out_into=(attn, slots), gather_q=True)
         buf = flat.reshape(buf.shape)

@@ -179,7 +179,8 @@ def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=N
     return z
 
 
-def _scores_impl(impl):
+def resolve_scores_impl(impl: str) -> str:
+    """The scores implementation `impl` stands for here ("auto" resolved for the platform)."""
     if impl not in SCORES_IMPLS:
         raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
     if impl == "auto":  # H200, qwen3-4b 128K batch 6, with the radix top-k: selector 2.08 ->
@@ -209,7 +210,7 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
     size = logits.shape[-1]
     lo, hi = _clipped_range(size, allowed_lo, allowed_hi)
-    if _scores_impl(impl) == "pallas_gpu":
+    if resolve_scores_impl(impl) == "pallas_gpu":
         from sfi_jax.kernels import selector_gpu
 
         kw = dict(cfg=cfg, interpret=not on_gpu())
@@ -367,6 +368,15 @@ def _topk_lax(scores, k: int, out_k: int):
     return idx
 
 
+def resolve_topk_impl(impl: str) -> str:
+    """The top-k implementation `impl` stands for here ("auto" resolved for the platform)."""
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
+    if impl == "auto":  # H200, 288 rows x 128K (one refreshed qwen3-4b row): selector 2.17 ms
+        return "radix" if on_gpu() else "lax"  # with "threshold", 2.08 with "radix"
+    return impl
+
+
 @functools.partial(jax.jit, static_argnames=("k", "impl", "radix_bits"))
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
@@ -379,10 +389,7 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
     largest come from the radix search too.
     Ties go to the lowest positions in every path. All return the same set.
     """
-    if impl not in TOPK_IMPLS:
-        raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
-    if impl == "auto":  # H200, 288 rows x 128K (one refreshed qwen3-4b row): selector 2.17 ms
-        impl = "radix" if on_gpu() else "lax"  # with "threshold", 2.08 with "radix"
+    impl = resolve_topk_impl(impl)
     if radix_bits not in (1, 2, 4, 8):
         raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
