@@ -7,6 +7,29 @@ import pytest
 
 from sfi_jax.kernels import gpu, tpu
 
+# jax serializes a Triton module without verifying it, so an ill-typed op (an `scf.for` whose
+# bounds differ in type, say) would only fail in the GPU's compile. Verify each one here.
+try:
+    from jax._src.pallas.triton import lowering as _triton_lowering
+except ImportError:  # pragma: no cover - jax without the Triton lowering
+    _triton_lowering = None
+
+
+@pytest.fixture(autouse=True)
+def _verify_triton_modules(monkeypatch):
+    if _triton_lowering is None:
+        yield
+        return
+    lower = _triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises naming the op that fails
+        return result
+
+    monkeypatch.setattr(_triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    yield
+
 # (Hq, Hkv, D, S, C, dtype): the Qwen3-4B shape in bf16 and an odd small one in f32.
 SHAPES = [(32, 8, 128, 1000, 300, jnp.bfloat16), (5, 1, 64, 4096, 2052, jnp.float32)]
 B, L = 2, 3

@@ -80,8 +80,9 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu)
         return a, acc[1] + plgpu_triton.dot(
             x, plgpu_triton.load(w2_ref.at[e, pl.ds(kk, BLOCK_K), cols]))
 
-    # a block past the step's rows loads nothing
-    n_k = jnp.where(rows > 0, k_dim // BLOCK_K, 0)
+    # a block past the step's rows loads nothing. (Arithmetic, not jnp.where: Triton's
+    # lowering gives a select of two constants the condition's i1 type, an invalid loop bound.)
+    n_k = (rows > 0).astype(jnp.int32) * (k_dim // BLOCK_K)
     acc = lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
     dtype = o_ref.dtype
     out = acc[0].astype(dtype)
@@ -94,8 +95,8 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu)
     plgpu_triton.store(o_ref.at[dst], out, mask=rmask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
+def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False, num_warps=4, num_stages=3):
     """x [M, K] rows sorted by expert (group_sizes [E] rows each, summing to at most M) times
     w [E, K, N] per group: [M + 16, N] in x's dtype (float32 accumulation), of which the rows
     past the groups' total are scratch (a block's lanes past its rows address distinct rows, so
@@ -112,6 +113,6 @@ def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False):
     return pl.pallas_call(
         kernel, grid=(expert.shape[0], n_dim // BLOCK_N),
         out_shape=jax.ShapeDtypeStruct((m + ROWS, n_dim), x.dtype),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="sfi_moe_swiglu" if swiglu else "sfi_moe_matmul",
     )(*args)

@@ -1,0 +1,141 @@
+"""Check and time the MoE grouped-matmul kernels (kernels.moe_gpu) on the GPU against
+`lax.ragged_dot` at a model's expert shapes, per kernel config. A failed compile prints the
+head of its message (without the serialized module the error carries), so one device call
+shows both why a config fails and which one is fastest.
+
+    python scripts/diag_moe_kernel.py --model qwen3-30b-a3b --tokens 16 --out /tmp/moe_diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a checkout
+
+from sfi_jax.kernels import moe_gpu
+from sfi_jax.models import PRESETS
+
+
+def message_head(err: Exception, n_lines: int = 40) -> str:
+    """The readable lines of an error (serialized IR lines carry byte escapes: dropped)."""
+    lines = [ln[:300] for ln in str(err).splitlines() if "\\x" not in ln]
+    return "\n".join(lines[:n_lines])
+
+
+def timed(fn, *args, iters: int = 50) -> float:
+    """Median seconds of one call (device-synchronised)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
+    """Expert-sorted rows and group sizes for n_tokens tokens each routed to top_k experts."""
+    kx, ke = jax.random.split(key)
+    x = jax.random.normal(kx, (n_tokens, hidden), jnp.bfloat16)
+    scores = jax.random.uniform(ke, (n_tokens, n_experts))
+    top_e = jax.lax.top_k(scores, top_k)[1].reshape(-1)
+    order = jnp.argsort(top_e)
+    return x[order // top_k], jnp.bincount(top_e, length=n_experts).astype(jnp.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,16", help="tokens per step (comma-separated)")
+    ap.add_argument("--configs", default="4x3,4x1,4x2,8x2,2x2", help="num_warps x num_stages")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU check)")
+    ap.add_argument("--tiny", action="store_true", help="8 experts of 128 x 64, top-2 (CPU check)")
+    args = ap.parse_args()
+    cfg = PRESETS[args.model]
+    e, k, hidden, inter = (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                           cfg.moe_intermediate_size)
+    if args.tiny:
+        e, k, hidden, inter = 8, 2, 128, 64
+    key = jax.random.PRNGKey(0)
+    kg, ku, kd, kr = jax.random.split(key, 4)
+    scale = hidden ** -0.5
+    w_gate = (jax.random.normal(kg, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(ku, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(kd, (e, inter, hidden)) * inter ** -0.5).astype(jnp.bfloat16)
+
+    weights = (w_gate, w_up, w_down)  # jit arguments: closed over, they would be constants
+
+    @jax.jit
+    def reference(xs, gs, weights):
+        def grouped(lhs, rhs):
+            return jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32
+                                      ).astype(lhs.dtype)
+        gate, up, down = weights
+        h = jax.nn.silu(grouped(xs, gate)) * grouped(xs, up)
+        return h, grouped(h, down)
+
+    rows = []
+    device = str(jax.devices()[0].device_kind)
+
+    def save():  # after every row, so a hung compile later still leaves the rows so far
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(model=args.model, device=device, jax=jax.__version__, rows=rows),
+                          f, indent=1)
+    for n_tokens in [int(t) for t in args.tokens.split(",")]:
+        xs, gs = routed(kr, n_tokens, e, k, hidden)
+        m = xs.shape[0]
+        touched = int(jnp.sum(gs > 0))
+        weight_bytes = touched * 3 * hidden * inter * 2
+        print(f"tokens={n_tokens}: {touched} experts touched; ragged_dot reference", flush=True)
+        ref_h, ref_y = reference(xs, gs, weights)
+        t_ref = timed(reference, xs, gs, weights)
+        rows.append(dict(tokens=n_tokens, config="ragged_dot", ok=True, ms=t_ref * 1e3,
+                         experts_touched=touched, gbps=weight_bytes / t_ref / 1e9))
+        save()
+        for spec in args.configs.split(","):
+            warps, stages = (int(v) for v in spec.split("x"))
+            kw = dict(num_warps=warps, num_stages=stages, interpret=args.interpret)
+
+            @jax.jit
+            def kernel(xs, gs, weights, kw=kw):
+                gate, up, down = weights
+                h = moe_gpu.grouped_matmul(xs, gate, gs, up, **kw)[:m]
+                return h, moe_gpu.grouped_matmul(h, down, gs, **kw)[:m]
+
+            row = dict(tokens=n_tokens, config=spec, experts_touched=touched)
+            print(f"tokens={n_tokens} config={spec}: compiling and checking", flush=True)
+            try:
+                h, y = kernel(xs, gs, weights)
+                err_h = float(jnp.max(jnp.abs(h.astype(jnp.float32) - ref_h.astype(jnp.float32)))
+                              / (jnp.max(jnp.abs(ref_h.astype(jnp.float32))) + 1e-9))
+                err_y = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref_y.astype(jnp.float32)))
+                              / (jnp.max(jnp.abs(ref_y.astype(jnp.float32))) + 1e-9))
+                t = timed(kernel, xs, gs, weights)
+                row.update(ok=err_h < 2e-2 and err_y < 2e-2, rel_err_hidden=err_h,
+                           rel_err_out=err_y, ms=t * 1e3, gbps=weight_bytes / t / 1e9)
+            except Exception as err:  # noqa: BLE001 - the point is to report it
+                row.update(ok=False, error=message_head(err))
+                print(f"--- tokens={n_tokens} config={spec} failed:\n{row['error']}\n---", flush=True)
+            rows.append(row)
+            save()
+    print(f"{args.model} on {device}: expert matmuls per MoE layer (bf16)")
+    print("| tokens | config | ok | ms | weight GB/s | experts touched |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+        gb = f"{r['gbps']:.0f}" if "gbps" in r else "-"
+        print(f"| {r['tokens']} | {r['config']} | {r['ok']} | {ms} | {gb} | {r['experts_touched']} |")
+
+
+if __name__ == "__main__":
+    main()
