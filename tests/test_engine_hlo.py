@@ -63,15 +63,12 @@ def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
 
 
-@pytest.mark.parametrize("repack, fused", [("xla", "0"), ("kernel", "0"), ("kernel", "1")],
-                         ids=["xla-repack", "repack-kernel", "fused-refresh"])
-def test_gpu_kernels_update_in_place(monkeypatch, repack, fused):
+@pytest.mark.parametrize("repack", ["xla", "kernel"])
+def test_gpu_kernels_update_in_place(monkeypatch, repack):
     """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
-    logits into the scratch buffer, the sparse kernel the cache (or one launch both:
-    SFI_JAX_FUSED_REFRESH=1), and the repack kernel the compact buffers, through aliased
-    outputs, without copying them."""
+    logits into the scratch buffer, the sparse kernel the cache, and the repack kernel the
+    compact buffers, through aliased outputs, without copying them."""
     monkeypatch.setenv("SFI_JAX_REPACK", repack)
-    monkeypatch.setenv("SFI_JAX_FUSED_REFRESH", fused)
     jax.clear_caches()  # the engine reads the switch at trace time
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     assert _big_copies(sfi, True, impl="pallas_gpu") == []

@@ -88,8 +88,7 @@ def test_gpu_kernels_export_for_cuda(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gpu_in_place_variants_export_for_cuda(shape):
     """The engine's GPU path: the sparse kernel storing the new key/value/norm into aliased
-    caches, the dense kernel writing logits and outputs into aliased buffers, and both in one
-    launch (`sparse_and_refresh_decode`)."""
+    caches, and the dense kernel writing logits and outputs into aliased buffers."""
     hq, hkv, d, s, c, dtype = shape
     sp = _specs(*shape)
     sds = jax.ShapeDtypeStruct
@@ -105,16 +104,8 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
         return gpu.dense_decode(q, k, v, lens, layer, rows, logits_into=buf, out_into=out,
                                 out_rows=rows)
 
-    def fused(q, ck, cv, c_len, k, v, rs, lens, layer, kn, vn, n, rows, row_len, buf):
-        return gpu.sparse_and_refresh_decode(q, ck, cv, c_len, k, v, rs, lens, layer, (kn, vn),
-                                             n, rows, row_len, buf, window=257)
-
-    slots = sds((3,), jnp.int32)
     cases = [(sparse, (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"],
                        sp["vec"], sp["vec"], sp["layer"], new, new, norms)),
-             (fused, (sp["q"], sp["ckv"], sp["ckv"], sds((L, B, hkv), jnp.int32), sp["kv"],
-                      sp["kv"], sp["vec"], sp["vec"], sp["layer"], new, new, norms, slots, slots,
-                      sds((L, 3, hq, s), jnp.float32))),
              (dense, (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sp["vec"],
                       sds((L, B, hq, s), jnp.float32), sds((B + 3, hq, d), dtype))),
              (gpu.repack, (sp["ckv"], sp["ckv"], sp["kv"], sp["kv"],

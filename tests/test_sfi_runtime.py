@@ -247,20 +247,17 @@ def test_tmax_one_refresh_slot(per_row_runs):
 
 # ---------------------------------------------------------------- GPU kernels in the loop
 
-@pytest.mark.parametrize("cond, repack, fused", [("0", "xla", "0"), ("1", "xla", "0"),
-                                                 ("0", "kernel", "0"), ("0", "kernel", "1")],
-                         ids=["unconditional", "cond", "repack-kernel", "fused-refresh"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack,
-                                        fused):
+@pytest.mark.parametrize("cond, repack", [("0", "xla"), ("1", "xla"), ("0", "kernel")],
+                         ids=["unconditional", "cond", "repack-kernel"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
-    or behind a condition (SFI_JAX_REFRESH_COND=1), or in the sparse read's launch
-    (SFI_JAX_FUSED_REFRESH=1), with the repack kernel (the GPU default) or the XLA repack
-    (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla path's logits."""
+    or behind a condition (SFI_JAX_REFRESH_COND=1), with the repack kernel (the GPU default)
+    or the XLA repack (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla
+    path's logits."""
     prompts, forced, runs = per_row_runs
     monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
     monkeypatch.setenv("SFI_JAX_REPACK", repack)
-    monkeypatch.setenv("SFI_JAX_FUSED_REFRESH", fused)
     import jax
 
     jax.clear_caches()  # the engine reads the switch at trace time
@@ -392,7 +389,7 @@ def test_evidence_window(tiny_qwen3, per_row_runs):
 
 
 @pytest.mark.parametrize("name, value", [("SFI_JAX_MOE", "yes"), ("SFI_JAX_REPACK", "pallas"),
-                                         ("SFI_JAX_FUSED_REFRESH", "true"),
+                                         ("SFI_JAX_REFRESH_COND", "true"),
                                          ("SFI_JAX_LAYER_UNROLL", "x")])
 def test_engine_switches_reject_unknown_values(tiny_qwen3, monkeypatch, name, value):
     """A mistyped engine switch is an error naming it, not a silent default."""

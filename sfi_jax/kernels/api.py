@@ -192,34 +192,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     return out if new_kv is None else (out, k, v, key_norms)
 
 
-def sparse_and_refresh_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, layer, window,
-                              new_kv, key_norms, rows, row_len, logits_into, impl="auto"):
-    """GPU only: a decode layer's attention in one launch and one merge. Equal to
-    `sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=layer, window=window,
-    new_kv=new_kv, key_norms=key_norms)` followed by `dense_decode(q, k, v, row_len,
-    layer=layer, rows=rows, logits_into=logits_into, out_into=(out, dest), gather_q=True)`
-    with dest[i] = rows[i] where row_len[i] > 0 (else dropped): refreshed rows (row_len > 0)
-    get their dense output and their logits in the buffer. Saves the refresh call's launch and
-    merge, which cost about as much for empty slots (row_len 0) as for full ones.
-    Returns (out, k, v, key_norms, logits_into); caches and buffers updated in place."""
-    if resolve_impl(impl) != "pallas_gpu":
-        raise ValueError(f"sparse_and_refresh_decode has only a GPU kernel; impl={impl!r}")
-    if layer is None or k.ndim != 5:
-        raise ValueError("sparse_and_refresh_decode reads a stacked cache [L, B, Hkv, S, D] at "
-                         "`layer`")
-    if rows.shape != row_len.shape or rows.ndim != 1:
-        raise ValueError(f"rows {rows.shape} and row_len {row_len.shape}: expected [R] each")
-    want = (k.shape[0], rows.shape[0], q.shape[1], k.shape[3])
-    if logits_into.shape != want or logits_into.dtype != jnp.float32:
-        raise ValueError(f"logits_into is {logits_into.dtype}{list(logits_into.shape)}; "
-                         f"expected float32{list(want)}")
-    from sfi_jax.kernels import gpu
-
-    return gpu.sparse_and_refresh_decode(
-        q, ck, cv, c_len, k, v, recent_start, lengths, layer, new_kv, key_norms, rows, row_len,
-        logits_into, window=window, interpret=_interpret("pallas_gpu"))
-
-
 def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
     """Store kn, vn [B, Hkv, D] at position pos[b] of k, v [(L,) B, Hkv, S, D] (layer `layer`
     when stacked) and, when key_norms is given, the keys' float32 L2 norms."""

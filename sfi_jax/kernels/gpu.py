@@ -122,30 +122,22 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
 
 
 def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q, pids=None, out_row=0,
-                  new_token=None, active=True):
+                  d, dp, bk, scale, precision, logits, into, gather_q):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
-    fill: the reader masks them).
-    pids: (r, h, j) given by a caller (`_fused_kernel`) instead of the grid's; out_row: offset
-    of this call's rows in the partial outputs. new_token: (kn_ref, vn_ref): the key and value
-    at position length - 1 are not in the cache yet (another program of the same launch
-    stores them): split 0 takes them from these refs, the others read up to length - 1.
-    active=False (traced): the program reads and stores nothing."""
+    fill: the reader masks them)."""
     if into:
         _, o_ref, m_ref, l_ref, logit_ref = refs  # refs[0] is the aliased input
     else:
         o_ref, m_ref, l_ref = refs[:3]
         logit_ref = refs[3] if logits else None
-    r, h, j = pids or (pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, row = layer_ref[0], rows_ref[r]
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
     start = j * split
     end = jnp.minimum(start + split, s_len)
-    length = jnp.where(active, jnp.clip(len_ref[r], 0, s_len), 0)
-    cached = length if new_token is None else jnp.maximum(length - 1, 0)
-    hi = jnp.minimum(end, cached)
+    hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
     idx = jnp.arange(bk)
     store = None
     if logits:
@@ -168,20 +160,9 @@ def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, grou
             return c
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
-    keep = start < hi
-    if new_token is not None:
-        first = (j == 0) & (length > 0)
-        carry, s_new, *_ = _new_token(q, *new_token, row, h, carry, first, dp=dp, dmask=dmask,
-                                      scale=scale, cache_dtype=k_ref.dtype)
-        if logits:
-            at = (layer, r) if into else (r,)
-            col = pl.ds(jnp.maximum(length - 1, 0), 1)
-            plgpu_triton.store(logit_ref.at[(*at, pl.ds(h * group, _ROWS), col)], s_new[:, None],
-                               mask=gmask[:, None] & first)
-        keep = keep | first
     # a split past the row's length stores nothing (the merge reads only the row's splits)
-    _store_partial(o_ref, m_ref, l_ref, r + out_row, h, j, group, dp, carry, gmask, omask,
-                   keep=keep)
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
+                   keep=start < hi)
 
 
 def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_dtype):
@@ -197,12 +178,12 @@ def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_d
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
     acc = acc * alpha[:, None] + p[:, None] * vc.astype(jnp.float32)[None, :]
-    return (acc, m_new, l * alpha + p), s, kn, kc, vc
+    return (acc, m_new, l * alpha + p), kn, kc, vc
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms, clen_stacked, pids=None, active=True):
+                   write_kv, write_norms, clen_stacked):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
@@ -214,7 +195,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
         n_out = refs[5] if write_norms else None
     else:
         o_ref, m_ref, l_ref = refs
-    r, h, j = pids or (pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
@@ -224,7 +205,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     rs = jnp.clip(rs_ref[r], 0, cached)
     # Virtual sequence: compact prefix padded to whole blocks, then the recent window.
     c_pad = pl.cdiv(c_len, bk) * bk
-    total = jnp.where(active, c_pad + (cached - rs), 0)  # inactive (fused launch): no reads
+    total = c_pad + (cached - rs)
     chunk = pl.cdiv(pl.cdiv(total, n_splits), bk) * bk
     a = j * chunk
     b = jnp.minimum(a + chunk, total)
@@ -234,8 +215,8 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     carry = _attend(q, k_ref, v_ref, (layer, r, h),
                     rs + jnp.maximum(a - c_pad, 0), rs + b - c_pad, carry, **kw)
     if write_kv:
-        first = (j == 0) & (length > 0) & active
-        carry, _, kn, kc, vc = _new_token(q, kn_ref, vn_ref, r, h, carry, first, dp=dp,
+        first = (j == 0) & (length > 0)
+        carry, kn, kc, vc = _new_token(q, kn_ref, vn_ref, r, h, carry, first, dp=dp,
                                        dmask=dmask, scale=scale, cache_dtype=k_out.dtype)
         at = (layer, r, h, pl.ds(length - 1, 1))
         row = jnp.full((1, dp), True) if dmask is None else dmask[None, :]
@@ -245,17 +226,15 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
             kf = kn.astype(jnp.float32)
             norm = jnp.broadcast_to(jnp.sqrt(jnp.sum(kf * kf)), (1,))
             plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
-    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask, keep=active)
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(valid_ref, *refs, n_splits, nsp, d, dp, n_out, into, routed=False):
+def _combine_kernel(valid_ref, *refs, n_splits, nsp, d, dp, n_out, into):
     """One query head of one row: merge its first valid_ref[r] per-split partials exactly and
     store the result in output row r, or with `into` row dst_ref[r] of the aliased buffer
-    (none when it is >= n_out); `routed`: row dst_ref[r] of a fresh output."""
+    (none when it is >= n_out)."""
     if into:
         dst_ref, o_ref, m_ref, l_ref, _, out_ref, lse_ref = refs
-    elif routed:
-        dst_ref, o_ref, m_ref, l_ref, out_ref, lse_ref = refs
     else:
         o_ref, m_ref, l_ref, out_ref, lse_ref = refs
     r, h = pl.program_id(0), pl.program_id(1)
@@ -271,7 +250,7 @@ def _combine_kernel(valid_ref, *refs, n_splits, nsp, d, dp, n_out, into, routed=
     acc = jnp.sum(o * w[:, None], axis=0)
     ok = lsum > 0
     out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
-    dst = dst_ref[r] if into or routed else r
+    dst = dst_ref[r] if into else r
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
                        out.astype(out_ref.dtype), mask=dmask & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
@@ -291,41 +270,32 @@ def _combine_xla(o, m, l, valid, dtype):
     return out.astype(dtype), lse
 
 
-def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None, dst=None,
-             n_out=None):
+def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
     first valid[r] splits (the others were not written). Returns (out [R, Hq, D], lse), or
     with out_into [N, Hq, D] and out_rows [R] that buffer with row r's result in row
-    out_rows[r] (rows >= N dropped), updated in place; with dst [R] and n_out instead, a fresh
-    [n_out, Hq, D] output with row r's result in row dst[r] (each row written by one r).
+    out_rows[r] (rows >= N dropped), updated in place.
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
     """
     valid = valid.astype(jnp.int32)
     n_rows, n_splits, hq, d = o.shape
-    into, routed = out_into is not None, dst is not None
+    into = out_into is not None
     if not PALLAS_COMBINE:
         out, lse = _combine_xla(o, m, l, valid, dtype)
         if into:
             out = out_into.at[out_rows].set(out.astype(out_into.dtype), mode="drop")
-        elif routed:
-            out = jnp.zeros((n_out,) + out.shape[1:], dtype).at[dst].set(out, mode="drop")
         return out, lse
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
-    n_out = out_into.shape[0] if into else n_out if routed else n_rows
+    n_out = out_into.shape[0] if into else n_rows
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
-                               n_out=n_out, into=into, routed=routed and not into)
+                               n_out=n_out, into=into)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
     # benchmarks/diag_slow_step.json)
     warps = 1 if nsp * dp <= 4096 else 4
-    if into:
-        args = [valid, out_rows.astype(jnp.int32), o, m, l, out_into]
-    elif routed:
-        args = [valid, dst.astype(jnp.int32), o, m, l]
-    else:
-        args = [valid, o, m, l]
+    args = [valid, out_rows.astype(jnp.int32), o, m, l, out_into] if into else [valid, o, m, l]
     return pl.pallas_call(
         kernel, grid=(n_rows, hq),
         out_shape=[jax.ShapeDtypeStruct((n_out, hq, d), out_into.dtype if into else dtype),
@@ -469,104 +439,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     unstack = (lambda x: x) if stacked else (lambda x: x[0])
     return (out, unstack(res[3]), unstack(res[4]),
             unstack(res[5]) if write_norms else None)
-
-
-# The fused launch (opt-in, `sparse_and_refresh_decode`): one num_stages for both parts, so the
-# refresh part reads 64-key blocks (128-key blocks at 3 stages would need ~196 KB of shared
-# memory per program).
-FUSED_STAGES = 3
-FUSED_REFRESH_BLOCK = 64
-
-
-def _fused_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                  kn_ref, vn_ref, norms_in, rows_ref, rowlen_ref, buf_in, o_ref, m_ref, l_ref,
-                  k_out, v_out, n_out, logit_ref, *, hkv, n_rows, n_sp, n_sd, sparse_kw,
-                  dense_kw):
-    """Programs [0, n_rows * hkv * n_sp): the sparse read of (row, head, split), storing the
-    step's key/value/norm; the rest: the refresh slots' dense read with logits of (slot, head,
-    split), taking the step's key and value from registers (the sparse part stores them in
-    this same launch). Both write partials to one buffer, the slots' after the rows'.
-
-    Every program runs both parts, one of them inactive (empty ranges, masked stores), rather
-    than a `lax.cond`: interpret mode turns a condition over refs into an XLA conditional that
-    copies the caches it carries (on the GPU either form is one branch in the kernel)."""
-    pid = pl.program_id(0)
-    n_sparse = n_rows * hkv * n_sp
-    ps = jnp.minimum(pid, n_sparse - 1)
-    _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                   kn_ref, vn_ref, norms_in, o_ref, m_ref, l_ref, k_out, v_out, n_out,
-                   pids=(ps // (hkv * n_sp), (ps // n_sp) % hkv, ps % n_sp),
-                   active=pid < n_sparse, **sparse_kw)
-    pd = jnp.maximum(pid - n_sparse, 0)
-    _dense_kernel(layer_ref, rows_ref, rowlen_ref, q_ref, k_ref, v_ref, buf_in, o_ref, m_ref,
-                  l_ref, logit_ref, pids=(pd // (hkv * n_sd), (pd // n_sd) % hkv, pd % n_sd),
-                  new_token=(kn_ref, vn_ref), active=pid >= n_sparse, **dense_kw)
-
-
-@functools.partial(jax.jit, static_argnames=("window", "interpret"))
-def sparse_and_refresh_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer, new_kv,
-                              key_norms, rows, row_len, logits_into, *, window,
-                              interpret=False):
-    """A decode layer's attention in one launch and one merge (see kernels.api): what
-    `sparse_decode(..., new_kv=, key_norms=)` and then `dense_decode(..., rows=rows,
-    logits_into=, out_into=, gather_q=True)` do, without the refresh call's own launch and
-    merge, which cost next to as much for empty refresh slots (row_len 0) as for full ones.
-    Returns (out, k, v, key_norms, logits_into)."""
-    ck, layer_arr = _as_stack(ck, layer)
-    cv, _ = _as_stack(cv, layer)
-    n_rows, hq, d = q.shape
-    _, _, hkv, s_len, _ = k.shape
-    c_size, group, dp = ck.shape[3], hq // hkv, _pow2(d)
-    if group > _ROWS:
-        raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
-    est = c_size + min(window, s_len)
-    cs = SPARSE_SMALL if est <= SMALL_KEYS else SPARSE
-    bk_s = min(cs.block_k, max(16, _pow2(est)))
-    _, n_sp = _splits(est, n_rows * hkv, dataclasses.replace(cs, block_k=bk_s))
-    bk_d = min(FUSED_REFRESH_BLOCK, max(16, _pow2(s_len)))
-    split_d, n_sd = _splits(s_len, hkv, dataclasses.replace(REFRESH, block_k=bk_d))
-    n_slots, n_max = rows.shape[0], max(n_sp, n_sd)
-    common = dict(group=group, s_len=s_len, d=d, dp=dp, scale=1.0 / math.sqrt(d),
-                  precision=_precision(k.dtype))
-    kernel = functools.partial(
-        _fused_kernel, hkv=hkv, n_rows=n_rows, n_sp=n_sp, n_sd=n_sd,
-        sparse_kw=dict(common, n_splits=n_sp, c_size=c_size, bk=bk_s, write_kv=True,
-                       write_norms=True, clen_stacked=c_len.ndim == 3),
-        dense_kw=dict(common, split=split_d, bk=bk_d, logits=True, into=True, gather_q=True,
-                      out_row=n_rows))
-    parts = n_rows + n_slots
-    out_shape = [jax.ShapeDtypeStruct((parts, n_max, hq, d), jnp.float32),
-                 jax.ShapeDtypeStruct((parts, n_max, hq), jnp.float32),
-                 jax.ShapeDtypeStruct((parts, n_max, hq), jnp.float32)]
-    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v, key_norms)]
-    out_shape.append(jax.ShapeDtypeStruct(logits_into.shape, jnp.float32))
-    row_len = row_len.astype(jnp.int32)
-    args = [layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
-            lengths.astype(jnp.int32), q, ck, cv, k, v, *new_kv, key_norms,
-            rows.astype(jnp.int32), row_len, logits_into]
-    res = pl.pallas_call(
-        kernel, grid=(n_rows * hkv * n_sp + n_slots * hkv * n_sd,), out_shape=out_shape,
-        input_output_aliases={7: 3, 8: 4, 11: 5, 14: 6},
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=FUSED_STAGES),
-        interpret=interpret, name="sfi_sparse_refresh_decode",
-    )(*args)
-    valid, dst = _fused_merge_plan(rows, row_len, n_rows, n_sp, split_d, s_len)
-    out, _ = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, dst=dst, n_out=n_rows)
-    return out, res[3], res[4], res[5], res[6]
-
-
-def _fused_merge_plan(rows, row_len, n_rows, n_sp, split_d, s_len):
-    """Splits to merge and destination row per partial row of the fused launch (rows, then
-    slots). A refreshed row's output is its dense result; its sparse partials go nowhere, so
-    each output row has exactly one writer (the merge's programs run in no fixed order)."""
-    occupied = jnp.where(row_len > 0, rows, n_rows)
-    refreshed = jnp.zeros((n_rows,), bool).at[occupied].set(True, mode="drop")
-    cached = jnp.maximum(jnp.minimum(row_len, s_len) - 1, 0)
-    valid = jnp.concatenate([jnp.full((n_rows,), n_sp, jnp.int32),
-                             jnp.where(row_len > 0, jnp.maximum(-(-cached // split_d), 1), 0)])
-    dst = jnp.concatenate([jnp.where(refreshed, n_rows, jnp.arange(n_rows, dtype=jnp.int32)),
-                           occupied])
-    return valid, dst
 
 
 def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, _ck_in, _cv_in, ck_out, cv_out, *, n_rows,

@@ -19,8 +19,7 @@ import numpy as np
 
 from sfi_jax.backend import on_gpu
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.api import (repack, skips_empty_rows, sparse_and_refresh_decode,
-                                 write_new_token)
+from sfi_jax.kernels.api import repack, skips_empty_rows, write_new_token
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -33,9 +32,8 @@ from sfi_jax.selector import select
 from sfi_jax.selector.select import selector_scores_at, topk_positions
 
 
-_SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_FUSED_REFRESH": ("0", "1"),
-             "SFI_JAX_REPACK": ("kernel", "xla"), "SFI_JAX_HEADS": ("kernel", "xla"),
-             "SFI_JAX_MOE": ("xla", "kernel")}
+_SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_REPACK": ("kernel", "xla"),
+             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("xla", "kernel")}
 
 
 def _switch(name):
@@ -65,13 +63,6 @@ def _refresh_unconditionally(impl):
     return _switch("SFI_JAX_REFRESH_COND") != "1" and skips_empty_rows(impl)
 
 
-def _fused_refresh(impl):
-    """SFI_JAX_FUSED_REFRESH=1 (opt-in, not yet timed on the GPU): with the GPU kernels, the
-    sparse read and the refresh slots' dense read in one launch and one merge per layer
-    (`kernels.api.sparse_and_refresh_decode`), so empty slots cost no launch of their own."""
-    return _switch("SFI_JAX_FUSED_REFRESH") == "1" and skips_empty_rows(impl)
-
-
 def _repack_impl(impl):
     """The compact-buffer repack: with the GPU kernels a Pallas kernel that copies only the
     occupied slots' rows (H200, qwen3-4b 128K batch 6: 936 -> 950 tok/s over the XLA gather +
@@ -89,8 +80,9 @@ def _heads_impl(impl, plan):
 
 def _moe_impl(impl, plan):
     """A decode step's expert matmuls: `lax.ragged_dot`, or with SFI_JAX_MOE=kernel and the GPU
-    kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: not yet timed
-    end to end on the GPU; `scripts/bench_variants.py` A/Bs it)."""
+    kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: H200,
+    qwen3-30b-a3b 32K 588 -> 810 tok/s, but not yet checked against ragged_dot on the GPU,
+    which `scripts/diag_moe_kernel.py` does)."""
     if _switch("SFI_JAX_MOE") != "kernel" or plan is not None:
         return "xla"
     return impl
@@ -396,13 +388,6 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     if sfi.policy in ("streaming", "prefill_only"):
         return fast_attention(st, k, v)[0], k, v, st, buf
 
-    if qh is None and _fused_refresh(impl):
-        flat = _per_query_head(buf, q.shape[1])
-        attn, k, v, norms, flat = sparse_and_refresh_decode(
-            q, st.ck, st.cv, st.c_len, k, v, recent_start, lengths, layer=l,
-            window=min(sfi.budget, k.shape[3]), new_kv=(kk, vv), key_norms=st.key_norms,
-            rows=safe, row_len=row_len, logits_into=flat, impl=impl)
-        return attn, k, v, st._replace(key_norms=norms), flat.reshape(buf.shape)
     attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
