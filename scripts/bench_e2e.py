@@ -463,12 +463,14 @@ def write_outputs(records, meta, out, notes=None):
         import matplotlib.pyplot as plt
 
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        for m in sorted({r["model"] for r in records}):
+        for i, m in enumerate(sorted({r["model"] for r in records})):
             rs = sorted((r for r in records if r["model"] == m), key=lambda r: r["context"])
             x = [r["context"] // 1024 for r in rs]
-            a1.plot(x, [r["dense_tokens_per_s"] for r in rs], "o--", label=f"{m} dense")
-            a1.plot(x, [r["sfi_tokens_per_s"] for r in rs], "o-", label=f"{m} SFI")
-            a2.plot(x, [r["speedup"] for r in rs], "o-", label=m)
+            color = f"C{i}"  # one colour per model: dense dashed, SFI solid
+            a1.plot(x, [r["dense_tokens_per_s"] for r in rs], "o--", color=color,
+                    label=f"{m} dense")
+            a1.plot(x, [r["sfi_tokens_per_s"] for r in rs], "o-", color=color, label=f"{m} SFI")
+            a2.plot(x, [r["speedup"] for r in rs], "o-", color=color, label=m)
         for a in (a1, a2):
             a.set_xscale("log", base=2)
             a.set_xlabel("context (K tokens)")

@@ -55,7 +55,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,16", help="tokens per step (comma-separated)")
-    ap.add_argument("--configs", default="4x3,4x1,4x2,8x2,2x2", help="num_warps x num_stages")
+    ap.add_argument("--configs", default="64x64x4x3,64x64x4x2,128x64x4x3,128x32x4x3,32x64x2x3,"
+                    "64x128x4x2,128x128x8x2",
+                    help="block_n x block_k x num_warps x num_stages, comma-separated")
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU check)")
     ap.add_argument("--tiny", action="store_true", help="8 experts of 128 x 64, top-2 (CPU check)")
@@ -103,8 +105,12 @@ def main():
                          experts_touched=touched, gbps=weight_bytes / t_ref / 1e9))
         save()
         for spec in args.configs.split(","):
-            warps, stages = (int(v) for v in spec.split("x"))
-            kw = dict(num_warps=warps, num_stages=stages, interpret=args.interpret)
+            bn, bk, warps, stages = (int(v) for v in spec.split("x"))
+            if not moe_gpu.supported(hidden, inter, bn, bk):
+                print(f"config {spec}: blocks do not tile {hidden} x {inter}; skipped")
+                continue
+            kw = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                      interpret=args.interpret)
 
             @jax.jit
             def kernel(xs, gs, weights, kw=kw):

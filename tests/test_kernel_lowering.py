@@ -172,6 +172,9 @@ def test_moe_kernels_export_for_cuda():
     cases = [(lambda x, w, g, w2: moe_gpu.grouped_matmul(x, w, g, w2),
               (sds((m, h), bf), sds((e, h, inter), bf), sds((e,), jnp.int32), sds((e, h, inter), bf))),
              (lambda x, w, g: moe_gpu.grouped_matmul(x, w, g),
+              (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32))),
+             (lambda x, w, g: moe_gpu.grouped_matmul(x, w, g, block_n=128, block_k=32,
+                                                      num_warps=8, num_stages=2),
               (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32)))]
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)

@@ -495,3 +495,21 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
     np.testing.assert_array_equal(start, [0, 1, 17, 18, 34] + [37] * 4)
     np.testing.assert_array_equal(rows[:n_used], [1, 16, 1, 16, 3])
     assert len(rows) == 3 + 6 and not rows[n_used:].any()
+
+
+@pytest.mark.parametrize("block_n, block_k", [(32, 16), (64, 32)])
+def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
+    """Other weight tiles (the diagnostic's sweep) give ragged_dot's product; a tile that does
+    not divide the dims is an error naming them."""
+    from sfi_jax.kernels import moe_gpu
+
+    e, k, n, m = 4, 64, 96 if block_n == 32 else 128, 21
+    ks = jax.random.split(jax.random.key(block_n + block_k), 2)
+    x = _rand(ks[0], (m, k), jnp.float32)
+    w = _rand(ks[1], (e, k, n), jnp.float32)
+    sizes = jnp.array([5, 0, 16, 0], jnp.int32)  # 21 rows: a one-block and a full-block expert
+    got = moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_n=block_n, block_k=block_k)
+    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    assert _rel(got[:m], want) < 1e-5
+    with pytest.raises(ValueError, match="multiples of 48"):
+        moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_k=48)

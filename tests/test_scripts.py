@@ -53,13 +53,13 @@ def test_diag_moe_kernel_smoke(tmp_path):
     """The MoE kernel diagnostic checks each config against ragged_dot and writes its rows."""
     out = tmp_path / "moe.json"
     text = _run(os.path.join(SCRIPTS, "diag_moe_kernel.py"), "--tiny", "--interpret",
-                "--tokens", "1,16", "--configs", "4x3,2x2", "--out", str(out))
+                "--tokens", "1,16", "--configs", "64x64x4x3,32x16x2x2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tokens"], r["config"]) for r in rows] == [
-        (t, c) for t in (1, 16) for c in ("ragged_dot", "4x3", "2x2")]
+        (t, c) for t in (1, 16) for c in ("ragged_dot", "64x64x4x3", "32x16x2x2")]
     assert all(r["ok"] and r["ms"] > 0 for r in rows), rows
     assert all(r["rel_err_out"] < 2e-2 for r in rows if r["config"] != "ragged_dot")
-    assert "| 16 | 2x2 | True |" in text
+    assert "| 16 | 32x16x2x2 | True |" in text
 
 
 def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):

@@ -26,13 +26,13 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
-BLOCK_N = 64
+BLOCK_N = 64  # default weight tile (columns x inner dim); scripts/diag_moe_kernel.py sweeps them
 BLOCK_K = 64
 
 
-def supported(hidden: int, inter: int) -> bool:
+def supported(hidden: int, inter: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> bool:
     """The weight blocks tile both matrix dims exactly (pl.ds past the end would clamp)."""
-    return all(d % BLOCK_N == 0 and d % BLOCK_K == 0 for d in (hidden, inter))
+    return all(d % block_n == 0 and d % block_k == 0 for d in (hidden, inter))
 
 
 def row_blocks(group_sizes, n_rows: int):
@@ -55,7 +55,8 @@ def row_blocks(group_sizes, n_rows: int):
     return e, start.astype(jnp.int32), rows.astype(jnp.int32)
 
 
-def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu):
+def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu, block_n,
+            block_k):
     """Program (b, n): rows [start, start + rows) of x times columns block n of expert e's
     weight (two weights and SiLU(a) * b with swiglu)."""
     if swiglu:
@@ -67,22 +68,22 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu)
     ridx = jnp.arange(ROWS)
     rmask = ridx < rows
     src = start + ridx  # masked lanes: distinct rows, never read or written
-    cols = pl.ds(n * BLOCK_N, BLOCK_N)
-    zero = jnp.zeros((ROWS, BLOCK_N), jnp.float32)
+    cols = pl.ds(n * block_n, block_n)
+    zero = jnp.zeros((ROWS, block_n), jnp.float32)
 
     def body(i, acc):
-        kk = i * BLOCK_K
-        x = plgpu_triton.load(x_ref.at[src[:, None], kk + jnp.arange(BLOCK_K)[None, :]],
+        kk = i * block_k
+        x = plgpu_triton.load(x_ref.at[src[:, None], kk + jnp.arange(block_k)[None, :]],
                               mask=rmask[:, None], other=0.0)
-        a = acc[0] + plgpu_triton.dot(x, plgpu_triton.load(w_ref.at[e, pl.ds(kk, BLOCK_K), cols]))
+        a = acc[0] + plgpu_triton.dot(x, plgpu_triton.load(w_ref.at[e, pl.ds(kk, block_k), cols]))
         if not swiglu:
             return (a,)
         return a, acc[1] + plgpu_triton.dot(
-            x, plgpu_triton.load(w2_ref.at[e, pl.ds(kk, BLOCK_K), cols]))
+            x, plgpu_triton.load(w2_ref.at[e, pl.ds(kk, block_k), cols]))
 
     # a block past the step's rows loads nothing. (Arithmetic, not jnp.where: Triton's
     # lowering gives a select of two constants the condition's i1 type, an invalid loop bound.)
-    n_k = (rows > 0).astype(jnp.int32) * (k_dim // BLOCK_K)
+    n_k = (rows > 0).astype(jnp.int32) * (k_dim // block_k)
     acc = lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
     dtype = o_ref.dtype
     out = acc[0].astype(dtype)
@@ -91,27 +92,31 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu)
         sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
         silu = (g * sig).astype(dtype).astype(jnp.float32)
         out = (silu * acc[1].astype(dtype).astype(jnp.float32)).astype(dtype)
-    dst = (src[:, None], n * BLOCK_N + jnp.arange(BLOCK_N)[None, :])
+    dst = (src[:, None], n * block_n + jnp.arange(block_n)[None, :])
     plgpu_triton.store(o_ref.at[dst], out, mask=rmask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
-def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False, num_warps=4, num_stages=3):
+@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "num_warps",
+                                             "num_stages"))
+def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False, block_n=BLOCK_N,
+                   block_k=BLOCK_K, num_warps=4, num_stages=3):
     """x [M, K] rows sorted by expert (group_sizes [E] rows each, summing to at most M) times
     w [E, K, N] per group: [M + 16, N] in x's dtype (float32 accumulation), of which the rows
     past the groups' total are scratch (a block's lanes past its rows address distinct rows, so
-    interpret mode's masked stores never collide). With w2 [E, K, N]: SiLU(x @ w) * (x @ w2)."""
+    interpret mode's masked stores never collide). With w2 [E, K, N]: SiLU(x @ w) * (x @ w2).
+    block_n x block_k: the weight tile; num_warps, num_stages: Triton's."""
     m, k_dim = x.shape
     n_experts, kw, n_dim = w.shape
-    if kw != k_dim or not supported(k_dim, n_dim):
+    if kw != k_dim or not supported(k_dim, n_dim, block_n, block_k):
         raise ValueError(f"x {x.shape} and w {w.shape}: inner dims must match and both dims "
-                         f"be multiples of {BLOCK_K} / {BLOCK_N}")
+                         f"be multiples of {block_k} / {block_n}")
     expert, start, rows = row_blocks(group_sizes.astype(jnp.int32), m)
     swiglu = w2 is not None
-    kernel = functools.partial(_kernel, k_dim=k_dim, swiglu=swiglu)
+    kernel = functools.partial(_kernel, k_dim=k_dim, swiglu=swiglu, block_n=block_n,
+                               block_k=block_k)
     args = [expert, start, rows, x, w] + ([w2] if swiglu else [])
     return pl.pallas_call(
-        kernel, grid=(expert.shape[0], n_dim // BLOCK_N),
+        kernel, grid=(expert.shape[0], n_dim // block_n),
         out_shape=jax.ShapeDtypeStruct((m + ROWS, n_dim), x.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="sfi_moe_swiglu" if swiglu else "sfi_moe_matmul",
