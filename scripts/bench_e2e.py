@@ -314,10 +314,18 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     return rec
 
 
-def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=3):
+class OutOfMemory(Exception):
+    """Every batch tried for a (model, context) ran out of device memory."""
+
+    def __init__(self, name, ctx, batches):
+        super().__init__(f"{name} at {ctx}: out of memory at batches {batches}")
+        self.entry = dict(model=name, context=ctx, batches=batches)
+
+
+def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=4):
     """bench_one at the largest batch that fits; when the decode loop still runs out of memory
-    (XLA temporaries the estimate does not count, e.g. MoE routing), one row fewer, and the
-    record says which batches failed."""
+    (XLA temporaries the estimate does not count, e.g. MoE routing), a quarter fewer rows (at
+    least one fewer), and the record says which batches failed. OutOfMemory after `tries`."""
     S = _steps(ctx, args)[2]
     B = pick_batch(cfg, ctx, args.batch, S, SFIConfig(t_max=args.t_max), limit)
     failed = []
@@ -331,16 +339,17 @@ def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=3):
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
             failed.append(B)
-            print(f"{name} {ctx}: batch {B} ran out of memory; trying {B - 1}", flush=True)
             if B <= 1:
-                raise
-        B -= 1
+                break
+            nxt = min(B - 1, (3 * B) // 4)
+            print(f"{name} {ctx}: batch {B} ran out of memory; trying {nxt}", flush=True)
+        B = nxt
         # the failed try's traceback held its device arrays in frames that form cycles: free
         # them now (outside the except clause, which keeps the exception alive), not whenever
         # the cyclic collector runs
         gc.collect()
         jax.clear_caches()
-    raise SystemExit(f"{name} at {ctx}: out of memory at batches {failed}")
+    raise OutOfMemory(name, ctx, failed)
 
 
 def attention_time(cfg, B, ctx, reps=5):
@@ -450,12 +459,22 @@ def write_outputs(records, meta, out, notes=None):
             f"{_ms(r.get('repack_row_s'))} | "
             f"{r['dense_attention_share']:.2f} | "
             f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
+    if meta.get("out_of_memory"):
+        lines += ["", "No row (out of memory at every batch tried): " + "; ".join(
+            f"{o['model']} {o['context']} (batches {', '.join(map(str, o['batches']))})"
+            for o in meta["out_of_memory"]) + "."]
     lines += ["", "## Targets (issue 6)", "", "| target | result |", "|---|---|"]
     lines += [f"| {t} | {res} |" for t, res in targets(records)]
     if notes:
         lines += ["", notes.strip()]
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    if records:
+        plot(records, meta, out)
+
+
+def plot(records, meta, out):
+    """e2e.png: throughput and speedup against context length, dense vs SFI, per model."""
     try:
         import matplotlib
 
@@ -490,8 +509,10 @@ def merge_reports(paths, out, notes=None):
     for path in paths:
         with open(path) as f:
             d = json.load(f)
-        meta = meta or dict(d["meta"])
+        meta = meta or dict(d["meta"], out_of_memory=[])
         cmds.append(d["meta"]["command"])
+        meta["out_of_memory"] += [o for o in d["meta"].get("out_of_memory", [])
+                                  if o not in meta["out_of_memory"]]
         for r in d["results"]:
             r.setdefault("command", d["meta"]["command"])
             records.append(r)
@@ -572,7 +593,13 @@ def main(argv=None):
             params["layers"] = split_layers(params["layers"], fuse_qkv=True)
         for ctx in contexts:
             t = time.perf_counter()
-            rec = bench_fitting(name, cfg, params, ctx, args, bw, limit)
+            try:
+                rec = bench_fitting(name, cfg, params, ctx, args, bw, limit)
+            except OutOfMemory as e:  # the report says so; the other rows still run
+                print(e, flush=True)
+                meta.setdefault("out_of_memory", []).append(e.entry)
+                write_outputs(records, meta, args.out, notes)
+                continue
             rec["wall_s"] = time.perf_counter() - t
             rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"],
                        engine_env=meta["engine_env"])

@@ -125,9 +125,10 @@ def test_bench_selector_kernels_smoke(tmp_path):
     assert all(res[k] > 0 for k in ("kernel steps 1-6", "jnp steps 1-6", "kernel steps 5-6"))
 
 
-def test_bench_fitting_retries_one_row_fewer_on_out_of_memory(monkeypatch):
-    """When the decode loop runs out of device memory the benchmark retries with one row fewer
-    (and says which batches failed); other errors propagate."""
+def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path):
+    """When the decode loop runs out of device memory the benchmark retries with a quarter
+    fewer rows (at least one fewer) and says which batches failed; when every try fails, the
+    report lists the (model, context) without a row; other errors propagate."""
     sys.path.insert(0, SCRIPTS)
     import bench_e2e
 
@@ -142,13 +143,26 @@ def test_bench_fitting_retries_one_row_fewer_on_out_of_memory(monkeypatch):
         return {"batch": B}
 
     monkeypatch.setattr(bench_e2e, "bench_one", fake_bench_one)
-    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 5)
+    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 10)
     args = bench_e2e.argparse.Namespace(chunk_steps=64, new_tokens=256, batch=16, t_max=64)
     rec = bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
-    assert tried == [5, 4, 3] and rec == {"batch": 3, "batches_out_of_memory": [5, 4]}
+    assert tried == [10, 7, 5, 3] and rec == {"batch": 3, "batches_out_of_memory": [10, 7, 5]}
+    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 5)
     tried.clear()
-    with pytest.raises(SystemExit, match=r"out of memory at batches \[5, 4\]"):
+    rec = bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
+    assert tried == [5, 3] and rec["batches_out_of_memory"] == [5]
+    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 10)
+    with pytest.raises(bench_e2e.OutOfMemory, match=r"out of memory at batches \[10, 7\]") as e:
         bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1, tries=2)
+    # the report names it; merging keeps it once
+    meta = dict(device="d", jax="j", copy_bw_tbs=1.0, command="c", fill="random", new_tokens=1,
+                trigger_every=20, t_max=64, out_of_memory=[e.value.entry])
+    for name in ("a", "b"):
+        bench_e2e.write_outputs([], meta, str(tmp_path / name))
+    bench_e2e.merge_reports([str(tmp_path / n / "e2e.json") for n in ("a", "b")],
+                            str(tmp_path / "merged"))
+    md = (tmp_path / "merged" / "e2e.md").read_text()
+    assert md.count("m 8192 (batches 10, 7)") == 1 and "No row (out of memory" in md
 
     def broken(*a):
         raise ValueError("not a memory error")
