@@ -62,6 +62,31 @@ def test_diag_moe_kernel_smoke(tmp_path):
     assert "| 16 | 32x16x2x2 | True |" in text
 
 
+def test_engine_check_moe_kernels_against_ragged_dot():
+    """bench_e2e's GPU check of the expert kernels (interpret mode here) passes on a small MoE
+    config, and would catch a kernel that drops the up projection."""
+    sys.path.insert(0, SCRIPTS)
+    import bench_e2e
+
+    from sfi_jax.kernels import moe_gpu
+    from sfi_jax.models.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=1, hidden_size=128, intermediate_size=64, num_q_heads=2,
+                      num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    assert bench_e2e.moe_kernel_check(cfg, n_tokens=6) < 2e-2
+    real = moe_gpu.grouped_matmul
+
+    def gate_only(x, w, sizes, w2=None, **kw):  # SiLU(x @ w) without the up product
+        return real(x, w, sizes, **kw) if w2 is None else jax.nn.silu(real(x, w, sizes, **kw))
+
+    try:
+        moe_gpu.grouped_matmul = gate_only
+        assert bench_e2e.moe_kernel_check(cfg, n_tokens=6) > 0.1
+    finally:
+        moe_gpu.grouped_matmul = real
+
+
 def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
     """Variants of the smoke benchmark, each in its own process with its environment: a JSON,
     a log and a table row each; a variant whose process fails is reported, not fatal."""

@@ -82,7 +82,7 @@ def _moe_impl(impl, plan):
     """A decode step's expert matmuls: `lax.ragged_dot`, or with SFI_JAX_MOE=kernel and the GPU
     kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: H200,
     qwen3-30b-a3b 32K 588 -> 810 tok/s, but not yet checked against ragged_dot on the GPU,
-    which `scripts/diag_moe_kernel.py` does)."""
+    which bench_e2e's engine check and `scripts/diag_moe_kernel.py` do)."""
     if _switch("SFI_JAX_MOE") != "kernel" or plan is not None:
         return "xla"
     return impl
