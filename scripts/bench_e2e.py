@@ -397,16 +397,18 @@ def engine_check():
     out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
     out["small_budget_differs_from_dense"] = a.tokens != dense.tokens
     out["slow_steps"] = b.stats["slow_steps"]
-    if jax.default_backend() == "gpu":  # the opt-in expert kernels (SFI_JAX_MOE=kernel)
-        out["moe_kernels_rel_err"] = moe_kernel_check()
-        out["moe_kernels_match_ragged_dot"] = out["moe_kernels_rel_err"] < 2e-2
+    if jax.default_backend() == "gpu":  # the opt-in expert kernels (SFI_JAX_MOE=kernel|tokens)
+        for grouping in ("sorted", "tokens"):
+            err = moe_kernel_check(grouping=grouping)
+            out[f"moe_kernels_{grouping}_rel_err"] = err
+            out[f"moe_kernels_{grouping}_match_ragged_dot"] = err < 2e-2
     return out
 
 
-def moe_kernel_check(cfg=None, n_tokens=16, seed=0):
-    """Relative error of the grouped expert kernels' MoE block against the lax.ragged_dot path
-    (models.modeling.moe_mlp both ways) at one decode step's tokens, bf16, fresh random
-    weights; Qwen3-30B-A3B's expert shapes unless `cfg` says otherwise."""
+def moe_kernel_check(cfg=None, n_tokens=16, seed=0, grouping="sorted"):
+    """Relative error of the expert kernels' MoE block (`grouping` as in moe_mlp) against the
+    lax.ragged_dot path (models.modeling.moe_mlp both ways) at one decode step's tokens, bf16,
+    fresh random weights; Qwen3-30B-A3B's expert shapes unless `cfg` says otherwise."""
     from sfi_jax.models.modeling import moe_mlp
 
     cfg = cfg or PRESETS["qwen3-30b-a3b"]
@@ -417,7 +419,8 @@ def moe_kernel_check(cfg=None, n_tokens=16, seed=0):
          "we_up": jax.random.normal(ks[2], (e, h, inter), jnp.bfloat16) * h ** -0.5,
          "we_down": jax.random.normal(ks[3], (e, inter, h), jnp.bfloat16) * inter ** -0.5}
     x = jax.random.normal(ks[4], (n_tokens, h), jnp.bfloat16)
-    want, got = (jax.jit(lambda w, x, impl=impl: moe_mlp(w, cfg, x, impl=impl))(w, x)
+    want, got = (jax.jit(lambda w, x, impl=impl: moe_mlp(w, cfg, x, impl=impl,
+                                                         grouping=grouping))(w, x)
                  .astype(jnp.float32) for impl in ("xla", "pallas_gpu"))
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 

@@ -1,7 +1,11 @@
 """Check and time the MoE grouped-matmul kernels (kernels.moe_gpu) on the GPU against
 `lax.ragged_dot` at a model's expert shapes, per kernel config. A failed compile prints the
 head of its message (without the serialized module the error carries), so one device call
-shows both why a config fails and which one is fastest.
+shows both why a config fails and which one is fastest. Rows "tokens:CONFIG" time
+`moe_gpu.token_moe` (grouping "tokens": the whole routed-expert block, padding and the sum
+over expert groups included) against the weighted sum of the reference's outputs; the other
+rows time the two expert-sorted kernels alone (the sort, gather and combine around them are
+not in the time).
 
     python scripts/diag_moe_kernel.py --model qwen3-30b-a3b --tokens 16 --out /tmp/moe_diag.json
 """
@@ -42,13 +46,18 @@ def timed(fn, *args, iters: int = 50) -> float:
 
 
 def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
-    """Expert-sorted rows and group sizes for n_tokens tokens each routed to top_k experts."""
+    """n_tokens tokens each routed to top_k experts with random weights: the tokens x, their
+    expert-sorted rows, the group sizes, each sorted row's token and weight, and the dense
+    [tokens, experts] routing weights."""
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (n_tokens, hidden), jnp.bfloat16)
     scores = jax.random.uniform(ke, (n_tokens, n_experts))
-    top_e = jax.lax.top_k(scores, top_k)[1].reshape(-1)
-    order = jnp.argsort(top_e)
-    return x[order // top_k], jnp.bincount(top_e, length=n_experts).astype(jnp.int32)
+    top_p, top_e = jax.lax.top_k(scores, top_k)
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    dense = jnp.zeros((n_tokens, n_experts)).at[jnp.arange(n_tokens)[:, None], top_e].set(top_p)
+    order = jnp.argsort(top_e.reshape(-1))
+    sizes = jnp.bincount(top_e.reshape(-1), length=n_experts).astype(jnp.int32)
+    return x, x[order // top_k], sizes, order // top_k, top_p.reshape(-1)[order], dense
 
 
 def main():
@@ -94,7 +103,7 @@ def main():
                 json.dump(dict(model=args.model, device=device, jax=jax.__version__, rows=rows),
                           f, indent=1)
     for n_tokens in [int(t) for t in args.tokens.split(",")]:
-        xs, gs = routed(kr, n_tokens, e, k, hidden)
+        x, xs, gs, token_of, p_sorted, dense = routed(kr, n_tokens, e, k, hidden)
         m = xs.shape[0]
         touched = int(jnp.sum(gs > 0))
         weight_bytes = touched * 3 * hidden * inter * 2
@@ -104,6 +113,9 @@ def main():
         rows.append(dict(tokens=n_tokens, config="ragged_dot", ok=True, ms=t_ref * 1e3,
                          experts_touched=touched, gbps=weight_bytes / t_ref / 1e9))
         save()
+        # the MoE block's output (what grouping "tokens" returns): weighted sum per token
+        ref_out = jnp.zeros((n_tokens, hidden)).at[token_of].add(
+            ref_y.astype(jnp.float32) * p_sorted[:, None])
         for spec in args.configs.split(","):
             bn, bk, warps, stages = (int(v) for v in spec.split("x"))
             if not moe_gpu.supported(hidden, inter, bn, bk):
@@ -118,22 +130,17 @@ def main():
                 h = moe_gpu.grouped_matmul(xs, gate, gs, up, **kw)[:m]
                 return h, moe_gpu.grouped_matmul(h, down, gs, **kw)[:m]
 
-            row = dict(tokens=n_tokens, config=spec, experts_touched=touched)
-            print(f"tokens={n_tokens} config={spec}: compiling and checking", flush=True)
-            try:
-                h, y = kernel(xs, gs, weights)
-                err_h = float(jnp.max(jnp.abs(h.astype(jnp.float32) - ref_h.astype(jnp.float32)))
-                              / (jnp.max(jnp.abs(ref_h.astype(jnp.float32))) + 1e-9))
-                err_y = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref_y.astype(jnp.float32)))
-                              / (jnp.max(jnp.abs(ref_y.astype(jnp.float32))) + 1e-9))
-                t = timed(kernel, xs, gs, weights)
-                row.update(ok=err_h < 2e-2 and err_y < 2e-2, rel_err_hidden=err_h,
-                           rel_err_out=err_y, ms=t * 1e3, gbps=weight_bytes / t / 1e9)
-            except Exception as err:  # noqa: BLE001 - the point is to report it
-                row.update(ok=False, error=message_head(err))
-                print(f"--- tokens={n_tokens} config={spec} failed:\n{row['error']}\n---", flush=True)
-            rows.append(row)
+            @jax.jit
+            def tokens(x, dense, weights, kw=kw):
+                return moe_gpu.token_moe(x, *weights, dense, **kw)
+
+            rows.append(check(n_tokens, spec, touched, weight_bytes, kernel, ref_h, ref_y,
+                              (xs, gs, weights)))
             save()
+            if n_tokens <= moe_gpu.TOKENS:
+                rows.append(check(n_tokens, "tokens:" + spec, touched, weight_bytes, tokens,
+                                  None, ref_out, (x, dense, weights)))
+                save()
     print(f"{args.model} on {device}: expert matmuls per MoE layer (bf16)")
     print("| tokens | config | ok | ms | weight GB/s | experts touched |")
     print("|---|---|---|---|---|---|")
@@ -141,6 +148,30 @@ def main():
         ms = f"{r['ms']:.3f}" if "ms" in r else "-"
         gb = f"{r['gbps']:.0f}" if "gbps" in r else "-"
         print(f"| {r['tokens']} | {r['config']} | {r['ok']} | {ms} | {gb} | {r['experts_touched']} |")
+
+
+def _rel(got, want):
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9))
+
+
+def check(n_tokens, spec, touched, weight_bytes, fn, ref_h, ref_y, fn_args):
+    """One config's row: compiled, checked against the references (ref_h None: fn returns
+    only the output), timed; or the head of its error."""
+    row = dict(tokens=n_tokens, config=spec, experts_touched=touched)
+    print(f"tokens={n_tokens} config={spec}: compiling and checking", flush=True)
+    try:
+        out = fn(*fn_args)
+        h, y = out if ref_h is not None else (None, out)
+        err_h = _rel(h, ref_h) if ref_h is not None else 0.0
+        err_y = _rel(y, ref_y)
+        t = timed(fn, *fn_args)
+        row.update(ok=err_h < 2e-2 and err_y < 2e-2, rel_err_hidden=err_h, rel_err_out=err_y,
+                   ms=t * 1e3, gbps=weight_bytes / t / 1e9)
+    except Exception as err:  # noqa: BLE001 - the point is to report it
+        row.update(ok=False, error=message_head(err))
+        print(f"--- tokens={n_tokens} config={spec} failed:\n{row['error']}\n---", flush=True)
+    return row
 
 
 if __name__ == "__main__":

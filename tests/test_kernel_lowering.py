@@ -175,7 +175,11 @@ def test_moe_kernels_export_for_cuda():
               (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32))),
              (lambda x, w, g: moe_gpu.grouped_matmul(x, w, g, block_n=128, block_k=32,
                                                       num_warps=8, num_stages=2),
-              (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32)))]
+              (sds((m + 16, inter), bf), sds((e, inter, h), bf), sds((e,), jnp.int32))),
+             # per-expert tiles of a 16-token step (grouping "tokens")
+             (lambda x, g, u, d, wts: moe_gpu.token_moe(x, g, u, d, wts),
+              (sds((16, h), bf), sds((e, h, inter), bf), sds((e, h, inter), bf),
+               sds((e, inter, h), bf), sds((16, e), jnp.float32)))]
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()

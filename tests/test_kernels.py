@@ -513,3 +513,33 @@ def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
     assert _rel(got[:m], want) < 1e-5
     with pytest.raises(ValueError, match="multiples of 48"):
         moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_k=48)
+
+
+@pytest.mark.parametrize("n, dtype", [(1, jnp.float32), (6, jnp.bfloat16), (16, jnp.float32),
+                                      (17, jnp.float32)])
+def test_moe_token_tiles_match_ragged_dot(n, dtype):
+    """grouping="tokens" (every expert multiplies all of a step's tokens; interpret mode)
+    against the ragged_dot path, on fresh random weights with 20 experts (three down-projection
+    groups, the last one partial); more than 16 tokens fall back to the sorted kernels."""
+    from sfi_jax.models.config import ModelConfig
+    from sfi_jax.models.modeling import moe_mlp
+
+    e, h, inter = 20, 128, 64
+    cfg = ModelConfig(num_layers=1, hidden_size=h, intermediate_size=inter, num_q_heads=2,
+                      num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
+                      num_experts=e, num_experts_per_tok=3, moe_intermediate_size=inter)
+    ks = jax.random.split(jax.random.key(100 + n), 5)
+    w = {"router": _rand(ks[0], (h, e), dtype),
+         "we_gate": _rand(ks[1], (e, h, inter), dtype) * 0.1,
+         "we_up": _rand(ks[2], (e, h, inter), dtype) * 0.1,
+         "we_down": _rand(ks[3], (e, inter, h), dtype) * 0.1}
+    x = _rand(ks[4], (n, h), dtype)
+    want = moe_mlp(w, cfg, x, impl="xla")
+    got = moe_mlp(w, cfg, x, impl="pallas_gpu", grouping="tokens")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="pallas_gpu",
+                                                 grouping="tokens"))(x))
+    assert ("sfi_moe_token_swiglu" in jaxpr) == (n <= 16) and "ragged_dot" not in jaxpr
+    with pytest.raises(ValueError, match="grouping"):
+        moe_mlp(w, cfg, x, impl="pallas_gpu", grouping="dense")

@@ -56,7 +56,8 @@ def test_diag_moe_kernel_smoke(tmp_path):
                 "--tokens", "1,16", "--configs", "64x64x4x3,32x16x2x2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tokens"], r["config"]) for r in rows] == [
-        (t, c) for t in (1, 16) for c in ("ragged_dot", "64x64x4x3", "32x16x2x2")]
+        (t, c) for t in (1, 16) for c in ("ragged_dot", "64x64x4x3", "tokens:64x64x4x3",
+                                           "32x16x2x2", "tokens:32x16x2x2")]
     assert all(r["ok"] and r["ms"] > 0 for r in rows), rows
     assert all(r["rel_err_out"] < 2e-2 for r in rows if r["config"] != "ragged_dot")
     assert "| 16 | 32x16x2x2 | True |" in text
@@ -75,6 +76,7 @@ def test_engine_check_moe_kernels_against_ragged_dot():
                       num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
     assert bench_e2e.moe_kernel_check(cfg, n_tokens=6) < 2e-2
+    assert bench_e2e.moe_kernel_check(cfg, n_tokens=6, grouping="tokens") < 2e-2
     real = moe_gpu.grouped_matmul
 
     def gate_only(x, w, sizes, w2=None, **kw):  # SiLU(x @ w) without the up product

@@ -291,10 +291,11 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     jax.clear_caches()
 
 
-def test_moe_kernels_in_the_decode_loop(monkeypatch):
+@pytest.mark.parametrize("switch", ["kernel", "tokens"])
+def test_moe_kernels_in_the_decode_loop(monkeypatch, switch):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
-    (interpret mode) and the grouped expert matmuls (SFI_JAX_MOE=kernel): the xla path's
-    logits, in SFI and in dense decoding."""
+    (interpret mode) and the expert kernels (SFI_JAX_MOE=kernel: expert-sorted rows; tokens:
+    per-expert tiles of all tokens): the xla path's logits, in SFI and in dense decoding."""
     import jax
 
     from sfi_jax.models.config import ModelConfig
@@ -312,7 +313,7 @@ def test_moe_kernels_in_the_decode_loop(monkeypatch):
     sfi = dataclasses.replace(SMALL, scores_impl="pallas_gpu")
     want = {m: sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="xla", **kw)
             for m in ("sfi", "dense")}
-    monkeypatch.setenv("SFI_JAX_MOE", "kernel")
+    monkeypatch.setenv("SFI_JAX_MOE", switch)
     jax.clear_caches()  # the engine reads the switch at trace time
     for m in ("sfi", "dense"):
         got = sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="pallas_gpu", **kw)

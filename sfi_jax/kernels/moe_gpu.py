@@ -121,3 +121,107 @@ def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False, block_n=BLOCK
         compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="sfi_moe_swiglu" if swiglu else "sfi_moe_matmul",
     )(*args)
+
+
+# --------------------------------------------------------------------------- per-expert tiles
+# The alternative for a decode step of at most 16 tokens (opt-in, SFI_JAX_MOE=tokens): every
+# expert's program multiplies all the step's tokens (one 16-row tile) and the routing weights
+# select the results, so no sort, gather, group count or row-block plan runs between the
+# router and the kernels; untouched experts' programs load no weights.
+TOKENS = ROWS  # most tokens per step this path takes (one tl.dot tile)
+EXPERTS_PER_PROGRAM = 8  # experts one down-projection program sums (its partials: E / 8)
+
+
+def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block_n, block_k):
+    """Program (e, n): SiLU(x @ gate_e) * (x @ up_e), columns block n, for all 16 (padded)
+    tokens; an expert no token uses loads no weights and stores zeros."""
+    e, n = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(n * block_n, block_n)
+    zero = jnp.zeros((ROWS, block_n), jnp.float32)
+
+    def body(i, acc):
+        kk = i * block_k
+        x = plgpu_triton.load(x_ref.at[pl.ds(0, ROWS), pl.ds(kk, block_k)])
+        return (acc[0] + plgpu_triton.dot(x, plgpu_triton.load(wg_ref.at[e, pl.ds(kk, block_k),
+                                                                          cols])),
+                acc[1] + plgpu_triton.dot(x, plgpu_triton.load(wu_ref.at[e, pl.ds(kk, block_k),
+                                                                          cols])))
+
+    n_k = (used_ref[e] > 0).astype(jnp.int32) * (k_dim // block_k)
+    gate, up = lax.fori_loop(0, n_k, body, (zero, zero))
+    dtype = h_ref.dtype
+    g = gate.astype(dtype).astype(jnp.float32)
+    sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    silu = (g * sig).astype(dtype).astype(jnp.float32)
+    out = (silu * up.astype(dtype).astype(jnp.float32)).astype(dtype)
+    plgpu_triton.store(h_ref.at[e, pl.ds(0, ROWS), cols], out)
+
+
+def _token_down_kernel(used_ref, wts_ref, h_ref, wd_ref, o_ref, *, k_dim, n_experts, per,
+                       block_n, block_k):
+    """Program (n, g): sum over experts e of group g of wts[e] * (h_e @ down_e), columns
+    block n, each expert's product rounded to h's dtype first (as the ragged_dot path does);
+    wts [E, 16] holds each token's routing weight (0 where unrouted and for padded tokens)."""
+    n, g = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(n * block_n, block_n)
+
+    def expert(j, total):
+        e = g * per + j
+        live = (e < n_experts) & (used_ref[jnp.minimum(e, n_experts - 1)] > 0)
+        e = jnp.minimum(e, n_experts - 1)
+
+        def body(i, acc):
+            kk = i * block_k
+            h = plgpu_triton.load(h_ref.at[e, pl.ds(0, ROWS), pl.ds(kk, block_k)])
+            return acc + plgpu_triton.dot(h, plgpu_triton.load(wd_ref.at[e, pl.ds(kk, block_k),
+                                                                           cols]))
+
+        n_k = live.astype(jnp.int32) * (k_dim // block_k)
+        y = lax.fori_loop(0, n_k, body, jnp.zeros((ROWS, block_n), jnp.float32))
+        w = plgpu_triton.load(wts_ref.at[e, pl.ds(0, ROWS)]) * live.astype(jnp.float32)
+        return total + w[:, None] * y.astype(h_ref.dtype).astype(jnp.float32)
+
+    total = lax.fori_loop(0, per, expert, jnp.zeros((ROWS, block_n), jnp.float32))
+    plgpu_triton.store(o_ref.at[g, pl.ds(0, ROWS), cols], total)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "num_warps",
+                                             "num_stages"))
+def token_moe(x, w_gate, w_up, w_down, weights, *, interpret=False, block_n=BLOCK_N,
+              block_k=BLOCK_K, num_warps=4, num_stages=3):
+    """The routed experts of at most 16 tokens: x [T, H]; weights [T, E] float32 (token t's
+    routing weight for expert e, 0 where unrouted); expert weights [E, H, I] (gate, up) and
+    [E, I, H] (down). Returns float32 [T, H] = sum_e weights[:, e] * expert_e(x), each expert's
+    output rounded to x's dtype (as `models.modeling.moe_mlp` does)."""
+    n_tokens, hidden = x.shape
+    n_experts, _, inter = w_gate.shape
+    if n_tokens > TOKENS:
+        raise ValueError(f"token_moe takes at most {TOKENS} tokens, got {n_tokens}")
+    if weights.shape != (n_tokens, n_experts):
+        raise ValueError(f"weights {weights.shape}: expected {(n_tokens, n_experts)}")
+    if not supported(hidden, inter, block_n, block_k):
+        raise ValueError(f"expert dims {hidden} x {inter} must be multiples of {block_k} / "
+                         f"{block_n}")
+    params = plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    # 16 token rows (zeros past T): one tile, no masked rows; weights per expert, [E, 16]
+    x16 = jnp.zeros((ROWS, hidden), x.dtype).at[:n_tokens].set(x)
+    wts = jnp.zeros((n_experts, ROWS), jnp.float32).at[:, :n_tokens].set(
+        weights.astype(jnp.float32).T)
+    used = jnp.sum(weights != 0, axis=0).astype(jnp.int32)  # tokens per expert
+    h = pl.pallas_call(
+        functools.partial(_token_swiglu_kernel, k_dim=hidden, block_n=block_n,
+                          block_k=block_k),
+        grid=(n_experts, inter // block_n),
+        out_shape=jax.ShapeDtypeStruct((n_experts, ROWS, inter), x.dtype),
+        compiler_params=params, interpret=interpret, name="sfi_moe_token_swiglu",
+    )(used, x16, w_gate, w_up)
+    per = EXPERTS_PER_PROGRAM
+    groups = pl.cdiv(n_experts, per)
+    parts = pl.pallas_call(
+        functools.partial(_token_down_kernel, k_dim=inter, n_experts=n_experts, per=per,
+                          block_n=block_n, block_k=block_k),
+        grid=(hidden // block_n, groups),
+        out_shape=jax.ShapeDtypeStruct((groups, ROWS, hidden), jnp.float32),
+        compiler_params=params, interpret=interpret, name="sfi_moe_token_down",
+    )(used, wts, h, w_down)
+    return jnp.sum(parts[:, :n_tokens], axis=0)

@@ -245,34 +245,54 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, impl: str = "xla")
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
-def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe_impl: str = "xla"):
+def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe_impl: str = "xla",
+                             moe_grouping: str = "sorted"):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
-    moe_impl: see `moe_mlp`."""
+    moe_impl, moe_grouping: see `moe_mlp`."""
     B, T = attn.shape[:2]
     x = x + _matmul(attn.reshape(B, T, -1).astype(x.dtype), w["wo"])
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
-        return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe_impl).reshape(B, T, -1)
+        return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe_impl,
+                           grouping=moe_grouping).reshape(B, T, -1)
     return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
 
 
-def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla"):
+MOE_GROUPINGS = ("sorted", "tokens")
+
+
+def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "sorted"):
     """Top-k routed experts via grouped matmuls over expert-sorted tokens: `lax.ragged_dot`,
     or with impl "pallas_gpu" (or "auto" on GPU) the Triton kernels of kernels.moe_gpu (each
-    routed expert's weights read once; gate and up in one launch), interpret mode off the GPU."""
+    routed expert's weights read once; gate and up in one launch), interpret mode off the GPU.
+    grouping "tokens" (kernels only, at most 16 tokens; more fall back to "sorted"): each
+    expert multiplies all tokens and the routing weights select, with no sort in between."""
+    if grouping not in MOE_GROUPINGS:
+        raise ValueError(f"grouping must be one of {MOE_GROUPINGS}, got {grouping!r}")
     n, k = x.shape[0], cfg.num_experts_per_tok
     router_logits = jnp.matmul(x, w["router"], preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
     top_p, top_e = jax.lax.top_k(probs, k)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    kernels = impl != "xla" and resolve_impl(impl) == "pallas_gpu"
+    if kernels and grouping == "tokens" and n <= 16:
+        from sfi_jax.kernels import moe_gpu
+
+        if moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
+            # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
+            onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
+            weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)
+            out = moe_gpu.token_moe(x, w["we_gate"], w["we_up"], w["we_down"], weights,
+                                    interpret=not on_gpu())
+            return out.astype(x.dtype)
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e)
     token_of = order // k
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
 
-    if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
+    if kernels:
         from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
         if moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):

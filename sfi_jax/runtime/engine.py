@@ -33,7 +33,7 @@ from sfi_jax.selector.select import selector_scores_at, topk_positions
 
 
 _SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_REPACK": ("kernel", "xla"),
-             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("xla", "kernel")}
+             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("xla", "kernel", "tokens")}
 
 
 def _switch(name):
@@ -79,13 +79,16 @@ def _heads_impl(impl, plan):
 
 
 def _moe_impl(impl, plan):
-    """A decode step's expert matmuls: `lax.ragged_dot`, or with SFI_JAX_MOE=kernel and the GPU
-    kernels on one device the grouped Triton kernels of kernels.moe_gpu (opt-in: H200,
-    qwen3-30b-a3b 32K 588 -> 810 tok/s, but not yet checked against ragged_dot on the GPU,
-    which bench_e2e's engine check and `scripts/diag_moe_kernel.py` do)."""
-    if _switch("SFI_JAX_MOE") != "kernel" or plan is not None:
-        return "xla"
-    return impl
+    """A decode step's expert matmuls as (impl, grouping): `lax.ragged_dot`, or with the GPU
+    kernels on one device, SFI_JAX_MOE=kernel: the grouped Triton kernels of kernels.moe_gpu
+    over expert-sorted rows (H200, qwen3-30b-a3b 32K 588 -> 810 tok/s; opt-in until checked
+    against ragged_dot on the GPU, which bench_e2e's engine check and
+    `scripts/diag_moe_kernel.py` do); SFI_JAX_MOE=tokens: per-expert tiles of all the step's
+    tokens, no sort (at most 16 tokens; not yet timed on the GPU)."""
+    choice = _switch("SFI_JAX_MOE")
+    if choice not in ("kernel", "tokens") or plan is not None:
+        return "xla", "sorted"
+    return impl, "tokens" if choice == "tokens" else "sorted"
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -475,7 +478,9 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, ste
     else:
         attn, k, v, st, buf = sharding.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                               dense_rows, slots)
-    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe_impl=_moe_impl(params_impl, plan))
+    moe_impl, moe_grouping = _moe_impl(params_impl, plan)
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe_impl=moe_impl,
+                                 moe_grouping=moe_grouping)
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh), None
     lengths = pos + 1
