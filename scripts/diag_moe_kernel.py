@@ -16,33 +16,23 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a checkout
 
 from sfi_jax.kernels import moe_gpu
 from sfi_jax.models import PRESETS
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_selector import timeit  # noqa: E402
+
 
 def message_head(err: Exception, n_lines: int = 40) -> str:
     """The readable lines of an error (serialized IR lines carry byte escapes: dropped)."""
     lines = [ln[:300] for ln in str(err).splitlines() if "\\x" not in ln]
     return "\n".join(lines[:n_lines])
-
-
-def timed(fn, *args, iters: int = 50) -> float:
-    """Median seconds of one call (device-synchronised)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
@@ -109,7 +99,7 @@ def main():
         weight_bytes = touched * 3 * hidden * inter * 2
         print(f"tokens={n_tokens}: {touched} experts touched; ragged_dot reference", flush=True)
         ref_h, ref_y = reference(xs, gs, weights)
-        t_ref = timed(reference, xs, gs, weights)
+        t_ref = timeit(reference, xs, gs, weights, iters=10, repeats=5) * 1e-6
         rows.append(dict(tokens=n_tokens, config="ragged_dot", ok=True, ms=t_ref * 1e3,
                          experts_touched=touched, gbps=weight_bytes / t_ref / 1e9))
         save()
@@ -165,7 +155,7 @@ def check(n_tokens, spec, touched, weight_bytes, fn, ref_h, ref_y, fn_args):
         h, y = out if ref_h is not None else (None, out)
         err_h = _rel(h, ref_h) if ref_h is not None else 0.0
         err_y = _rel(y, ref_y)
-        t = timed(fn, *fn_args)
+        t = timeit(fn, *fn_args, iters=10, repeats=5) * 1e-6
         row.update(ok=err_h < 2e-2 and err_y < 2e-2, rel_err_hidden=err_h, rel_err_out=err_y,
                    ms=t * 1e3, gbps=weight_bytes / t / 1e9)
     except Exception as err:  # noqa: BLE001 - the point is to report it

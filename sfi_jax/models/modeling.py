@@ -275,31 +275,29 @@ def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "so
     top_p, top_e = jax.lax.top_k(probs, k)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    kernels = impl != "xla" and resolve_impl(impl) == "pallas_gpu"
-    if kernels and grouping == "tokens" and n <= 16:
-        from sfi_jax.kernels import moe_gpu
+    moe_gpu = None
+    if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
+        from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
-        if moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
-            # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
-            onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
-            weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)
-            out = moe_gpu.token_moe(x, w["we_gate"], w["we_up"], w["we_down"], weights,
-                                    interpret=not on_gpu())
-            return out.astype(x.dtype)
+        if not moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
+            moe_gpu = None
+    kw = dict(interpret=not on_gpu())
+    if moe_gpu is not None and grouping == "tokens" and n <= moe_gpu.TOKENS:
+        # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
+        onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
+        weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)
+        out = moe_gpu.token_moe(x, w["we_gate"], w["we_up"], w["we_down"], weights, **kw)
+        return out.astype(x.dtype)
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e)
     token_of = order // k
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
 
-    if kernels:
-        from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
-
-        if moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
-            kw = dict(interpret=not on_gpu())
-            hidden = moe_gpu.grouped_matmul(xs, w["we_gate"], group_sizes, w["we_up"], **kw)
-            ys = moe_gpu.grouped_matmul(hidden, w["we_down"], group_sizes, **kw)[:n * k]
-            return _combine_experts(ys.astype(jnp.float32), top_p, order, token_of, x)
+    if moe_gpu is not None:
+        hidden = moe_gpu.grouped_matmul(xs, w["we_gate"], group_sizes, w["we_up"], **kw)
+        ys = moe_gpu.grouped_matmul(hidden, w["we_down"], group_sizes, **kw)[:n * k]
+        return _combine_experts(ys.astype(jnp.float32), top_p, order, token_of, x)
 
     def grouped(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes,
