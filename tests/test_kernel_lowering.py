@@ -179,6 +179,10 @@ def test_moe_kernels_export_for_cuda():
              # per-expert tiles of a 16-token step (grouping "tokens")
              (lambda x, g, u, d, wts: moe_gpu.token_moe(x, g, u, d, wts),
               (sds((16, h), bf), sds((e, h, inter), bf), sds((e, h, inter), bf),
+               sds((e, inter, h), bf), sds((16, e), jnp.float32))),
+             # ... with the tile the model uses at these shapes
+             (lambda x, g, u, d, wts: moe_gpu.token_moe(x, g, u, d, wts, block_n=128, block_k=64),
+              (sds((16, h), bf), sds((e, h, inter), bf), sds((e, h, inter), bf),
                sds((e, inter, h), bf), sds((16, e), jnp.float32)))]
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)

@@ -497,13 +497,14 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
     assert len(rows) == 3 + 6 and not rows[n_used:].any()
 
 
-@pytest.mark.parametrize("block_n, block_k", [(32, 16), (64, 32)])
+@pytest.mark.parametrize("block_n, block_k", [(32, 16), (64, 32), (128, 64)])
 def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
-    """Other weight tiles (the diagnostic's sweep) give ragged_dot's product; a tile that does
-    not divide the dims is an error naming them."""
+    """Other weight tiles (the diagnostic's sweep; 128 x 64 is the models' default where it
+    divides the dims) give ragged_dot's product; a tile that does not divide the dims is an
+    error naming them."""
     from sfi_jax.kernels import moe_gpu
 
-    e, k, n, m = 4, 64, 96 if block_n == 32 else 128, 21
+    e, k, n, m = 4, 128 if block_n == 128 else 64, 96 if block_n == 32 else 128, 21
     ks = jax.random.split(jax.random.key(block_n + block_k), 2)
     x = _rand(ks[0], (m, k), jnp.float32)
     w = _rand(ks[1], (e, k, n), jnp.float32)
@@ -515,6 +516,13 @@ def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
         moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_k=48)
 
 
+def test_moe_tile_is_the_largest_that_divides():
+    from sfi_jax.kernels import moe_gpu
+
+    assert moe_gpu.tile(2048, 768) == (128, 64)  # Qwen3-30B-A3B
+    assert moe_gpu.tile(128, 64) == (64, 64) and moe_gpu.tile(96, 64) is None
+
+
 @pytest.mark.parametrize("n, dtype", [(1, jnp.float32), (6, jnp.bfloat16), (16, jnp.float32),
                                       (17, jnp.float32)])
 def test_moe_token_tiles_match_ragged_dot(n, dtype):
@@ -524,7 +532,7 @@ def test_moe_token_tiles_match_ragged_dot(n, dtype):
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import moe_mlp
 
-    e, h, inter = 20, 128, 64
+    e, h, inter = 20, 128, 128 if n == 6 else 64  # tile 128 x 64 at 128, else 64 x 64
     cfg = ModelConfig(num_layers=1, hidden_size=h, intermediate_size=inter, num_q_heads=2,
                       num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
                       num_experts=e, num_experts_per_tok=3, moe_intermediate_size=inter)

@@ -34,19 +34,32 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
         assert rec[key] > 0, key
     assert 0.0 < rec["slow_share"] < 1.0
     assert abs(rec["speedup"] - rec["dense_step_s"] / rec["sfi_step_s"]) < 1e-9
-    # merging two runs keeps both records, their commands and the notes
+    # merging runs keeps each (model, context) once (the last file's row), their commands, the
+    # notes, and the out-of-memory entries that no file has a row for
+    other = dict(data, results=[dict(rec, context=1024)])
+    later = dict(data, results=[dict(rec, sfi_tokens_per_s=123456.0)],
+                 meta=dict(data["meta"], out_of_memory=[
+                     dict(model="tiny", context=1024, batches=[3]),
+                     dict(model="tiny", context=512, batches=[2])]))
+    for name, d in (("other", other), ("later", later)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "e2e.json").write_text(json.dumps(d))
     notes = tmp_path / "notes.md"
     notes.write_text("## Notes\nsome analysis\n")
     merged = tmp_path / "merged"
     _run(os.path.join(SCRIPTS, "bench_e2e.py"), "--merge", str(out / "e2e.json"),
-         str(out / "e2e.json"), "--notes", str(notes), "--out", str(merged))
+         str(tmp_path / "other" / "e2e.json"), str(tmp_path / "later" / "e2e.json"),
+         "--notes", str(notes), "--out", str(merged))
     md = (merged / "e2e.md").read_text()
-    assert md.count("| tiny | 2560 |") == 2 and "some analysis" in md
+    assert md.count("| tiny | 2560 |") == 1 and md.count("| tiny | 1024 |") == 1
+    assert "| 123456 |" in md and "some analysis" in md
+    assert "tiny 512 (batches 2)" in md and "tiny 1024 (batches" not in md
     sfi = rec["sfi_of_floor"]
-    want = "met" if sfi >= 0.75 else f"missed: {sfi:.2f}-{sfi:.2f}"
+    want = f"met ({sfi:.2f}" if sfi >= 0.75 else f"missed by 2 of 2 rows: {sfi:.2f}-{sfi:.2f}"
     assert f"| SFI arm >= 0.75 of its bytes floor | {want}" in md
     rows = json.loads((merged / "e2e.json").read_text())["results"]
-    assert len(rows) == 2 and all("--smoke" in r["command"] for r in rows)
+    assert [r["context"] for r in rows] == [2560, 1024]
+    assert all("--smoke" in r["command"] for r in rows)
 
 
 def test_diag_moe_kernel_smoke(tmp_path):
@@ -153,9 +166,9 @@ def test_bench_selector_kernels_smoke(tmp_path):
 
 
 def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path):
-    """When the decode loop runs out of device memory the benchmark retries with a quarter
-    fewer rows (at least one fewer) and says which batches failed; when every try fails, the
-    report lists the (model, context) without a row; other errors propagate."""
+    """When the decode loop runs out of device memory the benchmark retries with one row fewer
+    and says which batches failed; when every try fails, the report lists the (model, context)
+    without a row (dropped by a merge with a file that has the row); other errors propagate."""
     sys.path.insert(0, SCRIPTS)
     import bench_e2e
 
@@ -165,7 +178,7 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
 
     def fake_bench_one(name, cfg, params, ctx, args, bw, B):
         tried.append(B)
-        if B > 3:
+        if B > 7:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return {"batch": B}
 
@@ -173,13 +186,13 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
     monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 10)
     args = bench_e2e.argparse.Namespace(chunk_steps=64, new_tokens=256, batch=16, t_max=64)
     rec = bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
-    assert tried == [10, 7, 5, 3] and rec == {"batch": 3, "batches_out_of_memory": [10, 7, 5]}
-    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 5)
+    assert tried == [10, 9, 8, 7] and rec == {"batch": 7, "batches_out_of_memory": [10, 9, 8]}
+    monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 8)
     tried.clear()
     rec = bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
-    assert tried == [5, 3] and rec["batches_out_of_memory"] == [5]
+    assert tried == [8, 7] and rec["batches_out_of_memory"] == [8]
     monkeypatch.setattr(bench_e2e, "pick_batch", lambda *a: 10)
-    with pytest.raises(bench_e2e.OutOfMemory, match=r"out of memory at batches \[10, 7\]") as e:
+    with pytest.raises(bench_e2e.OutOfMemory, match=r"out of memory at batches \[10, 9\]") as e:
         bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1, tries=2)
     # the report names it; merging keeps it once
     meta = dict(device="d", jax="j", copy_bw_tbs=1.0, command="c", fill="random", new_tokens=1,
@@ -189,7 +202,7 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
     bench_e2e.merge_reports([str(tmp_path / n / "e2e.json") for n in ("a", "b")],
                             str(tmp_path / "merged"))
     md = (tmp_path / "merged" / "e2e.md").read_text()
-    assert md.count("m 8192 (batches 10, 7)") == 1 and "No row (out of memory" in md
+    assert md.count("m 8192 (batches 10, 9)") == 1 and "No row (out of memory" in md
 
     def broken(*a):
         raise ValueError("not a memory error")
@@ -197,3 +210,32 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
     monkeypatch.setattr(bench_e2e, "bench_one", broken)
     with pytest.raises(ValueError, match="not a memory error"):
         bench_e2e.bench_fitting("m", PRESETS["qwen3-0.6b"], None, 8192, args, 1.0, 1)
+
+
+def test_bench_random_kv_is_per_layer_random():
+    """The benchmark's random cache: one bf16 buffer each for K and V, filled layer by layer
+    with independent normal values (no repeated layer, K differs from V)."""
+    sys.path.insert(0, SCRIPTS)
+    import bench_e2e
+    import jax
+    import numpy as np
+
+    k, v = bench_e2e._random_kv(jax.random.key(0), (3, 2, 2, 64, 8))
+    assert k.shape == v.shape == (3, 2, 2, 64, 8) and k.dtype == v.dtype == "bfloat16"
+    k, v = np.asarray(k, np.float32), np.asarray(v, np.float32)
+    assert 0.8 < k.std() < 1.2 and 0.8 < v.std() < 1.2 and abs(k.mean()) < 0.1
+    assert not np.allclose(k, v)
+    assert all(not np.allclose(k[i], k[j]) for i in range(3) for j in range(i))
+
+
+def test_diag_memory_smoke(tmp_path):
+    """The memory diagnostic compiles a decode chunk from shapes and reports its buffers."""
+    out = tmp_path / "mem.json"
+    text = _run(os.path.join(SCRIPTS, "diag_memory.py"), "--rows", "qwen3-0.6b:512:2:dense",
+                "--out", str(out))
+    (rec,) = json.loads(out.read_text())
+    assert "error" not in rec, rec.get("error")
+    # the cache is an argument, aliased to the output (donated), and the report says so
+    assert rec["alias_size_in_bytes"] >= rec["kv_cache_gib"] > 0
+    assert rec["argument_size_in_bytes"] > rec["kv_cache_gib"] and rec["largest_buffers"]
+    assert "| qwen3-0.6b | 512 | 2 | dense |" in text

@@ -291,11 +291,26 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("switch", ["kernel", "tokens"])
+def test_moe_switch_picks_the_expert_layout(monkeypatch):
+    """SFI_JAX_MOE: unset means the token tiles with the GPU kernels; a mesh plan and "xla"
+    mean ragged_dot."""
+    from sfi_jax.runtime import engine
+
+    monkeypatch.delenv("SFI_JAX_MOE", raising=False)
+    assert engine._moe_impl("pallas_gpu", None) == ("pallas_gpu", "tokens")
+    assert engine._moe_impl("pallas_gpu", object()) == ("xla", "sorted")
+    for value, want in (("tokens", ("auto", "tokens")), ("kernel", ("auto", "sorted")),
+                        ("xla", ("xla", "sorted"))):
+        monkeypatch.setenv("SFI_JAX_MOE", value)
+        assert engine._moe_impl("auto", None) == want, value
+
+
+@pytest.mark.parametrize("switch", ["kernel", "tokens", None])
 def test_moe_kernels_in_the_decode_loop(monkeypatch, switch):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
     (interpret mode) and the expert kernels (SFI_JAX_MOE=kernel: expert-sorted rows; tokens:
-    per-expert tiles of all tokens): the xla path's logits, in SFI and in dense decoding."""
+    per-expert tiles of all tokens; unset: the default, tokens): the xla path's logits, in SFI
+    and in dense decoding."""
     import jax
 
     from sfi_jax.models.config import ModelConfig
@@ -313,7 +328,10 @@ def test_moe_kernels_in_the_decode_loop(monkeypatch, switch):
     sfi = dataclasses.replace(SMALL, scores_impl="pallas_gpu")
     want = {m: sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="xla", **kw)
             for m in ("sfi", "dense")}
-    monkeypatch.setenv("SFI_JAX_MOE", switch)
+    if switch is None:
+        monkeypatch.delenv("SFI_JAX_MOE", raising=False)
+    else:
+        monkeypatch.setenv("SFI_JAX_MOE", switch)
     jax.clear_caches()  # the engine reads the switch at trace time
     for m in ("sfi", "dense"):
         got = sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="pallas_gpu", **kw)

@@ -26,13 +26,21 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
-BLOCK_N = 64  # default weight tile (columns x inner dim); scripts/diag_moe_kernel.py sweeps them
+BLOCK_N = 64  # the smallest weight tile (columns x inner dim); scripts/diag_moe_kernel.py sweeps them
 BLOCK_K = 64
+# Tiles the models use, fastest first: 128 x 64 measured fastest for both layouts at
+# Qwen3-30B-A3B's expert shapes on an H200 (benchmarks/moe_kernel_diag.json).
+TILES = ((128, 64), (BLOCK_N, BLOCK_K))
 
 
 def supported(hidden: int, inter: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> bool:
     """The weight blocks tile both matrix dims exactly (pl.ds past the end would clamp)."""
     return all(d % block_n == 0 and d % block_k == 0 for d in (hidden, inter))
+
+
+def tile(hidden: int, inter: int):
+    """The fastest weight tile (block_n, block_k) that tiles these expert shapes, or None."""
+    return next(((n, k) for n, k in TILES if supported(hidden, inter, n, k)), None)
 
 
 def row_blocks(group_sizes, n_rows: int):
@@ -128,7 +136,7 @@ def grouped_matmul(x, w, group_sizes, w2=None, *, interpret=False, block_n=BLOCK
 
 
 # --------------------------------------------------------------------------- per-expert tiles
-# The alternative for a decode step of at most 16 tokens (opt-in, SFI_JAX_MOE=tokens): every
+# The layout for a decode step of at most 16 tokens (the engine's GPU default): every
 # expert's program multiplies all the step's tokens (one 16-row tile) and the routing weights
 # select the results, so no sort, gather, group count or row-block plan runs between the
 # router and the kernels; untouched experts' programs load no weights.

@@ -279,9 +279,11 @@ def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "so
     if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
         from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
-        if not moe_gpu.supported(cfg.hidden_size, cfg.moe_intermediate_size):
+        tile = moe_gpu.tile(cfg.hidden_size, cfg.moe_intermediate_size)
+        if tile is None:
             moe_gpu = None
-    kw = dict(interpret=not on_gpu())
+        else:
+            kw = dict(interpret=not on_gpu(), block_n=tile[0], block_k=tile[1])
     if moe_gpu is not None and grouping == "tokens" and n <= moe_gpu.TOKENS:
         # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
         onehot = top_e[..., None] == jnp.arange(cfg.num_experts)

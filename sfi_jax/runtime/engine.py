@@ -33,7 +33,7 @@ from sfi_jax.selector.select import selector_scores_at, topk_positions
 
 
 _SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_REPACK": ("kernel", "xla"),
-             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("xla", "kernel", "tokens")}
+             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("tokens", "kernel", "xla")}
 
 
 def _switch(name):
@@ -79,14 +79,15 @@ def _heads_impl(impl, plan):
 
 
 def _moe_impl(impl, plan):
-    """A decode step's expert matmuls as (impl, grouping): `lax.ragged_dot`, or with the GPU
-    kernels on one device, SFI_JAX_MOE=kernel: the grouped Triton kernels of kernels.moe_gpu
-    over expert-sorted rows (H200, qwen3-30b-a3b 32K 588 -> 810 tok/s; opt-in until checked
-    against ragged_dot on the GPU, which bench_e2e's engine check and
-    `scripts/diag_moe_kernel.py` do); SFI_JAX_MOE=tokens: per-expert tiles of all the step's
-    tokens, no sort (at most 16 tokens; not yet timed on the GPU)."""
-    choice = _switch("SFI_JAX_MOE")
-    if choice not in ("kernel", "tokens") or plan is not None:
+    """A decode step's expert matmuls as (impl, grouping). With the GPU kernels (impl
+    "pallas_gpu", or "auto" on a GPU) by default the Triton kernels of kernels.moe_gpu in the
+    "tokens" layout: per-expert tiles of all the step's tokens, no sort (at most 16 tokens;
+    more fall back to "sorted"). SFI_JAX_MOE=kernel: the grouped kernels over expert-sorted
+    rows; SFI_JAX_MOE=xla: `lax.ragged_dot`, as on the CPU and in sharded plans. H200,
+    qwen3-30b-a3b 32K batch 16, SFI tok/s: ragged_dot 588, kernel 756, tokens 1090
+    (benchmarks/e2e_ab_moe_layouts_32k.json)."""
+    choice = _switch("SFI_JAX_MOE") or "tokens"
+    if choice == "xla" or plan is not None:
         return "xla", "sorted"
     return impl, "tokens" if choice == "tokens" else "sorted"
 
