@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,12 +28,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_variant(text: str):
-    """'name=K1=V1,K2=V2' -> (name, {K1: V1, K2: V2}); 'name=' is the unchanged environment."""
+    """'name=K1=V1,K2=V2' -> (name, {K1: V1, K2: V2}); 'name=' is the unchanged environment.
+    A comma not followed by VAR= belongs to the value (XLA_FLAGS lists are comma-separated)."""
     name, _, rest = text.partition("=")
     if not name:
         raise SystemExit(f"--variant {text!r}: expected NAME=[VAR=VALUE,...]")
     env = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", rest)):
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--variant {text!r}: {item!r} is not VAR=VALUE")

@@ -121,6 +121,9 @@ def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
     import bench_variants
 
     assert bench_variants.parse_variant("a=X=1,Y=2") == ("a", {"X": "1", "Y": "2"})
+    # a comma-separated flag list stays one value
+    assert bench_variants.parse_variant("c=XLA_FLAGS=--f=A,B,C,Y=2") == (
+        "c", {"XLA_FLAGS": "--f=A,B,C", "Y": "2"})
     for bad in ("=X=1", "a=X"):
         try:
             bench_variants.parse_variant(bad)
