@@ -5,6 +5,7 @@ cache per call, calls chained inside one jit; prints a table and writes sweep_en
 
     python scripts/sweep_engine_kernels.py --out /tmp/sweep          # on the GPU
     python scripts/sweep_engine_kernels.py --smoke --out /tmp/sweep  # tiny, interpret mode
+    python scripts/sweep_engine_kernels.py --kinds sparse --heads 16/8 --contexts 8192  # 0.6b
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sfi_jax.kernels import gpu  # noqa: E402
 
 HQ, HKV, D, C_SIZE, WINDOW = 32, 8, 128, 2052, 257
 DENSE_GRID = list(itertools.product((64, 128), (4, 8), (2, 3), (0.5, 1, 2, 4)))
-SPARSE_GRID = list(itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4, 8)))
+SPARSE_GRID = list(itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4, 8, 16)))
 
 
 def timed(fn, x, consts, repeats=7, inner=8):
@@ -99,23 +100,33 @@ def sparse_case(ctx, batch, cfg, interpret, layers=2):
 
 
 def main():
+    global HQ, HKV
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/sweep")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--contexts", default="131072,32768")
     p.add_argument("--budget-s", type=float, default=400.0, help="stop sweeping after this")
     p.add_argument("--kinds", default="dense,sparse", help="calls to sweep, in this order")
+    p.add_argument("--heads", default=f"{HQ}/{HKV}",
+                   help="query heads / KV heads (qwen3-4b 32/8; qwen3-0.6b 16/8)")
+    p.add_argument("--batches", default="6,16", help="batches of the sparse cases")
     a = p.parse_args()
+    try:
+        HQ, HKV = (int(h) for h in a.heads.split("/"))
+    except ValueError:
+        raise SystemExit(f"--heads {a.heads!r}: expected QUERY_HEADS/KV_HEADS, e.g. 16/8")
+    if HQ % HKV:
+        raise SystemExit(f"--heads {a.heads!r}: query heads must be a multiple of KV heads")
     t_start = time.time()
     ctxs = [int(c) for c in a.contexts.split(",")]
     dense_grid, sparse_grid = DENSE_GRID, SPARSE_GRID
     cases_d = [(ctxs[0], 6, 2, 1), (ctxs[0], 6, 2, 0), (ctxs[0], 6, 2, 2)] + \
         [(c, 16, 4, 2) for c in ctxs[1:]]
-    cases_s = [(ctxs[-1], b) for b in (6, 16)]
+    cases_s = [(ctxs[-1], int(b)) for b in a.batches.split(",")]
     if a.smoke:
         ctxs, dense_grid, sparse_grid = [256], DENSE_GRID[:2], SPARSE_GRID[:2]
         cases_d, cases_s = [(256, 3, 2, 1)], [(256, 3)]
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "heads": [HQ, HKV],
            "default_dense": list(gpu.REFRESH.__dict__.values()),
            "default_sparse": list(gpu.SPARSE.__dict__.values()), "dense": [], "sparse": []}
     os.makedirs(a.out, exist_ok=True)
