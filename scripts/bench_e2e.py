@@ -97,8 +97,14 @@ def _random_layer(key, shape):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _put_layer(cache, x, layer):
-    return cache.at[layer].set(x)
+def _put_layer(stack, x, layer):
+    """stack[layer] = x in place (the stack is donated)."""
+    return stack.at[layer].set(x)
+
+
+@jax.jit
+def _layer_key_norms(k, layer):
+    return jnp.sqrt(jnp.sum(jnp.square(k[layer].astype(jnp.float32)), -1))
 
 
 def _random_kv(key, shape):
@@ -122,11 +128,9 @@ def make_state(cfg, B, S, ctx, sfi, seed=0):
         st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
         # one layer at a time, in separate calls: a float32 copy of the whole cache (or the
         # transposed copy XLA made of a lax.map over layers) would not fit
-        norm = jax.jit(lambda k, l: jnp.sqrt(jnp.sum(jnp.square(k[l].astype(jnp.float32)), -1)))
-        put = jax.jit(lambda n, x, l: n.at[l].set(x), donate_argnums=0)
         norms = st.key_norms
         for l in range(cfg.num_layers):
-            norms = put(norms, norm(k, l), l)
+            norms = _put_layer(norms, _layer_key_norms(k, l), l)
         st = st._replace(key_norms=norms)
     return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
                        token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
@@ -552,7 +556,7 @@ def merge_reports(paths, out, notes=None):
     """One report from several runs' e2e.json (each record keeps the command that made it). A
     (model, context) in several files keeps its last file's row, and an out-of-memory entry is
     dropped where some file has a row for it."""
-    records, meta, cmds = [], None, []
+    rows, meta, cmds = {}, None, []  # (model, context) -> record
     for path in paths:
         with open(path) as f:
             d = json.load(f)
@@ -562,9 +566,8 @@ def merge_reports(paths, out, notes=None):
                                   if o not in meta["out_of_memory"]]
         for r in d["results"]:
             r.setdefault("command", d["meta"]["command"])
-            records = [o for o in records if (o["model"], o["context"]) != (r["model"], r["context"])]
-            records.append(r)
-    rows = {(r["model"], r["context"]) for r in records}
+            rows[r["model"], r["context"]] = r
+    records = list(rows.values())
     meta["out_of_memory"] = [o for o in meta["out_of_memory"]
                              if (o["model"], o["context"]) not in rows]
     models = list(dict.fromkeys(r["model"] for r in records))  # first-seen order, longest first

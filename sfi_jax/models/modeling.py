@@ -275,16 +275,13 @@ def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "so
     top_p, top_e = jax.lax.top_k(probs, k)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    moe_gpu = None
+    tile = None  # the kernels' weight tile; None: ragged_dot
     if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
         from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
         tile = moe_gpu.tile(cfg.hidden_size, cfg.moe_intermediate_size)
-        if tile is None:
-            moe_gpu = None
-        else:
-            kw = dict(interpret=not on_gpu(), block_n=tile[0], block_k=tile[1])
-    if moe_gpu is not None and grouping == "tokens" and n <= moe_gpu.TOKENS:
+        kw = dict(interpret=not on_gpu(), block_n=tile[0], block_k=tile[1]) if tile else None
+    if tile is not None and grouping == "tokens" and n <= moe_gpu.TOKENS:
         # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
         onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
         weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)
@@ -296,7 +293,7 @@ def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "so
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
 
-    if moe_gpu is not None:
+    if tile is not None:
         hidden = moe_gpu.grouped_matmul(xs, w["we_gate"], group_sizes, w["we_up"], **kw)
         ys = moe_gpu.grouped_matmul(hidden, w["we_down"], group_sizes, **kw)[:n * k]
         return _combine_experts(ys.astype(jnp.float32), top_p, order, token_of, x)
