@@ -1,7 +1,9 @@
-"""Time the selector on the current JAX backend: top-k alone (lax.top_k vs the radix threshold
-select) over rows x S scores, and the whole selector (scores + top-k) for one layer.
+"""Time the selector on the current JAX backend: top-k alone (lax.top_k against the radix
+threshold paths, each checked to select lax.top_k's set) over rows x S scores, and the whole
+selector (scores + top-k) for one layer.
 
     python scripts/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
+    python scripts/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2
     python scripts/bench_selector.py --smoke    # tiny sizes, for a CPU check
 """
 
@@ -43,6 +45,12 @@ def main():
     ap.add_argument("--seq", type=int, nargs="+", default=[16384, 131072], help="positions S")
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="radix bits per round to try")
+    ap.add_argument("--impls", default=None,
+                    help="top-k impl/bits list, e.g. lax,radix/4,radix_kernel/2 (default: lax and "
+                         "threshold at each --bits)")
+    ap.add_argument("--cases", default=None,
+                    help="ROWSxS list for the top-k timing, e.g. 224x32768 (default: --rows x --seq)")
+    ap.add_argument("--no-select", action="store_true", help="time the top-k alone")
     ap.add_argument("--heads", type=int, default=8, help="KV heads for the whole-selector timing")
     ap.add_argument("--group", type=int, default=4, help="query rows R per KV head (decode: GQA group)")
     ap.add_argument("--iters", type=int, default=20)
@@ -57,22 +65,38 @@ def main():
     rng = np.random.default_rng(0)
     results = []
 
-    def record(part, impl, rows, size, us):
+    def record(part, impl, rows, size, us, same=None):
         results.append(dict(part=part, impl=impl, rows=rows, S=size, k=args.k, us=round(us, 1),
-                            us_per_row=round(us / rows, 2), backend=jax.default_backend()))
-        print(f"{part:<9} {impl:<12} {rows:>5} {size:>8} {args.k:>6} {us:>11.1f} {us / rows:>10.2f}", flush=True)
+                            us_per_row=round(us / rows, 2), same_as_lax=same,
+                            backend=jax.default_backend()))
+        print(f"{part:<9} {impl:<16} {rows:>5} {size:>8} {args.k:>6} {us:>11.1f} {us / rows:>10.2f}"
+              f"  {'' if same is None else 'same' if same else 'DIFFERS'}", flush=True)
 
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
-    print(f"{'part':<9} {'impl':<12} {'rows':>5} {'S':>8} {'k':>6} {'median_us':>11} {'us/row':>10}")
-    impls = [("lax", "lax", 4)] + [(f"threshold/{b}", "threshold", b) for b in args.bits]
-    for size in args.seq:
-        for rows in args.rows:
-            scores = jnp.asarray(rng.standard_normal((rows, size)).astype(np.float32))
-            scores = scores.at[:, :300].set(-jnp.inf)  # sink + outside J, as in the runtime
-            for name, impl, bits in impls:
-                fn = jax.jit(lambda s, impl=impl, bits=bits: topk_positions(s, args.k, impl=impl, radix_bits=bits))
-                record("topk", name, rows, size, timeit(fn, scores, iters=args.iters, repeats=args.repeats))
-
+    print(f"{'part':<9} {'impl':<16} {'rows':>5} {'S':>8} {'k':>6} {'median_us':>11} {'us/row':>10}")
+    if args.impls:
+        impls = []
+        for item in args.impls.split(","):
+            impl, _, bits = item.partition("/")
+            impls.append((item, impl, int(bits or 4)))
+    else:
+        impls = [("lax", "lax", 4)] + [(f"threshold/{b}", "threshold", b) for b in args.bits]
+    if args.cases:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    else:
+        cases = [(rows, size) for size in args.seq for rows in args.rows]
+    for rows, size in cases:
+        scores = jnp.asarray(rng.standard_normal((rows, size)).astype(np.float32))
+        scores = scores.at[:, :300].set(-jnp.inf)  # sink + outside J, as in the runtime
+        want = None
+        for name, impl, bits in impls:
+            fn = jax.jit(lambda s, impl=impl, bits=bits: topk_positions(s, args.k, impl=impl, radix_bits=bits))
+            got = np.asarray(fn(scores))
+            if want is None:
+                want = np.asarray(topk_positions(scores, args.k, impl="lax"))
+            record("topk", name, rows, size, timeit(fn, scores, iters=args.iters, repeats=args.repeats),
+                   same=bool(np.array_equal(got, want)))
+    for size in [] if args.no_select else args.seq:
         # The whole selector for one refreshed sequence and one layer (B=1, all KV heads).
         cfg = SFIConfig(k_select=args.k)
         logits = jnp.asarray(rng.standard_normal((1, args.heads, args.group, size)).astype(np.float32) * 3)
@@ -87,7 +111,9 @@ def main():
 
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(command="scripts/bench_selector.py", device=str(jax.devices()[0]), results=results), fh, indent=1)
+            json.dump(dict(command="python scripts/bench_selector.py " + " ".join(sys.argv[1:]),
+                           device=jax.devices()[0].device_kind, jax=jax.__version__,
+                           results=results), fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,9 @@ def one(args):
             with jax.profiler.trace(d):
                 st, toks, *_ = fn(params, st, eos, trig, forced[5])
                 jax.block_until_ready(toks)
-            prof = kernel_stats(d, n)
+            prof = kernel_stats(d, n, args.top)
+            if prof:
+                prof["sources"] = kernel_sources(txt, [t[0] for t in prof["top_us_per_step"]])
         floor = cfg.param_count() * 2 / args.bandwidth * 1e3
         r = {"variant": args.one, "mode": mode, "model": cfg.name, "batch": B, "ctx": ctx,
              "step_ms": statistics.median(ts) * 1e3, "weights_floor_ms": floor,
@@ -236,6 +238,7 @@ def main():
     p.add_argument("--one", default=None, help="run one variant in this process")
     p.add_argument("--layers", default="stacked", choices=["stacked", "list"])
     p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per variant and mode")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.one:
@@ -248,7 +251,7 @@ def main():
         cmd = [sys.executable, __file__, "--one", name, "--layers", layers, "--model", a.model,
                "--batch", str(a.batch), "--ctx", str(a.ctx), "--steps", str(a.steps),
                "--modes", a.modes, "--trigger-every", str(a.trigger_every),
-               "--bandwidth", str(a.bandwidth)]
+               "--bandwidth", str(a.bandwidth), "--top", str(a.top)]
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
             text = out.stdout + out.stderr

@@ -72,7 +72,8 @@ class SFIConfig:
     refresh_rows: int | None = None
     # selector top-k: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
     # lax.top_k; faster on the H200 at long contexts), "radix" (the same with radix searches in
-    # place of the sorts) or "auto" (radix on GPU, lax elsewhere)
+    # place of the sorts), "radix_kernel" (the same with each radix search in one Triton
+    # kernel) or "auto" (radix_kernel on GPU, lax elsewhere)
     topk_impl: str = "auto"
     # selector scores (§4 steps 1-6): "xla" (jnp), "pallas_gpu" (Triton kernels for steps 1-4:
     # two passes over the logits and one over two floats per position) or "auto" (pallas_gpu
@@ -108,8 +109,9 @@ class SFIConfig:
         _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.topk_impl not in ("auto", "lax", "threshold", "radix"):
-            raise ValueError("SFIConfig.topk_impl must be 'auto', 'lax', 'threshold' or 'radix', "
+        if self.topk_impl not in ("auto", "lax", "threshold", "radix", "radix_kernel"):
+            raise ValueError("SFIConfig.topk_impl must be 'auto', 'lax', 'threshold', 'radix' or "
+                             "'radix_kernel', "
                              f"got {self.topk_impl!r}")
         if self.scores_impl not in ("auto", "xla", "pallas_gpu"):
             raise ValueError(f"SFIConfig.scores_impl must be 'auto', 'xla' or 'pallas_gpu', got "

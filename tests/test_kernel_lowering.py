@@ -141,6 +141,21 @@ def test_selector_scores_kernel_exports_for_cuda(r):
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_kth_largest_key_kernel_exports_for_cuda(bits):
+    """The top-k's radix search compiles for CUDA: a whole row (0.6b at 32K: 28 x 8 rows) and
+    a sample shorter than its block."""
+    from sfi_jax.kernels import selector_gpu
+
+    sds = jax.ShapeDtypeStruct
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for rows, size, k in ((224, 32768, 2048), (288, 100, 7)):
+        fn = jax.jit(lambda x, k=k: selector_gpu.kth_largest_key(x, k, radix_bits=bits))
+        exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            sds((rows, size), jnp.float32))
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_norm_rope_heads_kernel_exports_for_cuda(qk_norm):
     """The decode step's q/k norm + rope + v split compiles for CUDA (Qwen3-4B's heads)."""

@@ -242,3 +242,14 @@ def test_diag_memory_smoke(tmp_path):
     assert rec["alias_size_in_bytes"] >= rec["kv_cache_gib"] > 0
     assert rec["argument_size_in_bytes"] > rec["kv_cache_gib"] and rec["largest_buffers"]
     assert "| qwen3-0.6b | 512 | 2 | dense |" in text
+
+
+def test_bench_selector_topk_smoke(tmp_path):
+    """The top-k timing script runs the listed impls (the radix kernel in interpret mode) and
+    each selects lax.top_k's positions."""
+    out = tmp_path / "topk.json"
+    _run(os.path.join(SCRIPTS, "bench_selector.py"), "--smoke", "--no-select", "--cases",
+         "3x9000", "--impls", "lax,radix/4,radix_kernel/2", "--json", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in rows] == ["lax", "radix/4", "radix_kernel/2"]
+    assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)

@@ -279,8 +279,9 @@ def test_topk_impls_match_reference(k, kind):
         scores[rng.random(shape) < 0.6] = -np.inf
         scores[0, 0] = -np.inf
     ref = ref_topk_sets(scores, k)
-    for impl in ("lax", "threshold", "radix"):
-        for bits in ((2, 4, 8) if k == 64 else (4,)) if impl != "lax" else (4,):
+    for impl in ("lax", "threshold", "radix", "radix_kernel"):
+        many = (1, 2, 4) if impl == "radix_kernel" else (2, 4, 8)
+        for bits in (many if k == 64 else (4,)) if impl != "lax" else (4,):
             got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl, radix_bits=bits))
             assert got.shape == shape[:-1] + (k,)
             for idx in np.ndindex(*shape[:-1]):
@@ -294,9 +295,35 @@ def test_topk_threshold_matches_lax_on_long_rows():
     scores = jnp.asarray(rng.standard_normal((4, 20000)).astype(np.float32))
     scores = scores.at[:, 5000:5100].set(1.5)  # a block of exact ties straddling the threshold
     a = topk_positions(scores, 2048, impl="lax")
-    for impl in ("threshold", "radix"):
+    for impl in ("threshold", "radix", "radix_kernel"):
         b = topk_positions(scores, 2048, impl=impl)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_kth_largest_key_kernel_matches_jnp(bits):
+    """The Triton radix search (interpret mode) against the jnp one on fresh rows: distinct
+    values, ties, -0.0 and -inf padding, a length that is no multiple of the block, k = 1 and
+    k = the row length."""
+    import importlib
+
+    from sfi_jax.kernels import selector_gpu
+
+    sel = importlib.import_module("sfi_jax.selector.select")
+    rng = np.random.default_rng(30 + bits)
+    x = rng.standard_normal((5, 3001)).astype(np.float32) * 100
+    x[1] = np.round(x[1] / 50)  # heavy ties
+    x[1, rng.random(3001) < 0.3] = -0.0
+    x[2, rng.random(3001) < 0.9] = -np.inf
+    x[3, :] = -np.inf
+    for k in (1, 37, 1500, 3001):
+        got = selector_gpu.kth_largest_key(jnp.asarray(x), k, radix_bits=bits, interpret=True)
+        want = sel._kth_largest_key(sel._sortable_keys(jnp.asarray(x)), k, bits)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
+    with pytest.raises(ValueError, match="radix_bits"):
+        selector_gpu.kth_largest_key(jnp.asarray(x), 5, radix_bits=8, interpret=True)
+    with pytest.raises(ValueError, match="k=0"):
+        selector_gpu.kth_largest_key(jnp.asarray(x), 0, interpret=True)
 
 
 def test_window_max_against_loop():
@@ -365,7 +392,7 @@ def test_topk_prefilter_exact(case):
     np.testing.assert_array_equal(np.asarray(cand_r), np.asarray(cand))
     assert bool(ok_r) == bool(ok)
     want = np.asarray(topk_positions(jnp.asarray(scores), k, impl="lax"))
-    for impl in ("threshold", "radix"):
+    for impl in ("threshold", "radix", "radix_kernel"):
         got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl))
         np.testing.assert_array_equal(got, want, err_msg=impl)
 

@@ -121,18 +121,22 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
     plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
-def _dense_kernel(layer_ref, rows_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q):
+def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
+                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
-    fill: the reader masks them)."""
+    fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
+    program r reads cache row r: no index array to build per call)."""
+    if with_rows:  # inputs ([logits_into,] rows), then the outputs
+        rows_ref = refs[int(into)]
+        refs = refs[:int(into)] + refs[int(into) + 1:]
     if into:
         _, o_ref, m_ref, l_ref, logit_ref = refs  # refs[0] is the aliased input
     else:
         o_ref, m_ref, l_ref = refs[:3]
         logit_ref = refs[3] if logits else None
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, row = layer_ref[0], rows_ref[r]
+    layer, row = layer_ref[0], rows_ref[r] if with_rows else r
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
     start = j * split
@@ -229,16 +233,19 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(valid_ref, *refs, n_splits, nsp, d, dp, n_out, into):
-    """One query head of one row: merge its first valid_ref[r] per-split partials exactly and
-    store the result in output row r, or with `into` row dst_ref[r] of the aliased buffer
-    (none when it is >= n_out)."""
+def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid):
+    """One query head of one row: merge its first valid_ref[r] per-split partials exactly (all
+    n_splits with all_valid: no count array to build per call) and store the result in output
+    row r, or with `into` row dst_ref[r] of the aliased buffer (none when it is >= n_out)."""
+    r, h = pl.program_id(0), pl.program_id(1)
+    if not all_valid:
+        valid_ref, *refs = refs
     if into:
         dst_ref, o_ref, m_ref, l_ref, _, out_ref, lse_ref = refs
     else:
         o_ref, m_ref, l_ref, out_ref, lse_ref = refs
-    r, h = pl.program_id(0), pl.program_id(1)
-    jmask = jnp.arange(nsp) < jnp.minimum(valid_ref[r], n_splits)
+    n_valid = n_splits if all_valid else jnp.minimum(valid_ref[r], n_splits)
+    jmask = jnp.arange(nsp) < n_valid
     dmask = jnp.arange(dp) < d
     m = plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=-jnp.inf)
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
@@ -272,15 +279,16 @@ def _combine_xla(o, m, l, valid, dtype):
 
 def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
-    first valid[r] splits (the others were not written). Returns (out [R, Hq, D], lse), or
+    first valid[r] splits (the others were not written; valid None: all). Returns (out [R, Hq, D], lse), or
     with out_into [N, Hq, D] and out_rows [R] that buffer with row r's result in row
     out_rows[r] (rows >= N dropped), updated in place.
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
     """
-    valid = valid.astype(jnp.int32)
     n_rows, n_splits, hq, d = o.shape
+    all_valid = valid is None
+    valid = jnp.full((n_rows,), n_splits, jnp.int32) if all_valid else valid.astype(jnp.int32)
     into = out_into is not None
     if not PALLAS_COMBINE:
         out, lse = _combine_xla(o, m, l, valid, dtype)
@@ -290,17 +298,19 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
     n_out = out_into.shape[0] if into else n_rows
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
-                               n_out=n_out, into=into)
+                               n_out=n_out, into=into, all_valid=all_valid)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
     # benchmarks/diag_slow_step.json)
     warps = 1 if nsp * dp <= 4096 else 4
-    args = [valid, out_rows.astype(jnp.int32), o, m, l, out_into] if into else [valid, o, m, l]
+    args = [out_rows.astype(jnp.int32), o, m, l, out_into] if into else [o, m, l]
+    if not all_valid:
+        args.insert(0, valid)
     return pl.pallas_call(
         kernel, grid=(n_rows, hq),
         out_shape=[jax.ShapeDtypeStruct((n_out, hq, d), out_into.dtype if into else dtype),
                    jax.ShapeDtypeStruct((n_rows, hq), jnp.float32)],
-        input_output_aliases={5: 0} if into else {},
+        input_output_aliases={len(args) - 1: 0} if into else {},
         compiler_params=plgpu_triton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="sfi_decode_combine",
     )(*args)
@@ -340,6 +350,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     k, layer_arr = _as_stack(k, layer)
     v, _ = _as_stack(v, layer)
     _, hq, d = q.shape
+    if gather_q and rows is None:
+        raise ValueError("gather_q=True needs `rows` (the cache rows whose q each program uses)")
     n_rows = rows.shape[0] if gather_q else q.shape[0]
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv
@@ -348,7 +360,6 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     if into and logits_into.shape != (k.shape[0], n_rows, hq, s_len):
         raise ValueError(f"logits_into has shape {logits_into.shape}; expected "
                          f"{(k.shape[0], n_rows, hq, s_len)}")
-    rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
     dp = _pow2(d)
     bk = min(cfg.block_k, max(16, _pow2(s_len)))
@@ -357,19 +368,21 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
-        logits=return_logits or into, into=into, gather_q=gather_q)
+        logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
-    args = [layer_arr, rows, lengths, q, k, v]
+    args = [layer_arr, lengths, q, k, v]
     if into:
         out_shape.append(jax.ShapeDtypeStruct(logits_into.shape, jnp.float32))
         args.append(logits_into.astype(jnp.float32))
     elif return_logits:
         out_shape.append(jax.ShapeDtypeStruct((n_rows, hq, s_len), jnp.float32))
+    if rows is not None:
+        args.append(rows.astype(jnp.int32))
     res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
-        input_output_aliases={6: 3} if into else {},
+        input_output_aliases={5: 3} if into else {},
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
     valid = -(-jnp.clip(lengths, 0, s_len) // split)
@@ -432,8 +445,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         input_output_aliases=aliases,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(*args)
-    out = _combine(res[0], res[1], res[2], jnp.full((n_rows,), n_splits, jnp.int32), q.dtype,
-                   interpret)[0]
+    out = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0]
     if not write_kv:
         return out
     unstack = (lambda x: x) if stacked else (lambda x: x[0])

@@ -356,3 +356,61 @@ def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False):
         compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="sfi_selector_adjust",
     )(jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), z_padded)
+
+
+# ----------------------------------------------------------------------------- top-k threshold
+
+def _sortable(x):
+    """uint32 keys whose unsigned order is the float order of x (-0.0 as 0.0); the kernel twin
+    of `selector.select._sortable_keys`."""
+    x = jnp.where(x == 0.0, 0.0, x)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _kth_key_kernel(x_ref, out_ref, *, k, radix_bits, s_len, blk):
+    """Row n's k-th largest key, radix_bits per round: every round counts the keys at or above
+    each of the 2**radix_bits candidate digits in one sweep of the row (after the first round
+    from L2), so a round costs one read instead of one per candidate."""
+    n = pl.program_id(0)
+    n_cand = 1 << radix_bits
+    digits = jnp.arange(n_cand, dtype=jnp.int32)
+    prefix = jnp.zeros((n_cand,), jnp.uint32)  # every lane holds the same prefix
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        cand = prefix + (digits.astype(jnp.uint32) << shift)
+
+        def body(i, counts, cand=cand):
+            pos = i * blk + jnp.arange(blk)
+            x = plgpu_triton.load(x_ref.at[n, pl.ds(i * blk, blk)], mask=pos < s_len, other=0.0)
+            keys = jnp.where(pos < s_len, _sortable(x), jnp.uint32(0))  # 0: below every digit
+            hit = (keys[None, :] >= cand[:, None]).astype(jnp.int32)
+            return counts + jnp.sum(hit, axis=1)
+
+        counts = lax.fori_loop(0, pl.cdiv(s_len, blk), body, jnp.zeros((n_cand,), jnp.int32))
+        # digit 0 (the prefix itself) always has >= k keys; the new digit counts the others
+        step = jnp.sum(((counts >= k) & (digits >= 1)).astype(jnp.int32))
+        prefix = prefix + (step.astype(jnp.uint32) << shift)
+    plgpu_triton.store(out_ref.at[n, pl.ds(0, n_cand)], prefix)
+
+
+KTH_RADIX_BITS = (1, 2, 4)  # the kernel's candidate tile is [2**bits, block]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "radix_bits", "interpret", "num_warps"))
+def kth_largest_key(scores, k: int, *, radix_bits: int = 4, interpret=False, num_warps=8):
+    """The k-th largest sortable key (`selector.select._sortable_keys`) of each row of float32
+    scores [N, S], uint32 [N]: the radix search of `select._kth_largest_key` as one program
+    per row (the XLA version re-reads each row once per candidate digit per round)."""
+    if radix_bits not in KTH_RADIX_BITS:
+        raise ValueError(f"radix_bits must be one of {KTH_RADIX_BITS}, got {radix_bits!r}")
+    n_rows, s_len = scores.shape
+    if not 1 <= k <= s_len:
+        raise ValueError(f"k={k} must be in [1, {s_len}] (the row length)")
+    n_cand = 1 << radix_bits
+    blk = min(_pow2(s_len), max(16, 16384 // n_cand))
+    out = pl.pallas_call(
+        functools.partial(_kth_key_kernel, k=k, radix_bits=radix_bits, s_len=s_len, blk=blk),
+        out_shape=jax.ShapeDtypeStruct((n_rows, n_cand), jnp.uint32), grid=(n_rows,),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=3),
+        interpret=interpret, name="sfi_kth_largest_key")(scores.astype(jnp.float32))
+    return out[:, 0]

@@ -19,7 +19,7 @@ from sfi_jax.backend import on_gpu
 from sfi_jax.config import SFIConfig
 
 NEG_INF = float("-inf")
-TOPK_IMPLS = ("auto", "lax", "threshold", "radix")
+TOPK_IMPLS = ("auto", "lax", "threshold", "radix", "radix_kernel")
 
 
 def allowed_mask(size: int, lo, hi):
@@ -250,6 +250,19 @@ def _kth_largest_key(keys, k: int, radix_bits: int):
     return prefix
 
 
+def _kth_largest(scores, k: int, radix_bits: int, kernel: bool):
+    """The k-th largest sortable key of each row of scores [..., S]: by jnp, or with kernel by
+    one Triton-lowered Pallas program per row (kernels.selector_gpu; interpret mode off the
+    GPU), which reads a row once per round instead of once per candidate digit."""
+    if not kernel:
+        return _kth_largest_key(_sortable_keys(scores), k, radix_bits)
+    from sfi_jax.kernels import selector_gpu
+
+    rows = scores.reshape(-1, scores.shape[-1])
+    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=not on_gpu())
+    return t.reshape(scores.shape[:-1])
+
+
 def _count_prefix(mask):
     """Inclusive running count of True along the last axis, int32. Blocks of 128 are counted by
     one matmul with a triangular matrix (exact: block counts <= 128, totals < 2**24), then the
@@ -268,9 +281,9 @@ def _count_prefix(mask):
     return out.reshape(mask.shape[:-1] + (nb * blk,))[..., :size]
 
 
-def _topk_threshold(scores, k: int, out_k: int, radix_bits: int):
+def _topk_threshold(scores, k: int, out_k: int, radix_bits: int, kernel: bool = False):
     keys = _sortable_keys(scores)
-    t = _kth_largest_key(keys, k, radix_bits)[..., None]
+    t = _kth_largest(scores, k, radix_bits, kernel)[..., None]
     gt = keys > t
     eq = keys == t
     quota = k - jnp.sum(gt, axis=-1, keepdims=True, dtype=jnp.int32)
@@ -302,7 +315,7 @@ def _prefilter_plan(size: int, k: int):
     return stride, rank, cap
 
 
-def _prefilter(rows, k: int, plan, radix_bits: int | None = None):
+def _prefilter(rows, k: int, plan, radix_bits: int | None = None, kernel: bool = False):
     """Candidates of the k largest: the positions (ascending, -1 padded) of the values at or
     above a threshold read off a strided sample, and whether every row kept between k and cap.
     The sample's threshold comes from lax.top_k (a sort), or with radix_bits from the radix
@@ -312,7 +325,7 @@ def _prefilter(rows, k: int, plan, radix_bits: int | None = None):
     if radix_bits is None:
         keep = rows >= lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
     else:
-        t = _kth_largest_key(_sortable_keys(sample), rank + 1, radix_bits)[:, None]
+        t = _kth_largest(sample, rank + 1, radix_bits, kernel)[:, None]
         keep = _sortable_keys(rows) >= t
     pos, n = _compact_true(keep & (rows > NEG_INF), cap)
     return pos, jnp.all((n >= k) & (n <= cap))
@@ -329,30 +342,32 @@ def _compact_true(mask, out_k: int):
     return jnp.where(want[None, :] <= total[:, None], pos, -1).astype(jnp.int32), total
 
 
-def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int, rank_by_radix: bool):
+def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int, rank_by_radix: bool,
+                      kernel: bool = False):
     """The exact top-k of long rows from a few passes: a sampled threshold keeps ~1.4 k
     candidates per row, which are ranked (in position order, so ties go to the lowest
     positions as in lax.top_k) by lax.top_k and a sort, or with rank_by_radix by the radix
     threshold (no sort at all); when any row kept fewer than k or more than the cap, the radix
-    threshold runs over the whole rows instead."""
+    threshold runs over the whole rows instead. kernel: the radix searches by
+    kernels.selector_gpu.kth_largest_key."""
     size = scores.shape[-1]
     plan = _prefilter_plan(size, k)
     if plan is None:
-        return _topk_threshold(scores, k, out_k, radix_bits)
+        return _topk_threshold(scores, k, out_k, radix_bits, kernel)
     rows = scores.reshape(-1, size)
-    cand, ok = _prefilter(rows, k, plan, radix_bits if rank_by_radix else None)
+    cand, ok = _prefilter(rows, k, plan, radix_bits if rank_by_radix else None, kernel)
 
     def ranked(rows, cand):
         vals = jnp.where(cand >= 0, jnp.take_along_axis(rows, jnp.maximum(cand, 0), axis=-1),
                          NEG_INF)
         if rank_by_radix:
-            idx = _topk_threshold(vals, k, out_k, radix_bits)
+            idx = _topk_threshold(vals, k, out_k, radix_bits, kernel)
         else:
             idx = _topk_lax(vals, k, out_k)
         return jnp.where(idx >= 0, jnp.take_along_axis(cand, jnp.maximum(idx, 0), axis=-1), -1)
 
     def exact(rows, cand):
-        return _topk_threshold(rows, k, out_k, radix_bits)
+        return _topk_threshold(rows, k, out_k, radix_bits, kernel)
 
     out = lax.cond(ok, ranked, exact, rows, cand)
     return out.reshape(scores.shape[:-1] + (out_k,))
@@ -373,30 +388,40 @@ def resolve_topk_impl(impl: str) -> str:
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
     if impl == "auto":  # H200, 288 rows x 128K (one refreshed qwen3-4b row): selector 2.17 ms
-        return "radix" if on_gpu() else "lax"  # with "threshold", 2.08 with "radix"
+        # with "threshold", 2.08 with "radix"; top-k alone at 224 rows x 32K (qwen3-0.6b)
+        # radix 380 us, radix_kernel 278; in the engine the jnp radix counts also recompute
+        # the scores' last steps once per candidate digit (benchmarks/topk_kernel.json)
+        return "radix_kernel" if on_gpu() else "lax"
     return impl
 
 
 @functools.partial(jax.jit, static_argnames=("k", "impl", "radix_bits"))
-def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int = 4):
+def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None = None):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
 
-    impl "lax" uses lax.top_k; "auto" is "radix" on GPU, else "lax"; "threshold" avoids a
+    impl "lax" uses lax.top_k; "auto" is "radix_kernel" on GPU, else "lax"; "threshold" avoids a
     full top-k over long rows: a threshold read off a strided sample keeps ~1.4 k candidates,
     which lax.top_k ranks, and where a row keeps too few or too many it finds the exact k-th
     largest value by a radix search on the float bits and compacts the positions above it.
     "radix" is "threshold" with no sort left: the sample's threshold and the candidates' k-th
-    largest come from the radix search too.
+    largest come from the radix search too. "radix_kernel" is "radix" with each radix search
+    in one Triton-lowered Pallas kernel (interpret mode off the GPU; radix_bits 1, 2 or 4).
+    radix_bits: bits fixed per radix round (None: 2 for "radix_kernel", the fastest on the
+    H200 at 32K, else 4).
     Ties go to the lowest positions in every path. All return the same set.
     """
     impl = resolve_topk_impl(impl)
-    if radix_bits not in (1, 2, 4, 8):
-        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
+    if radix_bits is None:
+        radix_bits = 2 if impl == "radix_kernel" else 4
+    if radix_bits not in ((1, 2, 4) if impl == "radix_kernel" else (1, 2, 4, 8)):
+        raise ValueError(f"radix_bits must be 1, 2, 4{'' if impl == 'radix_kernel' else ' or 8'}"
+                         f" with topk impl {impl!r}, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
     scores = scores.astype(jnp.float32)
     if impl == "lax":
         return _topk_lax(scores, kk, k)
-    return _topk_prefiltered(scores, kk, k, radix_bits, rank_by_radix=impl == "radix")
+    return _topk_prefiltered(scores, kk, k, radix_bits, rank_by_radix=impl != "threshold",
+                             kernel=impl == "radix_kernel")
 
 
 def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
