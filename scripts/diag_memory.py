@@ -5,6 +5,12 @@ temporary buffers of the buffer assignment. For finding why a row runs out of me
 its cache fits (bench_e2e reports such rows).
 
     python scripts/diag_memory.py --rows qwen3-30b-a3b:65536:5:dense,qwen3-30b-a3b:32768:16:sfi
+
+--fit MODEL:CONTEXT:BATCH instead creates the model's random weights, splits them per layer
+(`--split host` or `device`: `modeling.split_layers`' two paths), prints the allocator's
+statistics (largest free block) and tries to allocate that row's K and V caches.
+
+    python scripts/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split device
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
-from sfi_jax.models.modeling import fuse_qkv_weights  # noqa: E402
+from sfi_jax.models.modeling import fuse_qkv_weights, split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
@@ -52,11 +58,45 @@ def largest_temps(dump_dir: str, n: int = 10):
     return [(size / GIB, f"{name}: {shape}") for size, name, shape in top[:n]]
 
 
+def fit(spec: str, split: str, out: str | None):
+    """Random weights split per layer one way, then the row's K and V caches: do they fit?"""
+    name, ctx, B = spec.split(":")
+    cfg, ctx, B = PRESETS[name], int(ctx), int(B)
+    S = bench_e2e._steps(ctx, argparse.Namespace(chunk_steps=64, new_tokens=256))[2]
+    params = random_params(cfg, "bfloat16", 0)
+    params["layers"] = split_layers(params["layers"], fuse_qkv=True, via_host=split == "host")
+    jax.block_until_ready(params)
+    stats = jax.devices()[0].memory_stats() or {}
+    rec = dict(model=name, context=ctx, batch=B, split=split, device=jax.devices()[0].device_kind,
+               cache_gib_each=cfg.kv_cache_bytes(B, S, 2) / 2 / GIB,
+               memory_stats_after_split={k: v / GIB for k, v in stats.items()
+                                         if isinstance(v, (int, float)) and "bytes" in k})
+    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
+    try:
+        k = jnp.zeros(shape, jnp.bfloat16).block_until_ready()
+        v = jnp.zeros(shape, jnp.bfloat16).block_until_ready()
+        rec["fits"] = True
+        del k, v
+    except Exception as e:  # noqa: BLE001 - out of memory is the answer here
+        rec["fits"], rec["error"] = False, str(e).splitlines()[0][:300]
+    print(json.dumps(rec, indent=1), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", required=True, help="model:context:batch:arm (arm dense|sfi), ...")
+    ap.add_argument("--rows", help="model:context:batch:arm (arm dense|sfi), ...")
+    ap.add_argument("--fit", help="model:context:batch: split random weights, then allocate K, V")
+    ap.add_argument("--split", choices=("host", "device"), default="host")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
+    if args.fit:
+        fit(args.fit, args.split, args.out)
+        return
+    if not args.rows:
+        ap.error("give --rows or --fit")
     dump = tempfile.mkdtemp()  # read when the backend starts: set before any device work
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_hlo_as_text")

@@ -3,6 +3,7 @@ checkpoint formats (sharded safetensors, bfloat16, Orbax)."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -151,3 +152,32 @@ def test_smollm2_greedy_matches_transformers(smol_model, smol_tokenizer, smol_hf
         assert_same_greedy(res.tokens[i], want[0], want_logits[0], what=f"prompt {i}")
         assert res.text[i] == smol_tokenizer.decode(res.tokens[i], skip_special_tokens=True)
     assert res.stats["decode_steps"] == 23
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_split_layers_via_host_and_on_device(fuse):
+    """Both split paths give each layer's slice of the stacked weights (q/k/v concatenated when
+    fused), on the stacked weights' device, and free the stacked tensors."""
+    from sfi_jax.models.config import PRESETS
+    from sfi_jax.models.modeling import QKV, split_layers
+    from sfi_jax.models.params import random_params
+
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
+                              intermediate_size=96, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                              vocab_size=128)
+    want = {k: np.asarray(v) for k, v in random_params(cfg, "bfloat16", 5)["layers"].items()}
+    for via_host in (True, False):
+        stacked = random_params(cfg, "bfloat16", 5)["layers"]
+        kept = dict(stacked)
+        layers = split_layers(stacked, fuse_qkv=fuse, via_host=via_host)
+        assert not stacked and all(a.is_deleted() for a in kept.values())
+        assert len(layers) == 3
+        for i, layer in enumerate(layers):
+            names = [n for n in want if not (fuse and n in QKV)] + (["wqkv"] if fuse else [])
+            assert list(layer) == names, (via_host, list(layer))
+            for n in names:
+                ref = (np.concatenate([want[q][i] for q in QKV], -1) if n == "wqkv"
+                       else want[n][i])
+                got = layer[n]
+                assert got.dtype == ref.dtype and got.devices() == {jax.devices()[0]}
+                np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{via_host} {n}")

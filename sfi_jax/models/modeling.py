@@ -126,10 +126,24 @@ def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def split_layers(stacked: dict, fuse_qkv: bool = False) -> list[dict]:
+def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = None) -> list[dict]:
     """Stacked layer weights {name: [L, ...]} -> one dict per layer, freeing each stacked tensor
     once it is split (so peak memory grows by one tensor, not by the model). fuse_qkv: see
-    `Model.split_layers`."""
+    `Model.split_layers`.
+
+    via_host (None: when every weight sits whole on one device): each stacked tensor goes to
+    host memory and is freed before its layers' parts come back, so they fill the space it
+    left. Split on the device instead, each freed tensor leaves a hole between the parts, and
+    on the H200 a 30 GiB KV cache beside Qwen3-30B-A3B's weights found no contiguous space
+    (benchmarks/diag_memory_30b.json); whether the host path lets it fit is not measured yet
+    (`scripts/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split host|device` checks it).
+    It costs one host round trip of the layer weights at load. A mesh's sharded weights split
+    on the devices."""
+    if via_host is None:
+        via_host = all(isinstance(a, jax.Array) and a.is_fully_addressable
+                       and len(a.devices()) == 1 for a in stacked.values())
+    if via_host:
+        return _split_via_host(stacked, fuse_qkv)
     names = list(stacked)
     num = stacked[names[0]].shape[0]
     layers = [{} for _ in range(num)]
@@ -149,6 +163,26 @@ def split_layers(stacked: dict, fuse_qkv: bool = False) -> list[dict]:
         fuse = jax.jit(fuse_qkv_weights)
         for i in range(num):
             layers[i] = fuse(layers[i])
+    return layers
+
+
+def _split_via_host(stacked: dict, fuse_qkv: bool) -> list[dict]:
+    """`split_layers` through host memory, one stacked tensor (or the q/k/v trio) at a time."""
+    device = next(iter(stacked.values())).devices().pop()
+    num = next(iter(stacked.values())).shape[0]
+    fuse = fuse_qkv and all(n in stacked for n in QKV)
+    groups = [[n] for n in stacked if not (fuse and n in QKV)] + ([list(QKV)] if fuse else [])
+    layers = [{} for _ in range(num)]
+    for names in groups:
+        host = [np.asarray(jax.device_get(stacked[n])) for n in names]
+        for n in names:
+            a = stacked.pop(n)
+            if isinstance(a, jax.Array) and not a.is_deleted():
+                a.delete()
+        key = names[0] if len(names) == 1 else "wqkv"
+        for i in range(num):
+            part = host[0][i] if len(host) == 1 else np.concatenate([h[i] for h in host], -1)
+            layers[i][key] = jax.device_put(part, device)
     return layers
 
 
