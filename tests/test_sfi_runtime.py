@@ -273,8 +273,8 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, c
 
 def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
-    (interpret mode), the heads' norm + rope kernel included: the xla path's logits, in SFI
-    and in dense decoding."""
+    (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
+    included (the GPU defaults): the xla path's logits, in SFI and in dense decoding."""
     import jax
 
     prompts, forced, runs = per_row_runs
@@ -282,8 +282,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     assert "wqkv" in split.params["layers"][0]
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               impl="pallas_gpu")
-    sfi = sfi_jax.generate(split, prompts, sfi=dataclasses.replace(SMALL, scores_impl="pallas_gpu"),
-                           trigger_ids=[TRIGGER], **kw)
+    gpu_defaults = dataclasses.replace(SMALL, scores_impl="pallas_gpu", topk_impl="radix_kernel")
+    sfi = sfi_jax.generate(split, prompts, sfi=gpu_defaults, trigger_ids=[TRIGGER], **kw)
     dense = sfi_jax.generate(split, prompts, mode="dense", **kw)
     for got, want in ((sfi, runs["sfi"]), (dense, runs["dense"])):
         assert got.stats.get("slow_steps") == want.stats.get("slow_steps")
