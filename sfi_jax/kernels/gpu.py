@@ -279,9 +279,9 @@ def _combine_xla(o, m, l, valid, dtype):
 
 def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
-    first valid[r] splits (the others were not written; valid None: all). Returns (out [R, Hq, D], lse), or
-    with out_into [N, Hq, D] and out_rows [R] that buffer with row r's result in row
-    out_rows[r] (rows >= N dropped), updated in place.
+    first valid[r] splits (the others were not written; valid None: all). Returns
+    (out [R, Hq, D], lse), or with out_into [N, Hq, D] and out_rows [R] that buffer with row
+    r's result in row out_rows[r] (rows >= N dropped), updated in place.
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
