@@ -555,7 +555,8 @@ def plot(records, meta, out):
 def merge_reports(paths, out, notes=None):
     """One report from several runs' e2e.json (each record keeps the command that made it). A
     (model, context) in several files keeps its last file's row, and an out-of-memory entry is
-    dropped where some file has a row for it."""
+    dropped where some file has a row for it. The newest engine check (last file with one)
+    is kept with the command that ran it."""
     rows, meta, cmds = {}, None, []  # (model, context) -> record
     for path in paths:
         with open(path) as f:
@@ -564,6 +565,10 @@ def merge_reports(paths, out, notes=None):
         cmds.append(d["meta"]["command"])
         meta["out_of_memory"] += [o for o in d["meta"].get("out_of_memory", [])
                                   if o not in meta["out_of_memory"]]
+        if "engine_check" in d["meta"]:
+            meta["engine_check"] = d["meta"]["engine_check"]
+            meta["engine_check_command"] = d["meta"].get("engine_check_command",
+                                                         d["meta"]["command"])
         for r in d["results"]:
             r.setdefault("command", d["meta"]["command"])
             rows[r["model"], r["context"]] = r

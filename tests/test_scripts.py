@@ -201,11 +201,15 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
     meta = dict(device="d", jax="j", copy_bw_tbs=1.0, command="c", fill="random", new_tokens=1,
                 trigger_every=20, t_max=64, out_of_memory=[e.value.entry])
     for name in ("a", "b"):
-        bench_e2e.write_outputs([], meta, str(tmp_path / name))
+        checked = dict(meta, engine_check={"ok": name}, command=f"run {name}")
+        bench_e2e.write_outputs([], checked if name == "b" else meta, str(tmp_path / name))
     bench_e2e.merge_reports([str(tmp_path / n / "e2e.json") for n in ("a", "b")],
                             str(tmp_path / "merged"))
     md = (tmp_path / "merged" / "e2e.md").read_text()
     assert md.count("m 8192 (batches 10, 9)") == 1 and "No row (out of memory" in md
+    merged_meta = json.loads((tmp_path / "merged" / "e2e.json").read_text())["meta"]
+    assert merged_meta["engine_check"] == {"ok": "b"}  # the newest check, with its command
+    assert merged_meta["engine_check_command"] == "run b"
 
     def broken(*a):
         raise ValueError("not a memory error")
