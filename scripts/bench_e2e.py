@@ -344,9 +344,9 @@ class OutOfMemory(Exception):
 
 def bench_fitting(name, cfg, params, ctx, args, bw, limit, tries=4):
     """bench_one at the largest batch that fits; when the decode loop still runs out of memory
-    (the free memory is split: freeing the stacked weights after `split_layers` leaves holes,
-    and each of K and V needs one contiguous buffer), one row fewer, and the record says which
-    batches failed. OutOfMemory after `tries`."""
+    (each of K and V needs one contiguous buffer, and the free memory beside the weights may be
+    split), one row fewer, and the record says which batches failed. OutOfMemory after
+    `tries`."""
     S = _steps(ctx, args)[2]
     B = pick_batch(cfg, ctx, args.batch, S, SFIConfig(t_max=args.t_max), limit)
     failed = []

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_e2e as be  # noqa: E402
 from bench_selector import timeit  # noqa: E402
-from profile_decode import big_copies, kernel_sources, kernel_stats  # noqa: E402
+from profile_decode import big_copies, profile_summary  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
@@ -64,10 +64,7 @@ def time_and_profile(fn, params, st, eos, trig, forced, n, top, hlo=None):
     with jax.profiler.trace(d):
         st, toks, *_ = fn(params, st, eos, trig, forced)
         jax.block_until_ready(toks)
-    prof = kernel_stats(d, n, top)
-    if prof:
-        prof["sources"] = kernel_sources(hlo or fn.as_text(),
-                                         [k for k, *_ in prof["top_us_per_step"]])
+    prof = profile_summary(d, n, top, hlo or fn.as_text())
     return st, statistics.median(ts) * 1e3, slow, prof
 
 

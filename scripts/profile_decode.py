@@ -63,6 +63,14 @@ def kernel_stats(trace_dir, n_steps, top=12):
                                 for n, t in dur.most_common(top)]}
 
 
+def profile_summary(trace_dir, n_steps, top, hlo_text):
+    """kernel_stats of a trace with each listed kernel's source lines (kernel_sources)."""
+    prof = kernel_stats(trace_dir, n_steps, top)
+    if prof:
+        prof["sources"] = kernel_sources(hlo_text, [t[0] for t in prof["top_us_per_step"]])
+    return prof
+
+
 def _tables(hlo_text):
     """The stack-frame tables of compiled HLO text: {frame id: [(file, line, function), ...]}
     from the innermost frame outwards (newer XLA writes metadata as stack_frame_id)."""
@@ -211,9 +219,7 @@ def one(args):
             with jax.profiler.trace(d):
                 st, toks, *_ = fn(params, st, eos, trig, forced[5])
                 jax.block_until_ready(toks)
-            prof = kernel_stats(d, n, args.top)
-            if prof:
-                prof["sources"] = kernel_sources(txt, [t[0] for t in prof["top_us_per_step"]])
+            prof = profile_summary(d, n, args.top, txt)
         floor = cfg.param_count() * 2 / args.bandwidth * 1e3
         r = {"variant": args.one, "mode": mode, "model": cfg.name, "batch": B, "ctx": ctx,
              "step_ms": statistics.median(ts) * 1e3, "weights_floor_ms": floor,

@@ -288,9 +288,12 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     """
     n_rows, n_splits, hq, d = o.shape
     all_valid = valid is None
-    valid = jnp.full((n_rows,), n_splits, jnp.int32) if all_valid else valid.astype(jnp.int32)
+    if not all_valid:
+        valid = valid.astype(jnp.int32)
     into = out_into is not None
     if not PALLAS_COMBINE:
+        if all_valid:
+            valid = jnp.full((n_rows,), n_splits, jnp.int32)
         out, lse = _combine_xla(o, m, l, valid, dtype)
         if into:
             out = out_into.at[out_rows].set(out.astype(out_into.dtype), mode="drop")
