@@ -632,6 +632,7 @@ def main(argv=None):
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 refresh_cond=os.environ.get("SFI_JAX_REFRESH_COND", "0"),
                 engine_env={k: v for k, v in os.environ.items() if k.startswith("SFI_JAX_")},
+                package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
@@ -662,7 +663,7 @@ def main(argv=None):
                 continue
             rec["wall_s"] = time.perf_counter() - t
             rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"],
-                       engine_env=meta["engine_env"])
+                       engine_env=meta["engine_env"], package=meta["package"])
             records.append(rec)
             print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in rec.items()}), flush=True)

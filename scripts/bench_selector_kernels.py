@@ -1,7 +1,7 @@
 """Time the selector's score stages on the GPU, jnp against the Triton kernels, for one
 refreshed row of every layer (N = layers sets of KV heads x R rows x S positions):
 steps 1-4 (and, for the kernels, their first one and two passes, and a few tuning knobs),
-steps 5-6, and the whole scores. Prints one line per part and writes selector_kernels.json.
+steps 5-6 (the kernel with a few blocks and warp counts), and the whole scores. Prints one line per part and writes selector_kernels.json.
 
     python scripts/bench_selector_kernels.py --out /tmp/selk            # on the GPU
     python scripts/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
@@ -77,6 +77,10 @@ def main():
             lg, kn, lo, hi, 0, 0, cfg=cfg, interpret=interpret, num_warps=w, tile=t,
             chunk_blocks=c))
         parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
+    for block, warps in ((128, 4), (512, 4), (512, 8), (1024, 8)):
+        fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
+            z, lo, hi, cfg=cfg, interpret=interpret, block=b, num_warps=w))
+        parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)
         print(f"{name:<28} {res[name]:10.1f} us", flush=True)

@@ -8,6 +8,9 @@ start-up or trace time), then one comparison table.
         -- --models qwen3-4b --contexts 131072,8192 --no-check
 
 --args NAME=ARGS adds bench_e2e arguments to one variant (after the shared ones).
+--tree NAME=DIR runs one variant from another checkout (its scripts/bench_e2e.py, which imports
+that checkout's package): an A/B against an earlier commit, e.g. after
+`git worktree add /tmp/base HEAD~1`, `--variant base= --tree base=/tmp/base`.
 
 Each variant writes <out>/<name>.json (bench_e2e's e2e.json) and <name>.log; the table goes to
 stdout and <out>/variants.md. A variant that fails or runs past --timeout is reported, not fatal.
@@ -42,9 +45,12 @@ def parse_variant(text: str):
     return name, env
 
 
-def run_variant(name, env, bench_args, out, timeout, extra=()):
+def run_variant(name, env, bench_args, out, timeout, extra=(), tree=None):
+    script = os.path.join(HERE if tree is None else os.path.join(tree, "scripts"), "bench_e2e.py")
+    if not os.path.exists(script):
+        raise SystemExit(f"variant {name}: no {script}")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--out", tmp, *bench_args, *extra]
+        cmd = [sys.executable, script, "--out", tmp, *bench_args, *extra]
         with open(os.path.join(out, f"{name}.log"), "w") as log:
             try:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log,
@@ -80,6 +86,8 @@ def main(argv=None):
     p.add_argument("--variant", action="append", required=True, metavar="NAME=[VAR=VALUE,...]")
     p.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
                    help="extra bench_e2e arguments for variant NAME (space-separated)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="run variant NAME from the checkout at DIR")
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     args = p.parse_args(argv[:split])
@@ -93,16 +101,23 @@ def main(argv=None):
         if not sep or name not in {n for n, _ in variants}:
             raise SystemExit(f"--args {item!r}: expected NAME=ARGS for a --variant NAME")
         extra[name] = rest.split()
+    trees = {}
+    for item in args.tree:
+        name, sep, tree = item.partition("=")
+        if not sep or name not in {n for n, _ in variants}:
+            raise SystemExit(f"--tree {item!r}: expected NAME=DIR for a --variant NAME")
+        trees[name] = tree
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, env in variants:
         rc, results = run_variant(name, env, bench_args, args.out, args.timeout,
-                                  extra.get(name, ()))
+                                  extra.get(name, ()), trees.get(name))
         rows += [(name, rc, r) for r in results] or [(name, rc, None)]
         print(f"{name}: rc={rc}, {len(results)} result(s)", flush=True)
     text = table(rows)
     with open(os.path.join(args.out, "variants.md"), "w") as f:
-        f.write(f"Variants: {', '.join(args.variant)}\n\nbench_e2e.py {' '.join(bench_args)}"
+        trees_note = "".join(f"; {n} from {t}" for n, t in trees.items())
+        f.write(f"Variants: {', '.join(args.variant)}{trees_note}\n\nbench_e2e.py {' '.join(bench_args)}"
                 f"\n\n{text}\n")
     print(text)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 
 def _run(*args, timeout=600):
@@ -106,13 +108,21 @@ def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
     """Variants of the smoke benchmark, each in its own process with its environment: a JSON,
     a log and a table row each; a variant whose process fails is reported, not fatal."""
     out = tmp_path / "ab"
+    tree = tmp_path / "other_checkout"  # --tree: a variant from another copy of the code
+    for part in ("sfi_jax", "scripts"):
+        shutil.copytree(os.path.join(ROOT, part), tree / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     text = _run(os.path.join(SCRIPTS, "bench_variants.py"), "--out", str(out),
                 "--variant", "cond=SFI_JAX_REFRESH_COND=1",
                 "--variant", "broken=SFI_JAX_LAYER_UNROLL=x", "--variant", "radix=",
-                "--args", "radix=--topk-impl radix", "--", "--smoke")
+                "--args", "radix=--topk-impl radix", "--variant", "other=",
+                "--tree", f"other={tree}", "--", "--smoke")
     rec = json.loads((out / "cond.json").read_text())["results"][0]
     assert rec["model"] == "tiny" and rec["refresh_cond"] == "1" and rec["topk_impl"] == "lax"
+    assert rec["package"] == os.path.join(ROOT, "sfi_jax")
     assert json.loads((out / "radix.json").read_text())["results"][0]["topk_impl"] == "radix"
+    other = json.loads((out / "other.json").read_text())["results"][0]
+    assert other["package"] == str(tree / "sfi_jax")
     assert "| cond | tiny | 2560 | 2 |" in text
     assert (out / "broken.log").exists() and not (out / "broken.json").exists()
     assert "| broken | - |" in text and "| broken | - | - | - | - | - | - | - | - | 1 |" in text

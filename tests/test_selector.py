@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -397,7 +398,7 @@ def test_topk_prefilter_exact(case):
         np.testing.assert_array_equal(got, want, err_msg=impl)
 
 
-def test_scores_kernel_reads_the_given_slot_and_row():
+def test_scores_kernel_reads_the_given_slot_and_row(monkeypatch):
     """selector_scores_at (the engine's call): the kernel reads logits[:, slot] and
     key_norms[:, row] of the full buffers in place, as the jnp path does after slicing."""
     from sfi_jax.selector.select import selector_scores_at
@@ -408,23 +409,28 @@ def test_scores_kernel_reads_the_given_slot_and_row():
     norms = rng.uniform(0.2, 5.0, (N, B, H, S)).astype(np.float32)
     lo, hi = np.array([4, 4, 4], np.int32), np.array([250, 200, 280], np.int32)
     cfg = dataclasses.replace(BASE, lam_clip=1.0)  # a large prior share: the row matters
-    for slot, row in ((0, 3), (2, 1)):
-        z_ref = ref_scores(logits[:, slot], norms[:, row], lo, hi, cfg)
+    # steps 5-6 by jnp (the default), by the adjust kernel (the switch), and by jnp for a
+    # window the kernel does not unroll
+    wide = dataclasses.replace(cfg, nms_radius=65)
+    for (c, adjust), (slot, row) in itertools.product(
+            ((cfg, ""), (cfg, "kernel"), (wide, "kernel")), ((0, 3), (2, 1))):
+        monkeypatch.setenv("SFI_JAX_SELECTOR_ADJUST", adjust)
+        z_ref = ref_scores(logits[:, slot], norms[:, row], lo, hi, c)
         for impl in ("xla", "pallas_gpu"):
-            z = np.asarray(jax.jit(lambda lg, kn, s, r, i=impl: selector_scores_at(
-                lg, s, kn, r, lo, hi, cfg, impl=i))(logits, norms, slot, row))
+            z = np.asarray(jax.jit(lambda lg, kn, s, r, i=impl, c=c: selector_scores_at(
+                lg, s, kn, r, lo, hi, c, impl=i))(logits, norms, slot, row))
             finite = np.isfinite(z_ref)
             np.testing.assert_array_equal(np.isfinite(z), finite)
             np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
 
 
-@pytest.mark.parametrize("change", [{}, dict(nms_radius=1), dict(nms_radius=4, cross_temp=1.0),
+@pytest.mark.parametrize("change", [{}, dict(nms_radius=1), dict(nms_radius=3, cross_temp=1.0),
                                     dict(alpha_cross=0.0), dict(alpha_soft=0.0)],
-                         ids=["default", "radius1", "radius4,T1", "no_cross", "no_nms"])
+                         ids=["default", "radius1", "radius3,T1", "no_cross", "no_nms"])
 def test_adjust_kernel_against_jnp(change):
-    """Steps 5-6 by the GPU kernel (interpret mode here; power-of-two radii, in chunks of the
-    radius; heads accumulated online) against the jnp steps, on ragged ranges including an
-    empty one and a range that ends inside the first chunk."""
+    """Steps 5-6 by the GPU kernel (interpret mode here; the window max from shifted loads,
+    all heads in one tile, three of them padded to four) against the jnp steps, on ragged
+    ranges including an empty one and one shorter than the window."""
     from sfi_jax.kernels import selector_gpu
     from sfi_jax.selector.select import adjust_scores
 
@@ -441,3 +447,16 @@ def test_adjust_kernel_against_jnp(change):
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_adjust_kernel_bounds_its_radius():
+    """The kernel unrolls one load per window offset: a radius past its bound is refused by
+    name, and selector_scores_at runs the jnp steps for it instead."""
+    from sfi_jax.kernels import selector_gpu
+
+    big = SFIConfig(nms_radius=selector_gpu.ADJUST_MAX_RADIUS + 1)
+    assert not selector_gpu.adjust_supported(big)
+    assert selector_gpu.adjust_supported(dataclasses.replace(big, alpha_soft=0.0))
+    z = np.zeros((1, 2, 300), np.float32)
+    with pytest.raises(ValueError, match="nms_radius"):
+        selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), cfg=big, interpret=True)

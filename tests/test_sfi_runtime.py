@@ -409,7 +409,8 @@ def test_evidence_window(tiny_qwen3, per_row_runs):
 
 @pytest.mark.parametrize("name, value", [("SFI_JAX_MOE", "yes"), ("SFI_JAX_REPACK", "pallas"),
                                          ("SFI_JAX_REFRESH_COND", "true"),
-                                         ("SFI_JAX_LAYER_UNROLL", "x")])
+                                         ("SFI_JAX_LAYER_UNROLL", "x"),
+                                         ("SFI_JAX_SELECTOR_ADJUST", "pallas")])
 def test_engine_switches_reject_unknown_values(tiny_qwen3, monkeypatch, name, value):
     """A mistyped engine switch is an error naming it, not a silent default."""
     import jax

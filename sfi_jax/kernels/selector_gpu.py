@@ -10,8 +10,9 @@ row), with the chunks' partial sums merged by a few tiny XLA ops in between:
 r, as max-shifted running sums: f is never stored) and `_write_scores` (z = log((1 - lambda)
 f + lambda r + eps), -inf outside J). The logits are read from the engine's scratch buffer
 [N, M, H, R, S] at a slot and the key norms from the cache's [N, B, H, S] at a row, so no
-per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) are one more kernel over z, off by
-default (`ADJUST_KERNEL`: slower than jnp so far).
+per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) can be one more kernel over z
+(`adjust_scores`, opt-in with SFI_JAX_SELECTOR_ADJUST=kernel: on the H200 it is no faster
+than jnp).
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as plgpu_triton
 
 _M_INIT = -1e30  # finite running-max start: exp(m_old - m_new) is never NaN
-# Steps 5-6 by `adjust_scores` (True) or by jnp after the steps 1-4 kernels (False): on the H200
-# at Qwen3-4B 128K the kernel took 1.80 ms per refreshed row (1.00 in a version holding all
-# eight heads live) against jnp's 0.50 (benchmarks/selector_kernels_128k*.json).
-ADJUST_KERNEL = False
 _TILE = 4096  # logits per block (rows x positions), a few registers per thread
 _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 programs at 128K)
 # (both first guesses, not tuned on a GPU yet)
@@ -264,72 +261,52 @@ def _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse):
     return _merge_fusion(stats, plan.cfg.lam_clip), g_pi
 
 
-def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, s_len, blk, radius, alpha_soft,
+def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, hp, s_len, blk, radius, alpha_soft,
                    alpha_cross, cross_temp, log_eps):
-    """Soft-NMS then cross-head exclusivity for one block of positions of every KV head; z_ref
-    holds each row at offset `radius` between -inf pads (`base_scores(pad=radius)`).
+    """Soft-NMS then cross-head exclusivity for one block of positions of all KV heads at once
+    (a [heads, blk] tile); z_ref holds each row at offset `radius` between -inf pads
+    (`base_scores(pad=radius)`).
 
-    The window max over |i - j| <= radius uses chunks of `radius` positions: j's window is
-    the tail of the previous chunk (offsets >= j's), its own chunk, and the head of the next
-    (offsets <= j's), so three contiguous loads of the block (shifted by -radius, 0, +radius)
-    give it exactly, with in-register prefix and suffix maxima. The cross-head softmax is
-    accumulated online over the heads, then each head's soft-NMS score is recomputed for its
-    output, so only one head's values are live at a time."""
+    The window max over |i - j| <= radius is the max of 2 radius + 1 shifted loads of the
+    tile: Triton has no in-register shifts, and after the first load the others hit the L1
+    cache, so the block is read from memory about once. The cross-head softmax reduces over
+    the tile's head axis in registers."""
     n, b = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[n], hi_ref[n]
     start = b * blk
     pos = start + jnp.arange(blk)
     inj = (pos >= lo) & (pos < hi)
-    nms = radius > 0 and alpha_soft != 0.0
+    heads = jnp.arange(hp) < hkv
 
-    def load(h, shift):
-        at = start + shift + jnp.arange(blk)  # position; the pads hold -radius..-1, S..S+radius-1
-        return plgpu_triton.load(z_ref.at[n, jnp.int32(h), pl.ds(radius + start + shift, blk)],
-                                 mask=at < s_len + radius, other=-jnp.inf)
+    def load(shift):  # [hp, blk] at positions pos + shift; the pads hold -radius..-1, S..
+        ok = heads[:, None] & (pos + shift < s_len + radius)[None, :]
+        return plgpu_triton.load(z_ref.at[n, pl.ds(0, hp), pl.ds(radius + start + shift, blk)],
+                                 mask=ok, other=-jnp.inf)
 
-    def scores(h):
-        """Soft-NMS score of head h in J (-inf outside)."""
-        if not nms:
-            return load(h, 0)
-        nc, o = blk // radius, jnp.arange(radius)
-        prev = load(h, -radius).reshape(nc, radius)
-        cur = load(h, 0).reshape(nc, radius)
-        nxt = load(h, radius).reshape(nc, radius)
-        tail = jnp.max(jnp.where(o[None, None, :] >= o[None, :, None], prev[:, None, :],
-                                 -jnp.inf), axis=2)
-        head = jnp.max(jnp.where(o[None, None, :] <= o[None, :, None], nxt[:, None, :],
-                                 -jnp.inf), axis=2)
-        m = jnp.maximum(jnp.maximum(tail, head), jnp.max(cur, axis=1)[:, None]).reshape(blk)
-        z = cur.reshape(blk)
-        return jnp.where(inj, z - alpha_soft * jnp.maximum(m - z, 0.0), -jnp.inf)
-
-    def body(h, carry):
-        mx, total = carry
-        y = scores(h) / cross_temp
-        mx_new = jnp.maximum(mx, y)
-        total = total * jnp.exp(mx - mx_new) + jnp.where(inj, jnp.exp(y - mx_new), 0.0)
-        return mx_new, total
-
+    z = load(0)
+    if radius > 0 and alpha_soft != 0.0:
+        m = z
+        for shift in range(1, radius + 1):
+            m = jnp.maximum(m, jnp.maximum(load(-shift), load(shift)))
+        z = jnp.where(inj[None, :], z - alpha_soft * jnp.maximum(m - z, 0.0), -jnp.inf)
     if alpha_cross != 0.0:
-        mx, total = lax.fori_loop(0, hkv, body, (jnp.full((blk,), _M_INIT, jnp.float32),
-                                                  jnp.zeros((blk,), jnp.float32)))
+        y = jnp.where(heads[:, None], z / cross_temp, -jnp.inf)
+        mx = jnp.max(y, axis=0)
+        mx = jnp.where(mx > -jnp.inf, mx, 0.0)
+        total = jnp.sum(jnp.exp(y - mx[None, :]), axis=0)
         log_norm = mx + jnp.log(jnp.where(total > 0, total, 1.0))
+        z = jnp.where(inj[None, :], z + alpha_cross * jnp.maximum(y - log_norm[None, :], log_eps),
+                      -jnp.inf)
+    plgpu_triton.store(out_ref.at[n, pl.ds(0, hp), pl.ds(start, blk)], z,
+                       mask=heads[:, None] & (pos < s_len)[None, :])
 
-    def write(h, carry):
-        z = scores(h)
-        if alpha_cross != 0.0:
-            z = jnp.where(inj, z + alpha_cross * jnp.maximum(z / cross_temp - log_norm, log_eps),
-                          -jnp.inf)
-        plgpu_triton.store(out_ref.at[n, h, pl.ds(start, blk)], z, mask=pos < s_len)
-        return carry
 
-    lax.fori_loop(0, hkv, write, 0)
+ADJUST_MAX_RADIUS = 64  # 2 r + 1 loads per block: beyond this the jnp steps run instead
 
 
 def adjust_supported(cfg) -> bool:
-    """The adjust kernel's window decomposition needs a power-of-two radius (16 by default)."""
-    r = cfg.nms_radius
-    return r == 0 or cfg.alpha_soft == 0.0 or (r & (r - 1)) == 0
+    """The adjust kernel unrolls one load per window offset, so the radius is bounded."""
+    return cfg.alpha_soft == 0.0 or cfg.nms_radius <= ADJUST_MAX_RADIUS
 
 
 def adjust_pad(cfg) -> int:
@@ -337,23 +314,26 @@ def adjust_pad(cfg) -> int:
     return cfg.nms_radius if cfg.alpha_soft != 0.0 else 0
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "block", "num_warps"))
+def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False, block=512, num_warps=4):
     """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6), all KV heads local, in
-    one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(cfg))` -> [N, H, S]."""
+    one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(cfg))` -> [N, H, S].
+    block (positions per program, a power of two) and num_warps: tuning knobs (512 and 4 the
+    fastest of scripts/bench_selector_kernels.py's on the H200)."""
     if not adjust_supported(cfg):
-        raise ValueError(f"nms_radius {cfg.nms_radius} is not a power of two")
+        raise ValueError(f"nms_radius {cfg.nms_radius} > {ADJUST_MAX_RADIUS}: use the jnp steps")
     radius = adjust_pad(cfg)
     n_sets, hkv, padded = z_padded.shape
     s_len = padded - 2 * radius
-    blk = min(max(_pow2(s_len), max(radius, 1)), max(256, radius))
+    blk = min(_pow2(s_len), block)
     kernel = functools.partial(
-        _adjust_kernel, hkv=hkv, s_len=s_len, blk=blk, radius=radius, alpha_soft=cfg.alpha_soft,
-        alpha_cross=cfg.alpha_cross, cross_temp=cfg.cross_temp, log_eps=math.log(cfg.eps))
+        _adjust_kernel, hkv=hkv, hp=_pow2(hkv), s_len=s_len, blk=blk, radius=radius,
+        alpha_soft=cfg.alpha_soft, alpha_cross=cfg.alpha_cross, cross_temp=cfg.cross_temp,
+        log_eps=math.log(cfg.eps))
     return pl.pallas_call(
         kernel, grid=(n_sets, pl.cdiv(s_len, blk)),
         out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="sfi_selector_adjust",
     )(jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), z_padded)
 

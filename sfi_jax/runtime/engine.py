@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfi_jax.backend import on_gpu
+from sfi_jax.backend import on_gpu, switch
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.api import repack, skips_empty_rows, write_new_token
 
@@ -30,19 +30,6 @@ from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, SFIState
 from sfi_jax.selector import select
 from sfi_jax.selector.select import selector_scores_at, topk_positions
-
-
-_SWITCHES = {"SFI_JAX_REFRESH_COND": ("0", "1"), "SFI_JAX_REPACK": ("kernel", "xla"),
-             "SFI_JAX_HEADS": ("kernel", "xla"), "SFI_JAX_MOE": ("tokens", "kernel", "xla")}
-
-
-def _switch(name):
-    """An engine switch's value ("" when unset); an unknown value is an error, not a silent
-    default (README: Engine switches)."""
-    value = os.environ.get(name, "")
-    if value and value not in _SWITCHES[name]:
-        raise ValueError(f"{name}={value!r}: expected one of {_SWITCHES[name]} (or unset)")
-    return value
 
 
 def _layer_unroll():
@@ -60,7 +47,7 @@ def _layer_unroll():
 def _refresh_unconditionally(impl):
     """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
     empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
-    return _switch("SFI_JAX_REFRESH_COND") != "1" and skips_empty_rows(impl)
+    return switch("SFI_JAX_REFRESH_COND") != "1" and skips_empty_rows(impl)
 
 
 def _repack_impl(impl):
@@ -68,14 +55,14 @@ def _repack_impl(impl):
     occupied slots' rows (H200, qwen3-4b 128K batch 6: 936 -> 950 tok/s over the XLA gather +
     scatter, which covers every slot); SFI_JAX_REPACK=xla keeps the XLA path (for comparisons).
     `repack` uses the kernel only for the GPU implementation."""
-    return "xla" if _switch("SFI_JAX_REPACK") == "xla" else impl
+    return "xla" if switch("SFI_JAX_REPACK") == "xla" else impl
 
 
 def _heads_impl(impl, plan):
     """A decode step's q/k norm + rope: on one device with the GPU kernels one Triton launch
     (kernels.heads_gpu) instead of XLA's four or five; on a mesh jnp (GSPMD does not partition
     a Pallas call). SFI_JAX_HEADS=xla keeps jnp (for comparisons)."""
-    return "xla" if _switch("SFI_JAX_HEADS") == "xla" or plan is not None else impl
+    return "xla" if switch("SFI_JAX_HEADS") == "xla" or plan is not None else impl
 
 
 def _moe_impl(impl, plan):
@@ -86,7 +73,7 @@ def _moe_impl(impl, plan):
     rows; SFI_JAX_MOE=xla: `lax.ragged_dot`, as on the CPU and in sharded plans. H200,
     qwen3-30b-a3b 32K batch 16, SFI tok/s: ragged_dot 588, kernel 756, tokens 1090
     (benchmarks/e2e_ab_moe_layouts_32k.json)."""
-    choice = _switch("SFI_JAX_MOE") or "tokens"
+    choice = switch("SFI_JAX_MOE") or "tokens"
     if choice == "xla" or plan is not None:
         return "xla", "sorted"
     return impl, "tokens" if choice == "tokens" else "sorted"
@@ -577,7 +564,11 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         deferred = sfi is not None and sfi.policy in ("sfi", "tmax")
         if deferred:  # dense rows read no compact buffer (see `_attend`); no layer writes c_len
             c_len = st.c_len
-            st = st._replace(c_len=jnp.where(dense_rows[None, :, None], 0, c_len))
+            # the barrier materialises the mask once: the profile showed XLA re-running this
+            # fusion once per layer (36 launches, 47 us per step at qwen3-4b 128K on the H200);
+            # end to end within noise (benchmarks/e2e_ab_adjust_kernel_barrier.json)
+            st = st._replace(c_len=jax.lax.optimization_barrier(
+                jnp.where(dense_rows[None, :, None], 0, c_len)))
 
         body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
                                  pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.backend import on_gpu
+from sfi_jax.backend import on_gpu, switch
 from sfi_jax.config import SFIConfig
 
 NEG_INF = float("-inf")
@@ -189,6 +189,15 @@ def resolve_scores_impl(impl: str) -> str:
     return impl
 
 
+def adjust_by_kernel() -> bool:
+    """Steps 5-6 after the steps 1-4 kernels: jnp, or one Triton pass
+    (`selector_gpu.adjust_scores`) with SFI_JAX_SELECTOR_ADJUST=kernel (README: Engine
+    switches). H200, one refreshed qwen3-4b row at 128K: kernel 0.49-0.58 ms against jnp's
+    0.51, and end to end within noise (benchmarks/selector_kernels_adjust_v2.json,
+    e2e_ab_adjust_kernel_barrier.json), so jnp stays the default."""
+    return switch("SFI_JAX_SELECTOR_ADJUST") == "kernel"
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl"))
 def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *,
                     cross_head_reduce=None, impl: str = "xla"):
@@ -210,11 +219,12 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
     size = logits.shape[-1]
     lo, hi = _clipped_range(size, allowed_lo, allowed_hi)
+    by_kernel = adjust_by_kernel()  # read (and checked) on every path
     if resolve_scores_impl(impl) == "pallas_gpu":
         from sfi_jax.kernels import selector_gpu
 
         kw = dict(cfg=cfg, interpret=not on_gpu())
-        fused = (selector_gpu.ADJUST_KERNEL and cross_head_reduce is None
+        fused = (by_kernel and cross_head_reduce is None
                  and selector_gpu.adjust_supported(cfg))
         z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
                                      pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
