@@ -557,12 +557,11 @@ def merge_reports(paths, out, notes=None):
     (model, context) in several files keeps its last file's row, and an out-of-memory entry is
     dropped where some file has a row for it. The newest engine check (last file with one)
     is kept with the command that ran it."""
-    rows, meta, cmds = {}, None, []  # (model, context) -> record
+    rows, meta = {}, None  # (model, context) -> record
     for path in paths:
         with open(path) as f:
             d = json.load(f)
         meta = meta or dict(d["meta"], out_of_memory=[])
-        cmds.append(d["meta"]["command"])
         meta["out_of_memory"] += [o for o in d["meta"].get("out_of_memory", [])
                                   if o not in meta["out_of_memory"]]
         if "engine_check" in d["meta"]:
@@ -577,7 +576,7 @@ def merge_reports(paths, out, notes=None):
                              if (o["model"], o["context"]) not in rows]
     models = list(dict.fromkeys(r["model"] for r in records))  # first-seen order, longest first
     records.sort(key=lambda r: (models.index(r["model"]), -r["context"]))
-    meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    meta["command"] = " ; ".join(dict.fromkeys(r["command"] for r in records))  # the kept rows'
     meta["copy_bw_tbs"] = statistics.median(json.load(open(p))["meta"]["copy_bw_tbs"]
                                             for p in paths)
     write_outputs(records, meta, out, notes)

@@ -40,7 +40,7 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
     # notes, and the out-of-memory entries that no file has a row for
     other = dict(data, results=[dict(rec, context=1024)])
     later = dict(data, results=[dict(rec, sfi_tokens_per_s=123456.0)],
-                 meta=dict(data["meta"], out_of_memory=[
+                 meta=dict(data["meta"], command="python later-run", out_of_memory=[
                      dict(model="tiny", context=1024, batches=[3]),
                      dict(model="tiny", context=512, batches=[2])]))
     for name, d in (("other", other), ("later", later)):
@@ -61,7 +61,10 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
     assert f"| SFI arm >= 0.75 of its bytes floor | {want}" in md
     rows = json.loads((merged / "e2e.json").read_text())["results"]
     assert [r["context"] for r in rows] == [2560, 1024]
-    assert all("--smoke" in r["command"] for r in rows)
+    assert rows[0]["command"] == "python later-run" and "--smoke" in rows[1]["command"]
+    # the report's command line names the runs of the rows it kept, not the replaced ones
+    meta = json.loads((merged / "e2e.json").read_text())["meta"]
+    assert meta["command"] == f"python later-run ; {rows[1]['command']}"
 
 
 def test_diag_moe_kernel_smoke(tmp_path):
