@@ -1,7 +1,8 @@
 """Time the selector's score stages on the GPU, jnp against the Triton kernels, for one
 refreshed row of every layer (N = layers sets of KV heads x R rows x S positions):
 steps 1-4 (and, for the kernels, their first one and two passes, and a few tuning knobs),
-steps 5-6 (the kernel with a few blocks and warp counts), and the whole scores. Prints one line per part and writes selector_kernels.json.
+steps 5-6 (the kernel with a few blocks and warp counts), and the whole scores. Prints one
+line per part and writes selector_kernels.json.
 
     python scripts/bench_selector_kernels.py --out /tmp/selk            # on the GPU
     python scripts/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode

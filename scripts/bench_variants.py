@@ -117,8 +117,8 @@ def main(argv=None):
     text = table(rows)
     with open(os.path.join(args.out, "variants.md"), "w") as f:
         trees_note = "".join(f"; {n} from {t}" for n, t in trees.items())
-        f.write(f"Variants: {', '.join(args.variant)}{trees_note}\n\nbench_e2e.py {' '.join(bench_args)}"
-                f"\n\n{text}\n")
+        f.write(f"Variants: {', '.join(args.variant)}{trees_note}\n\n"
+                f"bench_e2e.py {' '.join(bench_args)}\n\n{text}\n")
     print(text)
 
 
