@@ -596,7 +596,7 @@ def main(argv=None):
     p.add_argument("--refresh-rows", type=int, default=0,
                    help="refresh slots per step (0: max(2, batch/4))")
     p.add_argument("--topk-impl", default="auto",
-                   choices=("auto", "lax", "threshold", "radix", "radix_kernel"),
+                   choices=select.TOPK_IMPLS,
                    help="selector top-k (auto: the engine's default, radix_kernel on GPU)")
     p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
                    help="selector scores (auto: the engine's default, pallas_gpu on GPU; best: "

@@ -7,6 +7,8 @@ import math
 import numbers
 
 POLICIES = ("sfi", "tmax", "streaming", "prefill_only", "oracle")
+TOPK_IMPLS = ("auto", "lax", "threshold", "radix", "radix_kernel")  # see SFIConfig.topk_impl
+SCORES_IMPLS = ("auto", "xla", "pallas_gpu")  # see SFIConfig.scores_impl
 """Refresh policies.
 
 - "sfi": slow step on the first decode step, after a trigger token, and every t_max steps.
@@ -109,13 +111,12 @@ class SFIConfig:
         _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.topk_impl not in ("auto", "lax", "threshold", "radix", "radix_kernel"):
-            raise ValueError("SFIConfig.topk_impl must be 'auto', 'lax', 'threshold', 'radix' or "
-                             "'radix_kernel', "
+        if self.topk_impl not in TOPK_IMPLS:
+            raise ValueError(f"SFIConfig.topk_impl must be one of {TOPK_IMPLS}, "
                              f"got {self.topk_impl!r}")
-        if self.scores_impl not in ("auto", "xla", "pallas_gpu"):
-            raise ValueError(f"SFIConfig.scores_impl must be 'auto', 'xla' or 'pallas_gpu', got "
-                             f"{self.scores_impl!r}")
+        if self.scores_impl not in SCORES_IMPLS:
+            raise ValueError(f"SFIConfig.scores_impl must be one of {SCORES_IMPLS}, "
+                             f"got {self.scores_impl!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
 

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from sfi_jax.selector.select import _sortable_keys  # the key order the kernel must match
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas import triton as plgpu_triton
@@ -340,14 +342,6 @@ def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False, block=512, num_warp
 
 # ----------------------------------------------------------------------------- top-k threshold
 
-def _sortable(x):
-    """uint32 keys whose unsigned order is the float order of x (-0.0 as 0.0); the kernel twin
-    of `selector.select._sortable_keys`."""
-    x = jnp.where(x == 0.0, 0.0, x)
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
 def _kth_key_kernel(x_ref, out_ref, *, k, radix_bits, s_len, blk):
     """Row n's k-th largest key, radix_bits per round: every round counts the keys at or above
     each of the 2**radix_bits candidate digits in one sweep of the row (after the first round
@@ -362,7 +356,7 @@ def _kth_key_kernel(x_ref, out_ref, *, k, radix_bits, s_len, blk):
         def body(i, counts, cand=cand):
             pos = i * blk + jnp.arange(blk)
             x = plgpu_triton.load(x_ref.at[n, pl.ds(i * blk, blk)], mask=pos < s_len, other=0.0)
-            keys = jnp.where(pos < s_len, _sortable(x), jnp.uint32(0))  # 0: below every digit
+            keys = jnp.where(pos < s_len, _sortable_keys(x), jnp.uint32(0))  # 0: below every digit
             hit = (keys[None, :] >= cand[:, None]).astype(jnp.int32)
             return counts + jnp.sum(hit, axis=1)
 

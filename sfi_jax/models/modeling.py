@@ -134,11 +134,10 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
     via_host (None: when every weight sits whole on one device): each stacked tensor goes to
     host memory and is freed before its layers' parts come back, so they fill the space it
     left. Split on the device instead, each freed tensor leaves a hole between the parts, and
-    on the H200 a 30 GiB KV cache beside Qwen3-30B-A3B's weights found no contiguous space
-    (benchmarks/diag_memory_30b.json); whether the host path lets it fit is not measured yet
-    (`scripts/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split host|device` checks it).
-    It costs one host round trip of the layer weights at load. A mesh's sharded weights split
-    on the devices."""
+    on the H200 a 30 GiB KV cache beside Qwen3-30B-A3B's weights found no contiguous space;
+    through host memory it fits (largest free block 74.5 against 56.9 GiB,
+    benchmarks/diag_memory_30b_split.json). It costs one host round trip of the layer weights
+    at load. A mesh's sharded weights split on the devices."""
     if via_host is None:
         via_host = all(isinstance(a, jax.Array) and a.is_fully_addressable
                        and len(a.devices()) == 1 for a in stacked.values())
@@ -155,8 +154,7 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
             spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))
             out = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec[1:])),) * num
         parts = jax.jit(lambda a: tuple(a[i] for i in range(num)), out_shardings=out)(a)
-        if isinstance(a, jax.Array) and not a.is_deleted():
-            a.delete()
+        _free(a)
         for i in range(num):
             layers[i][name] = parts[i]
     if fuse_qkv:
@@ -164,6 +162,12 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
         for i in range(num):
             layers[i] = fuse(layers[i])
     return layers
+
+
+def _free(a):
+    """Release a split stacked tensor's device memory now, not when Python drops it."""
+    if isinstance(a, jax.Array) and not a.is_deleted():
+        a.delete()
 
 
 def _split_via_host(stacked: dict, fuse_qkv: bool) -> list[dict]:
@@ -176,9 +180,7 @@ def _split_via_host(stacked: dict, fuse_qkv: bool) -> list[dict]:
     for names in groups:
         host = [np.asarray(jax.device_get(stacked[n])) for n in names]
         for n in names:
-            a = stacked.pop(n)
-            if isinstance(a, jax.Array) and not a.is_deleted():
-                a.delete()
+            _free(stacked.pop(n))
         key = names[0] if len(names) == 1 else "wqkv"
         for i in range(num):
             part = host[0][i] if len(host) == 1 else np.concatenate([h[i] for h in host], -1)

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from sfi_jax.backend import on_gpu, switch
-from sfi_jax.config import SFIConfig
+from sfi_jax.config import SCORES_IMPLS, TOPK_IMPLS, SFIConfig
 
 NEG_INF = float("-inf")
-TOPK_IMPLS = ("auto", "lax", "threshold", "radix", "radix_kernel")
 
 
 def allowed_mask(size: int, lo, hi):
@@ -145,9 +144,6 @@ def successor_spread(z, in_j, radius: int, penalty: float = SUCCESSOR_PENALTY):
         shifted = jnp.pad(z[..., :-s], pad, constant_values=NEG_INF) - s * penalty
         out = jnp.maximum(out, shifted)
     return jnp.where(in_j[:, None, :], out, NEG_INF)
-
-
-SCORES_IMPLS = ("auto", "xla", "pallas_gpu")
 
 
 def _clipped_range(size, lo, hi):
