@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import sfi_jax  # noqa: E402
-from sfi_jax.config import SFIConfig  # noqa: E402
+from sfi_jax.config import TOPK_IMPLS, SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
@@ -596,7 +596,7 @@ def main(argv=None):
     p.add_argument("--refresh-rows", type=int, default=0,
                    help="refresh slots per step (0: max(2, batch/4))")
     p.add_argument("--topk-impl", default="auto",
-                   choices=select.TOPK_IMPLS,
+                   choices=TOPK_IMPLS,
                    help="selector top-k (auto: the engine's default, radix_kernel on GPU)")
     p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
                    help="selector scores (auto: the engine's default, pallas_gpu on GPU; best: "
