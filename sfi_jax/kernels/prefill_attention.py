@@ -1,0 +1,188 @@
+"""Prefill attention: a chunk of queries at an offset over a cache that already holds them.
+
+`prefill_attention` checks shapes and picks an implementation: "pallas_gpu" (Triton-lowered
+flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp below) or "auto"
+(the current platform's kernel; "xla" on CPU). A Pallas kernel asked for off its platform
+runs in interpret mode, so every implementation can be tested on a CPU.
+
+All of them walk key blocks only up to the causal edge of a query block and the filled
+prefix (kv_len), keep an online softmax in float32 and never hold a [T, S] score matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sfi_jax.backend import platform as _platform
+
+IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+XLA_BLOCK_Q = 512
+XLA_BLOCK_K = 512
+_M_INIT = -1e30  # finite: exp(m_old - m_new) is never NaN while a row has seen no key
+
+
+def resolve_impl(impl) -> str:
+    """The implementation `impl` stands for on the current platform."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
+    if impl == "auto":
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform(), "xla")
+    return impl
+
+
+def _check_block(name, value, impl):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}; expected a positive int or None")
+    if impl == "pallas_gpu" and value & (value - 1):
+        raise ValueError(f"{name}={value}; the pallas_gpu kernel needs a power of two")
+    if impl == "pallas_tpu":
+        step = 128 if name == "block_k" else 8
+        if value % step:
+            raise ValueError(f"{name}={value}; the pallas_tpu kernel needs a multiple of {step}")
+
+
+def _check(q, k, v, q_start, kv_len, layer):
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {q.shape}; expected [B, T, Hq, D]")
+    want = 5 if layer is not None else 4
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != want:
+            what = "[L, B, Hkv, S, D] (stacked, with layer=)" if want == 5 else "[B, Hkv, S, D]"
+            raise ValueError(f"{name} has shape {x.shape}; expected {what}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} differ")
+    b, t, hq, d = q.shape
+    _, hkv, s_len, dk = k.shape[-4:]
+    if k.shape[-4] != b:
+        raise ValueError(f"q has batch {b} but the cache {k.shape} has batch {k.shape[-4]}")
+    if dk != d:
+        raise ValueError(f"head dim of q ({d}) and k ({dk}) differ")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if t < 1 or s_len < 1:
+        raise ValueError(f"empty chunk or cache: q {q.shape}, k {k.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} has dtype {x.dtype}; expected bfloat16 or float32")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k ({k.dtype}) and v ({v.dtype}) dtypes differ")
+    for name, x in (("q_start", q_start), ("kv_len", kv_len)):
+        if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} is {x.dtype}{list(x.shape)}; expected int32[{b}]")
+    if layer is not None and jnp.shape(layer) != ():
+        raise ValueError(f"layer has shape {jnp.shape(layer)}; expected a scalar")
+
+
+def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, block_k=None,
+                      layer=None):
+    """Causal attention of a chunk of queries over a cache that already holds the chunk.
+
+    q [B, T, Hq, D]: query t of row b sits at position q_start[b] + t. k, v [B, Hkv, S, D]
+    (head-major; with `layer`, stacked [L, B, Hkv, S, D] and layer `layer` is read in place).
+    A query at position p sees keys j <= p with j < kv_len[b]. Queries at positions >= kv_len[b]
+    are padding: their output is finite but unspecified. GQA: Hq = G * Hkv, query head
+    h * G + g reads KV head h. Returns out [B, T, Hq, D] in q's dtype.
+    block_q / block_k: query positions per program and keys per step (None: the
+    implementation's default; powers of two for pallas_gpu, multiples of 8 / 128 for
+    pallas_tpu).
+    """
+    impl = resolve_impl(impl)
+    q_start = jnp.asarray(q_start)
+    kv_len = jnp.asarray(kv_len)
+    _check(q, k, v, q_start, kv_len, layer)
+    _check_block("block_q", block_q, impl)
+    _check_block("block_k", block_k, impl)
+    q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
+    if impl == "xla":
+        return prefill_attention_xla(q, k, v, q_start, kv_len, layer,
+                                     block_q=block_q or XLA_BLOCK_Q,
+                                     block_k=block_k or XLA_BLOCK_K)
+    if impl == "pallas_gpu":
+        from sfi_jax.kernels import prefill_attention_gpu as mod
+
+        interpret = _platform() != "gpu"
+    else:
+        from sfi_jax.kernels import prefill_attention_tpu as mod
+
+        interpret = None
+        if _platform() != "tpu":
+            from jax.experimental.pallas import tpu as pltpu
+
+            interpret = pltpu.InterpretParams()
+    return mod.prefill_attention(q, k, v, q_start, kv_len, layer, block_q=block_q,
+                                 block_k=block_k, interpret=interpret)
+
+
+def _stack(x, layer):
+    """A 5-D [L, B, Hkv, S, D] view and the layer to read (free when not stacked)."""
+    if layer is None:
+        return x[None], jnp.zeros((), jnp.int32)
+    return x, layer
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k"))
+def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, *, block_q=XLA_BLOCK_Q,
+                          block_k=XLA_BLOCK_K):
+    """The "xla" implementation: a scan over query blocks, each a while loop over the key
+    blocks it needs (up to its causal edge and max(kv_len)), so scores take
+    O(block_q * block_k) memory per head and the unfilled cache is never read."""
+    v, _ = _stack(v, layer)
+    k, layer = _stack(k, layer)
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[2], k.shape[3]
+    g = hq // hkv
+    bq, bk = min(block_q, t), min(block_k, s_len)
+    nq = -(-t // bq)
+    qp = jnp.pad(q, ((0, 0), (0, nq * bq - t), (0, 0), (0, 0)))
+    qp = qp.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
+    kv_len = jnp.clip(kv_len, 0, s_len)
+    scale = 1.0 / math.sqrt(d)
+    f32 = jnp.dtype(k.dtype) == jnp.float32
+    prec = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+    key_idx = jnp.arange(bk)
+
+    def q_block(args):
+        i, qb = args
+        qb = qb.astype(k.dtype)
+        first = q_start + i * bq
+        pos = first[:, None] + jnp.arange(bq)[None, :]  # [B, bq]
+        hi = jnp.max(jnp.minimum(kv_len, first + bq))
+        n_blocks = (jnp.maximum(hi, 0) + bk - 1) // bk
+
+        def body(j, carry):
+            acc, m, l = carry
+            start = j * bk
+            at = jnp.minimum(start, s_len - bk)  # a short last block re-reads; masked below
+            kb = lax.dynamic_slice(k, (layer, 0, 0, at, 0), (1, b, hkv, bk, d))[0]
+            vb = lax.dynamic_slice(v, (layer, 0, 0, at, 0), (1, b, hkv, bk, d))[0]
+            keys = at + key_idx
+            ok = ((keys >= start)[None, None, :] & (keys[None, None, :] <= pos[:, :, None])
+                  & (keys[None, None, :] < kv_len[:, None, None]))  # [B, bq, bk]
+            s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb, precision=prec,
+                           preferred_element_type=jnp.float32) * scale
+            s = jnp.where(ok[:, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vb.dtype), vb, precision=prec,
+                            preferred_element_type=jnp.float32)
+            return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+        init = (jnp.zeros((b, hkv, g, bq, d), jnp.float32),
+                jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
+                jnp.zeros((b, hkv, g, bq), jnp.float32))
+        acc, _, l = lax.fori_loop(0, n_blocks, body, init)
+        return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    out = lax.map(q_block, (jnp.arange(nq, dtype=jnp.int32), qp))  # [nq, B, Hkv, G, bq, D]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, hq, d)[:, :t]
+    return out.astype(q.dtype)
