@@ -4,13 +4,13 @@
 temporary buffers of the buffer assignment. For finding why a row runs out of memory when
 its cache fits (bench_e2e reports such rows).
 
-    python scripts/diag_memory.py --rows qwen3-30b-a3b:65536:5:dense,qwen3-30b-a3b:32768:16:sfi
+    python scripts/diag/diag_memory.py --rows qwen3-30b-a3b:65536:5:dense,qwen3-30b-a3b:32768:16:sfi
 
 --fit MODEL:CONTEXT:BATCH instead creates the model's random weights, splits them per layer
 (`--split host` or `device`: `modeling.split_layers`' two paths), prints the allocator's
 statistics (largest free block) and tries to allocate that row's K and V caches.
 
-    python scripts/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split device
+    python scripts/diag/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split device
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import re
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_e2e  # noqa: E402  (sets the memory fraction and the checkout's import path)
+# as the benchmark runs: JAX may take most of the device
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
+from _common import chunk_plan, make_state  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from sfi_jax.config import SFIConfig  # noqa: E402
@@ -62,7 +64,7 @@ def fit(spec: str, split: str, out: str | None):
     """Random weights split per layer one way, then the row's K and V caches: do they fit?"""
     name, ctx, B = spec.split(":")
     cfg, ctx, B = PRESETS[name], int(ctx), int(B)
-    S = bench_e2e._steps(ctx, argparse.Namespace(chunk_steps=64, new_tokens=256))[2]
+    S = chunk_plan(ctx, 64, 256)[2]  # bench_e2e's default run
     params = random_params(cfg, "bfloat16", 0)
     params["layers"] = split_layers(params["layers"], fuse_qkv=True, via_host=split == "host")
     jax.block_until_ready(params)
@@ -85,13 +87,13 @@ def fit(spec: str, split: str, out: str | None):
             json.dump(rec, f, indent=1)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="model:context:batch:arm (arm dense|sfi), ...")
     ap.add_argument("--fit", help="model:context:batch: split random weights, then allocate K, V")
     ap.add_argument("--split", choices=("host", "device"), default="host")
     ap.add_argument("--out", default=None, help="JSON file for the results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.fit:
         fit(args.fit, args.split, args.out)
         return
@@ -105,8 +107,7 @@ def main():
         name, ctx, B, arm = spec.split(":")
         ctx, B = int(ctx), int(B)
         cfg = PRESETS[name]
-        ns = argparse.Namespace(chunk_steps=64, new_tokens=256)
-        n, _, S = bench_e2e._steps(ctx, ns)
+        n, _, S = chunk_plan(ctx, 64, 256)  # bench_e2e's default run
         sfi = SFIConfig(refresh_rows=min(B, max(2, B // 4))) if arm == "sfi" else None
 
         # one weight dict per layer with fused QKV, as bench_e2e and load_model run on GPU
@@ -114,7 +115,7 @@ def main():
         layer = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in params["layers"].items()}
         layer = jax.eval_shape(fuse_qkv_weights, layer)
         params["layers"] = [layer] * cfg.num_layers
-        state = jax.eval_shape(lambda: bench_e2e.make_state(cfg, B, S, ctx, sfi))
+        state = jax.eval_shape(lambda: make_state(cfg, B, S, ctx, sfi))
         vocab = jax.ShapeDtypeStruct((cfg.vocab_size,), jnp.bool_)
         forced = jax.ShapeDtypeStruct((B, n), jnp.int32)
         kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, impl="auto")

@@ -1,7 +1,7 @@
 """CPU timings on the embedded SmolLM2-135M (float32).
 
-    python scripts/bench_cpu.py --out benchmarks            # both parts
-    python scripts/bench_cpu.py --part dense --smoke        # quick check
+    python scripts/bench/bench_cpu.py --out benchmarks            # both parts
+    python scripts/bench/bench_cpu.py --part dense --smoke        # quick check
 
 Part "dense": decode tokens/s of sfi_jax (dense mode) against transformers' `generate` on the
 same CPU, same model (the same GGUF file), same prompts (512 and 2048 tokens), batch 1 and 8.
@@ -29,7 +29,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import sfi_jax  # noqa: E402
 from sfi_jax.models.gguf_loader import embedded_gguf_path  # noqa: E402
@@ -39,7 +39,7 @@ from sfi_jax.selector import select  # noqa: E402
 
 def prompt_ids(tok, n, seed=0):
     """n token ids of English-like text (the README and docs, repeated)."""
-    here = os.path.join(os.path.dirname(__file__), "..")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     text = " ".join(open(os.path.join(here, p)).read() for p in
                     ("README.md", "docs/SFI_METHOD.md", "docs/DESIGN.md"))
     ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -1,6 +1,6 @@
 """Where does a refreshed (slow) row's time go? A GPU diagnostic for one model and context.
 
-    python scripts/diag_slow_step.py --model qwen3-4b --ctx 131072 --batch 4 --out /tmp/diag
+    python scripts/diag/diag_slow_step.py --model qwen3-4b --ctx 131072 --batch 4 --out /tmp/diag
 
 Runs the engine's decode loop with a fixed number of refreshed rows per step (none, one, two:
 rows whose forced token is a trigger at every step, t_max out of reach), times it, and
@@ -26,12 +26,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import (TRIGGER_ID, big_copies, forced_schedule, make_state,  # noqa: E402
+                     profile_summary, timeit)
 
-import bench_e2e as be  # noqa: E402
-from bench_selector import timeit  # noqa: E402
-from profile_decode import big_copies, profile_summary  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
@@ -44,7 +42,7 @@ selmod = importlib.import_module("sfi_jax.selector.select")
 
 
 def ms(f, *args, reps=5, inner=5):
-    """Median time of f(*args) in ms (the shared timer of bench_selector.py)."""
+    """Median time of f(*args) in ms."""
     return timeit(f, *args, iters=inner, repeats=reps) / 1e3
 
 
@@ -120,7 +118,7 @@ def dense_row(cfg, ctx):
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--ctx", type=int, default=131072)
@@ -129,7 +127,7 @@ def main():
     p.add_argument("--topk", default="threshold,lax")
     p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     p.add_argument("--out", default="/tmp/diag")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     cfg = PRESETS[a.model]
     B, n, ctx = a.batch, a.steps, a.ctx
     res = {"model": a.model, "ctx": ctx, "batch": B, "steps": n,
@@ -143,14 +141,14 @@ def main():
     params = random_params(cfg, "bfloat16", 0)
     params["layers"] = split_layers(params["layers"], fuse_qkv=True)
     S = ctx + 12 * n + 128
-    st = be.make_state(cfg, B, S, ctx, base)
+    st = make_state(cfg, B, S, ctx, base)
     eos = jnp.zeros((cfg.vocab_size,), bool)
-    trig = eos.at[be.TRIGGER_ID].set(True)
-    plain = be.forced_schedule(B, n, 0, 0, cfg.vocab_size)
+    trig = eos.at[TRIGGER_ID].set(True)
+    plain = forced_schedule(B, n, 0, 0, cfg.vocab_size)
     schedules = {"fast": plain}
     for r in (1, 2):
         f = plain.copy()
-        f[:r] = be.TRIGGER_ID
+        f[:r] = TRIGGER_ID
         schedules[f"{r}_slow"] = f
     runs = []
     G = cfg.num_q_heads // cfg.num_kv_heads

@@ -2,44 +2,29 @@
 threshold paths, each checked to select lax.top_k's set) over rows x S scores, and the whole
 selector (scores + top-k) for one layer.
 
-    python scripts/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
-    python scripts/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2
-    python scripts/bench_selector.py --smoke    # tiny sizes, for a CPU check
+    python scripts/bench/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
+    python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2
+    python scripts/bench/bench_selector.py --smoke    # tiny sizes, for a CPU check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import statistics
+import os
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import timeit  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from sfi_jax.config import SFIConfig
-from sfi_jax.selector import select, selector_scores, topk_positions
-
-
-def timeit(fn, *args, iters: int, repeats: int) -> float:
-    """Median over repeats of the mean time of `iters` back-to-back calls, in microseconds."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
+from sfi_jax.config import SFIConfig  # noqa: E402
+from sfi_jax.selector import select, selector_scores, topk_positions  # noqa: E402
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 48], help="B*Hkv rows for the top-k timing")
     ap.add_argument("--seq", type=int, nargs="+", default=[16384, 131072], help="positions S")
@@ -57,7 +42,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and few iterations")
     ap.add_argument("--json", help="also write the rows to this JSON file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.seq, args.k, args.heads = [4], [2048, 8192], 256, 4
         args.iters, args.repeats = 2, 2
@@ -109,7 +94,7 @@ def main():
 
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(command="python scripts/bench_selector.py " + " ".join(sys.argv[1:]),
+            json.dump(dict(command="python scripts/bench/bench_selector.py " + " ".join(sys.argv[1:]),
                            device=jax.devices()[0].device_kind, jax=jax.__version__,
                            results=results), fh, indent=1)
 

@@ -4,8 +4,8 @@ steps 1-4 (and, for the kernels, their first one and two passes, and a few tunin
 steps 5-6 (the kernel with a few blocks and warp counts), and the whole scores. Prints one
 line per part and writes selector_kernels.json.
 
-    python scripts/bench_selector_kernels.py --out /tmp/selk            # on the GPU
-    python scripts/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
+    python scripts/bench/bench_selector_kernels.py --out /tmp/selk            # on the GPU
+    python scripts/bench/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import timeit  # noqa: E402
 
-from bench_selector import timeit  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import selector_gpu as sg  # noqa: E402
 
 selmod = importlib.import_module("sfi_jax.selector.select")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--heads", type=int, default=8)
@@ -37,7 +36,7 @@ def main():
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--out", default="/tmp/selk")
     p.add_argument("--smoke", action="store_true")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.heads, a.seq = 2, 2, 4096
     interpret = jax.default_backend() != "gpu"

@@ -1,7 +1,7 @@
 """Diagnose the decode step on the current device: copies of the KV cache in the compiled
 decode chunk, and step time at a short context (weights + overhead, attention negligible).
 
-    python scripts/diag_decode_hlo.py [--model qwen3-4b] [--batch 16]
+    python scripts/diag/diag_decode_hlo.py [--model qwen3-4b] [--batch 16]
 """
 
 import argparse
@@ -14,10 +14,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import make_state  # noqa: E402
 
-import bench_e2e as be  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
@@ -25,20 +24,20 @@ from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     cfg = PRESETS[a.model]
     params = random_params(cfg, "bfloat16", 0)
     B, n = a.batch, 32
     S = a.ctx + 4 * n + 128
     eos = jnp.zeros((cfg.vocab_size,), bool)
     for sfi in (None, SFIConfig()):
-        st = be.make_state(cfg, B, S, a.ctx, sfi)
+        st = make_state(cfg, B, S, a.ctx, sfi)
         forced = jnp.zeros((B, n), jnp.int32) + 200
         fn = engine.decode_chunk.lower(params, st, eos, eos, forced, cfg=cfg, sfi=sfi,
                                        sampling=SamplingConfig(), n_steps=n).compile()

@@ -7,7 +7,7 @@ over expert groups included) against the weighted sum of the reference's outputs
 rows time the two expert-sorted kernels alone (the sort, gather and combine around them are
 not in the time).
 
-    python scripts/diag_moe_kernel.py --model qwen3-30b-a3b --tokens 16 --out /tmp/moe_diag.json
+    python scripts/diag/diag_moe_kernel.py --model qwen3-30b-a3b --tokens 16 --out /tmp/moe_diag.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import timeit  # noqa: E402
 
-from sfi_jax.kernels import moe_gpu
-from sfi_jax.models import PRESETS
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_selector import timeit  # noqa: E402
+from sfi_jax.kernels import moe_gpu  # noqa: E402
+from sfi_jax.models import PRESETS  # noqa: E402
 
 
 def message_head(err: Exception, n_lines: int = 40) -> str:
@@ -50,7 +48,7 @@ def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     return x, x[order // top_k], sizes, order // top_k, top_p.reshape(-1)[order], dense
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,16", help="tokens per step (comma-separated)")
@@ -60,7 +58,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU check)")
     ap.add_argument("--tiny", action="store_true", help="8 experts of 128 x 64, top-2 (CPU check)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = PRESETS[args.model]
     e, k, hidden, inter = (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                            cfg.moe_intermediate_size)

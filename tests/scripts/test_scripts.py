@@ -1,8 +1,12 @@
-"""The GPU benchmark scripts run end to end on a CPU in their smoke modes (tiny configs), and
-their reports say what the results say."""
+"""The benchmark and diagnostic scripts run end to end on a CPU in their smoke modes (tiny
+configs), and their reports say what the results say. A script runs in a process of its own
+only where that is its point (the variant runner) or where it sets start-up flags (the memory
+diagnostic); the others run in this process through their main(argv)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -14,21 +18,58 @@ import jax.numpy as jnp
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 
 def _run(*args, timeout=600):
     res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                         cwd=os.path.dirname(HERE))
+                         cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 
 
-def test_bench_e2e_smoke_and_merge(tmp_path):
-    out = tmp_path / "run"
-    _run(os.path.join(SCRIPTS, "bench_e2e.py"), "--smoke", "--out", str(out))
-    data = json.loads((out / "e2e.json").read_text())
+def load(rel: str):
+    """scripts/<rel> as a module (once per test session). Environment defaults a script sets
+    when imported (a GPU memory fraction) are undone, so they do not reach later tests."""
+    if rel == "_common.py":  # the module the scripts import, not a second copy
+        if SCRIPTS not in sys.path:
+            sys.path.insert(0, SCRIPTS)
+        return importlib.import_module("_common")
+    name = "script_" + os.path.splitext(rel)[0].replace("/", "_")
+    if name not in sys.modules:
+        env = dict(os.environ)
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, rel))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """One bench_variants.py call, shared by the tests below: 'base' (bench_e2e.py --smoke as
+    it is), 'other' (an environment switch, extra arguments, and another copy of the code via
+    --tree) and 'broken' (a process that fails at once)."""
+    tmp = tmp_path_factory.mktemp("variants")
+    out, tree = tmp / "ab", tmp / "other_checkout"
+    for part in ("sfi_jax", "scripts"):
+        shutil.copytree(os.path.join(ROOT, part), tree / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    text = _run(os.path.join(SCRIPTS, "bench", "bench_variants.py"), "--out", str(out),
+                "--variant", "base=", "--variant", "other=SFI_JAX_REFRESH_COND=1",
+                "--args", "other=--topk-impl radix", "--tree", f"other={tree}",
+                "--variant", "broken=", "--args", "broken=--no-such-flag", "--", "--smoke")
+    return out, tree, text
+
+
+def test_bench_e2e_smoke(variants):
+    out, _, _ = variants
+    data = json.loads((out / "base.json").read_text())
     (rec,) = data["results"]
     for key in ("dense_tokens_per_s", "sfi_tokens_per_s", "fast_step_s", "slow_step_s",
                 "selector_row_s", "repack_row_s", "slow_share", "dense_attention_share",
@@ -36,22 +77,28 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
         assert rec[key] > 0, key
     assert 0.0 < rec["slow_share"] < 1.0
     assert abs(rec["speedup"] - rec["dense_step_s"] / rec["sfi_step_s"]) < 1e-9
-    # merging runs keeps each (model, context) once (the last file's row), their commands, the
-    # notes, and the out-of-memory entries that no file has a row for
+
+
+def test_bench_e2e_merge(variants, tmp_path):
+    """Merging runs keeps each (model, context) once (the last file's row), their commands,
+    the notes, and the out-of-memory entries that no file has a row for."""
+    bench_e2e = load("bench/bench_e2e.py")
+    data = json.loads((variants[0] / "base.json").read_text())
+    (rec,) = data["results"]
     other = dict(data, results=[dict(rec, context=1024)])
     later = dict(data, results=[dict(rec, sfi_tokens_per_s=123456.0)],
                  meta=dict(data["meta"], command="python later-run", out_of_memory=[
                      dict(model="tiny", context=1024, batches=[3]),
                      dict(model="tiny", context=512, batches=[2])]))
+    paths = [str(variants[0] / "base.json")]
     for name, d in (("other", other), ("later", later)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "e2e.json").write_text(json.dumps(d))
+        paths.append(str(tmp_path / name / "e2e.json"))
     notes = tmp_path / "notes.md"
     notes.write_text("## Notes\nsome analysis\n")
     merged = tmp_path / "merged"
-    _run(os.path.join(SCRIPTS, "bench_e2e.py"), "--merge", str(out / "e2e.json"),
-         str(tmp_path / "other" / "e2e.json"), str(tmp_path / "later" / "e2e.json"),
-         "--notes", str(notes), "--out", str(merged))
+    bench_e2e.main(["--merge", *paths, "--notes", str(notes), "--out", str(merged)])
     md = (merged / "e2e.md").read_text()
     assert md.count("| tiny | 2560 |") == 1 and md.count("| tiny | 1024 |") == 1
     assert "| 123456 |" in md and "some analysis" in md
@@ -67,11 +114,40 @@ def test_bench_e2e_smoke_and_merge(tmp_path):
     assert meta["command"] == f"python later-run ; {rows[1]['command']}"
 
 
-def test_diag_moe_kernel_smoke(tmp_path):
+def test_bench_variants_runs_each_variant_in_its_own_process(variants):
+    """Each variant in its own process with its environment and arguments, from this checkout
+    or another: a JSON, a log and a table row each; a variant whose process fails is reported,
+    not fatal."""
+    out, tree, text = variants
+    base = json.loads((out / "base.json").read_text())["results"][0]
+    assert base["model"] == "tiny" and base["refresh_cond"] == "0" and base["topk_impl"] == "lax"
+    assert base["package"] == os.path.join(ROOT, "sfi_jax")
+    other = json.loads((out / "other.json").read_text())["results"][0]
+    assert other["refresh_cond"] == "1" and other["topk_impl"] == "radix"
+    assert other["package"] == str(tree / "sfi_jax")
+    assert "| base | tiny | 2560 | 2 |" in text and "| other | tiny | 2560 | 2 |" in text
+    assert (out / "broken.log").exists() and not (out / "broken.json").exists()
+    assert "| broken | - | - | - | - | - | - | - | - | 2 |" in text
+    assert text[text.index("| variant"):].strip() in (out / "variants.md").read_text()
+
+
+def test_bench_variants_parses_variants():
+    bench_variants = load("bench/bench_variants.py")
+    assert bench_variants.parse_variant("a=X=1,Y=2") == ("a", {"X": "1", "Y": "2"})
+    # a comma-separated flag list stays one value
+    assert bench_variants.parse_variant("c=XLA_FLAGS=--f=A,B,C,Y=2") == (
+        "c", {"XLA_FLAGS": "--f=A,B,C", "Y": "2"})
+    for bad in ("=X=1", "a=X"):
+        with pytest.raises(SystemExit, match=bad):
+            bench_variants.parse_variant(bad)
+
+
+def test_diag_moe_kernel_smoke(tmp_path, capsys):
     """The MoE kernel diagnostic checks each config against ragged_dot and writes its rows."""
     out = tmp_path / "moe.json"
-    text = _run(os.path.join(SCRIPTS, "diag_moe_kernel.py"), "--tiny", "--interpret",
-                "--tokens", "1,16", "--configs", "64x64x4x3,32x16x2x2", "--out", str(out))
+    load("diag/diag_moe_kernel.py").main(["--tiny", "--interpret", "--tokens", "1,16",
+                                          "--configs", "64x64x4x3,32x16x2x2", "--out", str(out)])
+    text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tokens"], r["config"]) for r in rows] == [
         (t, c) for t in (1, 16) for c in ("ragged_dot", "64x64x4x3", "tokens:64x64x4x3",
@@ -84,8 +160,7 @@ def test_diag_moe_kernel_smoke(tmp_path):
 def test_engine_check_moe_kernels_against_ragged_dot():
     """bench_e2e's GPU check of the expert kernels (interpret mode here) passes on a small MoE
     config, and would catch a kernel that drops the up projection."""
-    sys.path.insert(0, SCRIPTS)
-    import bench_e2e
+    bench_e2e = load("bench/bench_e2e.py")
 
     from sfi_jax.kernels import moe_gpu
     from sfi_jax.models.config import ModelConfig
@@ -107,45 +182,6 @@ def test_engine_check_moe_kernels_against_ragged_dot():
         moe_gpu.grouped_matmul = real
 
 
-def test_bench_variants_runs_each_variant_in_its_own_process(tmp_path):
-    """Variants of the smoke benchmark, each in its own process with its environment: a JSON,
-    a log and a table row each; a variant whose process fails is reported, not fatal."""
-    out = tmp_path / "ab"
-    tree = tmp_path / "other_checkout"  # --tree: a variant from another copy of the code
-    for part in ("sfi_jax", "scripts"):
-        shutil.copytree(os.path.join(ROOT, part), tree / part,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    text = _run(os.path.join(SCRIPTS, "bench_variants.py"), "--out", str(out),
-                "--variant", "cond=SFI_JAX_REFRESH_COND=1",
-                "--variant", "broken=SFI_JAX_LAYER_UNROLL=x", "--variant", "radix=",
-                "--args", "radix=--topk-impl radix", "--variant", "other=",
-                "--tree", f"other={tree}", "--", "--smoke")
-    rec = json.loads((out / "cond.json").read_text())["results"][0]
-    assert rec["model"] == "tiny" and rec["refresh_cond"] == "1" and rec["topk_impl"] == "lax"
-    assert rec["package"] == os.path.join(ROOT, "sfi_jax")
-    assert json.loads((out / "radix.json").read_text())["results"][0]["topk_impl"] == "radix"
-    other = json.loads((out / "other.json").read_text())["results"][0]
-    assert other["package"] == str(tree / "sfi_jax")
-    assert "| cond | tiny | 2560 | 2 |" in text
-    assert (out / "broken.log").exists() and not (out / "broken.json").exists()
-    assert "| broken | - |" in text and "| broken | - | - | - | - | - | - | - | - | 1 |" in text
-    assert text[text.index("| variant"):].strip() in (out / "variants.md").read_text()
-    sys.path.insert(0, SCRIPTS)
-    import bench_variants
-
-    assert bench_variants.parse_variant("a=X=1,Y=2") == ("a", {"X": "1", "Y": "2"})
-    # a comma-separated flag list stays one value
-    assert bench_variants.parse_variant("c=XLA_FLAGS=--f=A,B,C,Y=2") == (
-        "c", {"XLA_FLAGS": "--f=A,B,C", "Y": "2"})
-    for bad in ("=X=1", "a=X"):
-        try:
-            bench_variants.parse_variant(bad)
-        except SystemExit as e:
-            assert bad in str(e)
-        else:
-            raise AssertionError(bad)
-
-
 def _scaled_sine(x, y):
     a = jnp.sin(x) * y + 1.0
     return jnp.sum(a * a, axis=-1), jnp.exp(a)
@@ -157,8 +193,7 @@ def test_kernel_sources_maps_fusions_to_lines():
     import inspect
     import re
 
-    sys.path.insert(0, SCRIPTS)
-    from profile_decode import kernel_sources
+    kernel_sources = load("_common.py").kernel_sources
 
     x = jnp.ones((64, 128))
     hlo = jax.jit(_scaled_sine).lower(x, x).compile().as_text()
@@ -174,7 +209,7 @@ def test_kernel_sources_maps_fusions_to_lines():
 def test_bench_selector_kernels_smoke(tmp_path):
     """The selector-stage timing script runs (interpret mode here) and finds the kernels'
     scores equal to the jnp ones."""
-    _run(os.path.join(SCRIPTS, "bench_selector_kernels.py"), "--smoke", "--out", str(tmp_path))
+    load("bench/bench_selector_kernels.py").main(["--smoke", "--out", str(tmp_path)])
     with open(tmp_path / "selector_kernels.json") as f:
         res = json.load(f)
     assert res["max_abs_diff"] < 1e-4
@@ -185,8 +220,7 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
     """When the decode loop runs out of device memory the benchmark retries with one row fewer
     and says which batches failed; when every try fails, the report lists the (model, context)
     without a row (dropped by a merge with a file that has the row); other errors propagate."""
-    sys.path.insert(0, SCRIPTS)
-    import bench_e2e
+    bench_e2e = load("bench/bench_e2e.py")
 
     from sfi_jax.models.config import PRESETS
 
@@ -235,12 +269,9 @@ def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path
 def test_bench_random_kv_is_per_layer_random():
     """The benchmark's random cache: one bf16 buffer each for K and V, filled layer by layer
     with independent normal values (no repeated layer, K differs from V)."""
-    sys.path.insert(0, SCRIPTS)
-    import bench_e2e
-    import jax
     import numpy as np
 
-    k, v = bench_e2e._random_kv(jax.random.key(0), (3, 2, 2, 64, 8))
+    k, v = load("_common.py").random_kv(jax.random.key(0), (3, 2, 2, 64, 8))
     assert k.shape == v.shape == (3, 2, 2, 64, 8) and k.dtype == v.dtype == "bfloat16"
     k, v = np.asarray(k, np.float32), np.asarray(v, np.float32)
     assert 0.8 < k.std() < 1.2 and 0.8 < v.std() < 1.2 and abs(k.mean()) < 0.1
@@ -251,7 +282,7 @@ def test_bench_random_kv_is_per_layer_random():
 def test_diag_memory_smoke(tmp_path):
     """The memory diagnostic compiles a decode chunk from shapes and reports its buffers."""
     out = tmp_path / "mem.json"
-    text = _run(os.path.join(SCRIPTS, "diag_memory.py"), "--rows", "qwen3-0.6b:512:2:dense",
+    text = _run(os.path.join(SCRIPTS, "diag", "diag_memory.py"), "--rows", "qwen3-0.6b:512:2:dense",
                 "--out", str(out))
     (rec,) = json.loads(out.read_text())
     assert "error" not in rec, rec.get("error")
@@ -265,8 +296,9 @@ def test_bench_selector_topk_smoke(tmp_path):
     """The top-k timing script runs the listed impls (the radix kernel in interpret mode) and
     each selects lax.top_k's positions."""
     out = tmp_path / "topk.json"
-    _run(os.path.join(SCRIPTS, "bench_selector.py"), "--smoke", "--no-select", "--cases",
-         "3x9000", "--impls", "lax,radix/4,radix_kernel/2", "--json", str(out))
+    load("bench/bench_selector.py").main(["--smoke", "--no-select", "--cases", "3x9000",
+                                          "--impls", "lax,radix/4,radix_kernel/2",
+                                          "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["impl"] for r in rows] == ["lax", "radix/4", "radix_kernel/2"]
     assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)

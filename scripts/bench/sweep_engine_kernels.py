@@ -3,9 +3,9 @@ the refresh slots' dense read with logits written in place (2-4 slots, none, som
 occupied; program counts per row), and the sparse read that stores the new token (batch 4-16). One layer of a stacked
 cache per call, calls chained inside one jit; prints a table and writes sweep_engine.json.
 
-    python scripts/sweep_engine_kernels.py --out /tmp/sweep          # on the GPU
-    python scripts/sweep_engine_kernels.py --smoke --out /tmp/sweep  # tiny, interpret mode
-    python scripts/sweep_engine_kernels.py --kinds sparse --heads 16/8 --contexts 8192  # 0.6b
+    python scripts/bench/sweep_engine_kernels.py --out /tmp/sweep          # on the GPU
+    python scripts/bench/sweep_engine_kernels.py --smoke --out /tmp/sweep  # tiny, interpret mode
+    python scripts/bench/sweep_engine_kernels.py --kinds sparse --heads 16/8 --contexts 8192  # 0.6b
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from sfi_jax.kernels import gpu  # noqa: E402
 
 HQ, HKV, D, C_SIZE, WINDOW = 32, 8, 128, 2052, 257
@@ -99,7 +99,7 @@ def sparse_case(ctx, batch, cfg, interpret, layers=2):
     return t, nbytes
 
 
-def main():
+def main(argv=None):
     global HQ, HKV
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/sweep")
@@ -110,7 +110,7 @@ def main():
     p.add_argument("--heads", default=f"{HQ}/{HKV}",
                    help="query heads / KV heads (qwen3-4b 32/8; qwen3-0.6b 16/8)")
     p.add_argument("--batches", default="6,16", help="batches of the sparse cases")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     try:
         HQ, HKV = (int(h) for h in a.heads.split("/"))
     except ValueError:

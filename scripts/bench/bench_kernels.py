@@ -9,8 +9,8 @@ Timing: each measured call feeds its output back as the next query, inside one j
 calls run back to back with a real dependency; operand sets rotate so that small cases
 do not run out of L2. Median over repeats, after a warm-up.
 
-    python3 scripts/bench_kernels.py --out benchmarks          # on the GPU
-    python3 scripts/bench_kernels.py --smoke --out /tmp/bench   # tiny, anywhere
+    python3 scripts/bench/bench_kernels.py --out benchmarks          # on the GPU
+    python3 scripts/bench/bench_kernels.py --smoke --out /tmp/bench   # tiny, anywhere
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import types
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Import only the kernels package: the rest of sfi_jax is not needed here.
 if "sfi_jax" not in sys.modules:
     _pkg = types.ModuleType("sfi_jax")
@@ -606,7 +606,7 @@ def short_table(res):
         f"{t['what']} {t['value']} {'ok' if t['met'] else 'MISS'}" for t in res["targets"]))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU")
@@ -614,7 +614,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="use the module's default configs")
     ap.add_argument("--report-only", metavar="JSON",
                     help="rewrite the .md/.png from a results file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.report_only:
         with open(args.report_only) as f:
             res = json.load(f)
@@ -636,7 +636,7 @@ def main():
     st = Setting(args.smoke)
     res = {"machine": f"{dev.device_kind} ({dev.platform}), {platform.node()}",
            "jax": jax.__version__, "python": platform.python_version(),
-           "command": "python3 scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
+           "command": "python3 scripts/bench/bench_kernels.py " + " ".join(sys.argv[1:]),
            "setting": {"batch": st.b, "q_heads": st.hq, "kv_heads": st.hkv, "head_dim": st.d,
                        "dtype": "bfloat16", "kv_lens": st.s_list, "sparse_kv": st.s_sparse},
            "upstream": UPSTREAM}

@@ -1,7 +1,7 @@
 """End-to-end decode throughput: SFI against the dense arm of the same engine, with a bytes model.
 
-    python scripts/bench_e2e.py --out benchmarks            # on the GPU (random bf16 weights)
-    python scripts/bench_e2e.py --smoke --out /tmp/e2e      # tiny config on CPU
+    python scripts/bench/bench_e2e.py --out benchmarks        # on the GPU (random bf16 weights)
+    python scripts/bench/bench_e2e.py --smoke --out /tmp/e2e  # tiny config on CPU
 
 Both arms run the same jitted decode loop (`sfi_jax.runtime.engine.decode_chunk`) on random
 bf16 weights created on the device. The KV cache is filled with random values instead of a
@@ -29,11 +29,13 @@ import time
 # environment that sets its own fraction keeps it; the report records the device's limit)
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (also puts this checkout's package on the path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np  # noqa: E402
+from _common import (TRIGGER_ID, chunk_plan, copy_bandwidth, device_bytes,  # noqa: E402
+                     forced_schedule, make_state, timeit)
 
 import sfi_jax  # noqa: E402
 from sfi_jax.config import TOPK_IMPLS, SFIConfig  # noqa: E402
@@ -41,35 +43,8 @@ from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
-from sfi_jax.runtime.state import DecodeState, empty_sfi_state  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
 from sfi_jax.selector.select import resolve_scores_impl, resolve_topk_impl  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_selector import timeit  # noqa: E402
-
-TRIGGER_ID = 13
-
-
-def copy_bandwidth(n_bytes=2 << 30):
-    """Measured device copy bandwidth (read + write bytes per second)."""
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 2.0)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        y.block_until_ready()
-        ts.append((time.perf_counter() - t) / 10)
-    return 2 * n_bytes / statistics.median(ts)
-
-
-def device_bytes():
-    d = jax.devices()[0]
-    st = d.memory_stats() if hasattr(d, "memory_stats") else None
-    return int(st["bytes_limit"]) if st and "bytes_limit" in st else 16 << 30
 
 
 def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, limit: int):
@@ -89,64 +64,6 @@ def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, li
         if weights + kv + state + norms + scratch + slow_logits + selector < 0.95 * limit:
             return b
     raise SystemExit(f"{cfg.name} at {ctx} does not fit even at batch 1")
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _random_layer(key, shape):
-    return jax.random.normal(key, shape, jnp.bfloat16)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_layer(stack, x, layer):
-    """stack[layer] = x in place (the stack is donated)."""
-    return stack.at[layer].set(x)
-
-
-@jax.jit
-def _layer_key_norms(k, layer):
-    return jnp.sqrt(jnp.sum(jnp.square(k[layer].astype(jnp.float32)), -1))
-
-
-def _random_kv(key, shape):
-    """Random bf16 K and V made on the device one layer at a time into one buffer each, so the
-    random bits and float32 temporaries are one layer's, not the whole cache's (at 64K and up
-    those temporaries did not fit beside the weights)."""
-    out = []
-    for key in jax.random.split(key):
-        cache = jnp.zeros(shape, jnp.bfloat16)
-        for layer, k in enumerate(jax.random.split(key, shape[0])):
-            cache = _put_layer(cache, _random_layer(k, shape[1:]), layer)
-        out.append(cache)
-    return tuple(out)
-
-
-def make_state(cfg, B, S, ctx, sfi, seed=0):
-    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
-    k, v = _random_kv(jax.random.key(seed), shape)
-    st = None
-    if sfi is not None:
-        st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
-        # one layer at a time, in separate calls: a float32 copy of the whole cache (or the
-        # transposed copy XLA made of a lax.map over layers) would not fit
-        norms = st.key_norms
-        for l in range(cfg.num_layers):
-            norms = _put_layer(norms, _layer_key_norms(k, l), l)
-        st = st._replace(key_norms=norms)
-    return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
-                       token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
-                       step=jnp.int32(0), key=jax.random.key(seed), sfi=st)
-
-
-def forced_schedule(B, n, start, every, vocab):
-    """Non-trigger tokens, with row b emitting TRIGGER_ID every `every` steps, staggered."""
-    rng = np.random.default_rng(start)
-    toks = rng.integers(100, vocab, size=(B, n)).astype(np.int32)
-    if every > 0:
-        for b in range(B):
-            for i in range(n):
-                if (start + i + b * every // max(B, 1)) % every == every - 1:
-                    toks[b, i] = TRIGGER_ID
-    return toks
 
 
 def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig, profile=None):
@@ -169,13 +86,11 @@ def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig, profil
     if profile is not None and jax.default_backend() == "gpu":
         import tempfile
 
-        from profile_decode import kernel_stats
-
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
             state, toks, *_ = fn(params, state, eos, trig, jnp.asarray(forced_fn(chunks + 1)))
             jax.block_until_ready(toks)
-        profile.update(kernel_stats(d, n_steps) or {})
+        profile.update(_common.kernel_stats(d, n_steps) or {})
     return state, times, slow
 
 
@@ -250,9 +165,7 @@ def bytes_model(cfg, B, ctx, sfi, slow_share, bw):
 
 def _steps(ctx, args):
     """Steps per chunk, timed chunks, and the cache length they need."""
-    n = args.chunk_steps
-    chunks = max(1, args.new_tokens // n)
-    return n, chunks, ctx + (chunks + 3) * n + 128
+    return chunk_plan(ctx, args.chunk_steps, args.new_tokens)
 
 
 def bench_one(name, cfg, params, ctx, args, bw, B):

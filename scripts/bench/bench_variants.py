@@ -2,14 +2,15 @@
 (environment switches such as SFI_JAX_REFRESH_COND, SFI_JAX_REPACK or XLA_FLAGS are read at
 start-up or trace time), then one comparison table.
 
-    python scripts/bench_variants.py --out /tmp/ab \\
+    python scripts/bench/bench_variants.py --out /tmp/ab \\
         --variant base= --variant xla_repack=SFI_JAX_REPACK=xla \\
         --variant radix= --args "radix=--topk-impl radix" \\
         -- --models qwen3-4b --contexts 131072,8192 --no-check
 
 --args NAME=ARGS adds bench_e2e arguments to one variant (after the shared ones).
---tree NAME=DIR runs one variant from another checkout (its scripts/bench_e2e.py, which imports
-that checkout's package): an A/B against an earlier commit, e.g. after
+--tree NAME=DIR runs one variant from another checkout (its scripts/bench/bench_e2e.py, or
+scripts/bench/bench_e2e.py in a checkout from before the scripts were grouped, which imports that
+checkout's package): an A/B against an earlier commit, e.g. after
 `git worktree add /tmp/base HEAD~1`, `--variant base= --tree base=/tmp/base`.
 
 Each variant writes <out>/<name>.json (bench_e2e's e2e.json) and <name>.log; the table goes to
@@ -45,10 +46,18 @@ def parse_variant(text: str):
     return name, env
 
 
+def e2e_script(tree=None):
+    """bench_e2e.py of this checkout or of the checkout at `tree` (either layout)."""
+    if tree is None:
+        return os.path.join(HERE, "bench_e2e.py")
+    for rel in (("scripts", "bench", "bench_e2e.py"), ("scripts", "bench_e2e.py")):
+        if os.path.exists(os.path.join(tree, *rel)):
+            return os.path.join(tree, *rel)
+    raise SystemExit(f"--tree {tree}: no scripts/bench/bench_e2e.py or scripts/bench/bench_e2e.py")
+
+
 def run_variant(name, env, bench_args, out, timeout, extra=(), tree=None):
-    script = os.path.join(HERE if tree is None else os.path.join(tree, "scripts"), "bench_e2e.py")
-    if not os.path.exists(script):
-        raise SystemExit(f"variant {name}: no {script}")
+    script = e2e_script(tree)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, script, "--out", tmp, *bench_args, *extra]
         with open(os.path.join(out, f"{name}.log"), "w") as log:
