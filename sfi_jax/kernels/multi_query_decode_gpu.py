@@ -1,0 +1,227 @@
+"""Split-K multi-query decode attention for NVIDIA GPUs: Pallas with the Triton lowering.
+
+One program per (row, KV head, split) holds that KV head's G*T query rows (the group's heads
+times the T queries, padded to 16 or the next power of two) and reads each K/V block of its
+split once for all of them, so a verify of a few tokens costs about one decode step. Each
+query row masks its own causal edge; a row's programs stop at the end of its last valid
+query, so a row without one does next to no work. A second small kernel merges the splits.
+
+Row i of a program is query t = i % T of head h * G + i // T: the logits come out as
+[B, Hq, T, S] (T inner) without a transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as plgpu_triton
+
+_MIN_ROWS = 16  # smallest M of tl.dot
+MAX_ROWS = 256  # G * T rows per program at most (register file)
+_M_INIT = -1e30  # finite, so exp(m_old - m_new) is never NaN
+_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning knobs: block_k a power of two; programs is the grid size aimed for."""
+
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    programs: int = 8 * _NUM_SMS
+
+
+def default_config(rows: int, logits: bool) -> Config:
+    """Starting point by padded row count: 16 rows as the dense decode kernel's tuning; more
+    rows hold a larger score tile, so the key block shrinks to keep it in registers."""
+    if rows <= 16:
+        return Config(128, 4 if logits else 8, 2, (16 if logits else 8) * _NUM_SMS)
+    if rows <= 32:
+        return Config(128, 8, 2, (16 if logits else 8) * _NUM_SMS)
+    return Config(64 if rows <= 64 else 32, 8, 2, 8 * _NUM_SMS)
+
+
+def _pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _splits(total, pairs, bk, programs):
+    """Split length (multiple of bk) and count covering `total` keys per (row, KV head)."""
+    want = max(1, -(-programs // max(pairs, 1)))
+    split = max(bk, -(-max(total, 1) // want))
+    split = -(-split // bk) * bk
+    return split, max(1, -(-max(total, 1) // split))
+
+
+def row_end(q_start, kv_len, n_queries):
+    """Keys a row reads: up to its last valid query (0 when query 0 is already padding).
+    kv_len is clipped to the cache already."""
+    end = jnp.minimum(q_start + n_queries, kv_len)
+    return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
+
+
+def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *logit_ref,
+            n_q, hq, group, rows, split, s_len, d, dp, bk, scale, precision):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    gt = group * n_q
+    i = jnp.arange(rows)
+    t = i % n_q
+    live = i < gt
+    qs = qs_ref[b]
+    kvl = jnp.clip(len_ref[b], 0, s_len)
+    pos = qs + t
+    limit = jnp.where(live & (pos < kvl), pos + 1, 0)  # row i reads keys [0, limit)
+    start = j * split
+    end = jnp.minimum(start + split, s_len)
+    hi = jnp.minimum(end, row_end(qs, kvl, n_q))
+    dmask = None if dp == d else jnp.arange(dp) < d
+    qmask = live[:, None] if dmask is None else live[:, None] & dmask[None, :]
+    # q is [B, T * Hq, D]: row i reads q[b, t, h * G + i // T] (a gather of T * G rows)
+    qrow = jnp.where(live, t * hq + h * group + i // n_q, 0)
+    q = plgpu_triton.load(q_ref.at[b, qrow[:, None], jnp.arange(dp)[None, :]], mask=qmask,
+                          other=0.0).astype(k_ref.dtype)
+    idx = jnp.arange(bk)
+    out_rows = pl.ds(h * gt, rows)
+
+    def store_logits(blk, s):
+        cmask = (blk + idx) < end
+        plgpu_triton.store(logit_ref[0].at[b, out_rows, pl.ds(blk, bk)], s,
+                           mask=live[:, None] & cmask[None, :])
+
+    def body(n, carry):
+        acc, m, l = carry
+        blk = start + n * bk
+        cols = blk + idx
+        kmask = cols < hi
+        lmask = kmask[:, None] if dmask is None else kmask[:, None] & dmask[None, :]
+        at = (layer, b, h, pl.ds(blk, bk), pl.ds(0, dp))
+        kb = plgpu_triton.load(k_ref.at[at], mask=lmask, other=0.0)
+        s = plgpu_triton.dot(q, kb, trans_b=True, precision=precision) * scale
+        s = jnp.where(cols[None, :] < limit[:, None], s, -jnp.inf)
+        if logit_ref:
+            store_logits(blk, s)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        vb = plgpu_triton.load(v_ref.at[at], mask=lmask, other=0.0)
+        acc = acc * alpha[:, None] + plgpu_triton.dot(p.astype(vb.dtype), vb,
+                                                      precision=precision)
+        return acc, m_new, l
+
+    init = (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), _M_INIT, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    n_blocks = pl.cdiv(jnp.maximum(hi - start, 0), bk)
+    acc, m, l = lax.fori_loop(0, n_blocks, body, init)
+    if logit_ref:
+        # the split's blocks past the row's end: -inf, without reading K
+        done = start + n_blocks * bk
+        neg = jnp.full((rows, bk), -jnp.inf, jnp.float32)
+
+        def fill(n, c):
+            store_logits(done + n * bk, neg)
+            return c
+
+        lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
+    keep = start < hi  # the merge reads only the splits that start before the row's end
+    plgpu_triton.store(o_ref.at[b, j, out_rows, pl.ds(0, dp)], acc,
+                       mask=(live[:, None] if dmask is None else qmask) & keep)
+    plgpu_triton.store(m_ref.at[b, j, out_rows], m, mask=live & keep)
+    plgpu_triton.store(l_ref.at[b, j, out_rows], l, mask=live & keep)
+
+
+def _combine_kernel(qs_ref, len_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n_q, hq, split,
+                    n_splits, nsp, s_len, d, dp):
+    """Query row i = head * T + t of row b: merge the splits its row wrote, exactly."""
+    b, i = pl.program_id(0), pl.program_id(1)
+    end = row_end(qs_ref[b], jnp.clip(len_ref[b], 0, s_len), n_q)
+    jmask = jnp.arange(nsp) < jnp.minimum(pl.cdiv(end, split), n_splits)
+    dmask = jnp.arange(dp) < d
+    m = plgpu_triton.load(m_ref.at[b, pl.ds(0, nsp), i], mask=jmask, other=-jnp.inf)
+    l = plgpu_triton.load(l_ref.at[b, pl.ds(0, nsp), i], mask=jmask, other=0.0)
+    o = plgpu_triton.load(o_ref.at[b, pl.ds(0, nsp), i, pl.ds(0, dp)],
+                          mask=jmask[:, None] & dmask[None, :], other=0.0)
+    mx = jnp.max(m)
+    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    lsum = jnp.sum(l * w)
+    acc = jnp.sum(o * w[:, None], axis=0)
+    ok = lsum > 0
+    out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
+    # out is [B, T * Hq, D]: query t of head i // T
+    plgpu_triton.store(out_ref.at[b, (i % n_q) * hq + i // n_q, pl.ds(0, dp)],
+                       out.astype(out_ref.dtype), mask=dmask)
+    plgpu_triton.store(lse_ref.at[b, i],
+                       jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf))
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=False,
+                       interpret=False, config=None):
+    """Multi-query decode attention (see kernels.multi_query_decode); one pass over K and V.
+
+    q [B, T, Hq, D]; k, v [B, Hkv, S, D] or stacked [L, B, Hkv, S, D] read at `layer`.
+    config: a Config (None: default_config for the padded row count).
+    """
+    if layer is None:
+        k, v, layer_arr = k[None], v[None], jnp.zeros((1,), jnp.int32)
+    else:
+        layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    n_rows, n_q, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    group = hq // hkv
+    rows = max(_MIN_ROWS, _pow2(group * n_q))
+    if rows > MAX_ROWS:
+        raise ValueError(f"GQA group {group} x {n_q} queries = {group * n_q} rows per KV head; "
+                         f"the GPU kernel takes at most {MAX_ROWS}")
+    cfg = config or default_config(rows, return_logits)
+    dp = _pow2(d)
+    bk = min(cfg.block_k, max(16, _pow2(s_len)))
+    split, n_splits = _splits(s_len, n_rows * hkv, bk, cfg.programs)
+    q_start = q_start.astype(jnp.int32)
+    kv_len = kv_len.astype(jnp.int32)
+    kernel = functools.partial(
+        _kernel, n_q=n_q, hq=hq, group=group, rows=rows, split=split, s_len=s_len, d=d, dp=dp,
+        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+    n_out = hq * n_q
+    out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, n_out, d), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, n_out), jnp.float32),
+                 jax.ShapeDtypeStruct((n_rows, n_splits, n_out), jnp.float32)]
+    if return_logits:
+        out_shape.append(jax.ShapeDtypeStruct((n_rows, n_out, s_len), jnp.float32))
+    res = pl.pallas_call(
+        kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
+                                                    num_stages=cfg.num_stages),
+        interpret=interpret, name="sfi_multi_query_decode",
+    )(layer_arr, q_start, kv_len, q.reshape(n_rows, n_q * hq, d), k, v)
+    nsp = max(2, _pow2(n_splits))
+    combine = functools.partial(_combine_kernel, n_q=n_q, hq=hq, split=split,
+                                n_splits=n_splits, nsp=nsp, s_len=s_len, d=d, dp=dp)
+    out, lse = pl.pallas_call(
+        combine, grid=(n_rows, n_out),
+        out_shape=[jax.ShapeDtypeStruct((n_rows, n_q * hq, d), q.dtype),
+                   jax.ShapeDtypeStruct((n_rows, n_out), jnp.float32)],
+        compiler_params=plgpu_triton.CompilerParams(num_warps=1 if nsp * dp <= 4096 else 4,
+                                                    num_stages=1),
+        interpret=interpret, name="sfi_multi_query_combine",
+    )(q_start, kv_len, res[0], res[1], res[2])
+    out = out.reshape(n_rows, n_q, hq, d)
+    if return_logits:
+        return out, res[3].reshape(n_rows, hq, n_q, s_len), lse.reshape(n_rows, hq, n_q)
+    return out
