@@ -1,0 +1,228 @@
+"""Prefill attention kernel timing against cuDNN, written as JSON to --out.
+
+On a GPU: GQA 32/8, D 128, bf16, batch 1. For each chunk T and context N (offset N - T) it
+times `prefill_attention` (impl pallas_gpu, each --configs entry) over a head-major cache
+holding N keys, and cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`) on
+(a) a causal no-offset call of T queries over T keys, (b) a causal no-offset call of length N
+(the whole prompt at once) and (c) for offsets, the prefix (non-causal) and the chunk
+(causal) as two calls merged by their log-sum-exp, which is what the same chunk costs through
+cuDNN. Our output is checked against (c) (or the reference on small shapes). TFLOP/s count
+causal FLOPs: 4 * B * Hq * D * (query-key pairs that attend).
+
+--smoke: tiny shapes on the CPU through the xla path, checked against the dense reference.
+
+  python scripts/bench_prefill_kernel.py --out benchmarks/prefill_kernel.json
+  python scripts/bench_prefill_kernel.py --smoke --out /tmp/prefill_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sfi_jax.kernels import prefill_attention_gpu
+from sfi_jax.kernels.prefill_attention import prefill_attention
+from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
+
+
+def causal_pairs(t, offset):
+    """Query-key pairs of a chunk of t queries at `offset` over the filled prefix + itself."""
+    return t * offset + t * (t + 1) // 2
+
+
+def tflops(b, hq, d, pairs, seconds):
+    return 4.0 * b * hq * d * pairs / seconds / 1e12
+
+
+def time_fn(fn, args, reps, repeats=5):
+    """Median seconds per call of `reps` back-to-back calls (after a warm-up)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def parse_config(text):
+    """rows:block_k:num_warps:num_stages, e.g. 128:64:8:3."""
+    rows, bk, warps, stages = (int(x) for x in text.split(":"))
+    return prefill_attention_gpu.Config(rows=rows, block_k=bk, num_warps=warps,
+                                        num_stages=stages)
+
+
+def make_inputs(key, b, t, n, hq, hkv, d, dtype):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, t, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, hkv, n, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, hkv, n, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def cudnn_causal(q, k, v):
+    """cuDNN causal attention, q [B, T, Hq, D], k, v [B, S, Hkv, D] (no offset)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def cudnn_offset(q, k_seq, v_seq, offset):
+    """A chunk at `offset` through cuDNN: prefix (non-causal) and chunk (causal, top-left
+    aligned) as two calls, merged by their log-sum-exp. k_seq, v_seq [B, N, Hkv, D]."""
+    chunk = slice(offset, offset + q.shape[1])
+    o2, l2 = jax.nn.dot_product_attention(q, k_seq[:, chunk], v_seq[:, chunk], is_causal=True,
+                                          implementation="cudnn", return_residual=True)
+    if offset == 0:
+        return o2
+    o1, l1 = jax.nn.dot_product_attention(q, k_seq[:, :offset], v_seq[:, :offset],
+                                          implementation="cudnn", return_residual=True)
+    if l1.shape != q.shape[:3]:  # [B, Hq, T] -> [B, T, Hq]
+        l1, l2 = l1.transpose(0, 2, 1), l2.transpose(0, 2, 1)
+    m = jnp.maximum(l1, l2)
+    w1, w2 = jnp.exp(l1 - m)[..., None], jnp.exp(l2 - m)[..., None]
+    out = (o1.astype(jnp.float32) * w1 + o2.astype(jnp.float32) * w2) / (w1 + w2)
+    return out.astype(q.dtype)
+
+
+def run_smoke(args):
+    rows = []
+    hq, hkv, d, b = 4, 2, 16, 2
+    for t, n in ((16, 48), (24, 70)):
+        q, k, v = make_inputs(jax.random.key(t * 100 + n), b, t, n, hq, hkv, d, jnp.float32)
+        offset = n - t
+        qs = jnp.full((b,), offset, jnp.int32)
+        kl = jnp.full((b,), n, jnp.int32)
+        fn = jax.jit(lambda q, k, v, qs, kl: prefill_attention(q, k, v, qs, kl, impl="xla",
+                                                               block_q=8, block_k=16))
+        sec = time_fn(fn, (q, k, v, qs, kl), reps=2, repeats=2)
+        err = rel_err(fn(q, k, v, qs, kl), reference(q, k, v, qs, kl))
+        rows.append(dict(kind="ours", impl="xla", t=t, offset=offset, context=n,
+                         config=None, ms=sec * 1e3,
+                         tflops=tflops(b, hq, d, causal_pairs(t, offset), sec),
+                         max_rel_err=err, checked_against="reference"))
+    return rows
+
+
+def run_gpu(args):
+    hq, hkv, d, b, dtype = 32, 8, 128, 1, jnp.bfloat16
+    configs = [parse_config(c) for c in args.configs]
+    rows = []
+    cudnn_no_offset = {}
+
+    def cudnn_full(n):
+        """cuDNN causal no-offset attention of length n (cached per length)."""
+        if n not in cudnn_no_offset:
+            q, k, v = make_inputs(jax.random.key(n), b, n, n, hq, hkv, d, dtype)
+            ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            sec = time_fn(jax.jit(cudnn_causal), (q, ks, vs), reps=args.reps)
+            cudnn_no_offset[n] = sec
+            rows.append(dict(kind="cudnn_causal_no_offset", t=n, offset=0, context=n,
+                             ms=sec * 1e3, tflops=tflops(b, hq, d, causal_pairs(n, 0), sec)))
+            print(rows[-1], flush=True)
+        return cudnn_no_offset[n]
+
+    for t in args.chunks:
+        for n in args.contexts:
+            if n < t:
+                continue
+            offset = n - t
+            pairs = causal_pairs(t, offset)
+            q, k, v = make_inputs(jax.random.key(t + n), b, t, n, hq, hkv, d, dtype)
+            qs, kl = jnp.full((b,), offset, jnp.int32), jnp.full((b,), n, jnp.int32)
+            ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # cuDNN's layout
+            cfn = jax.jit(cudnn_offset, static_argnames="offset")
+            want = None
+            try:
+                want = cfn(q, ks, vs, offset=offset)
+                sec = time_fn(lambda *a: cfn(*a, offset=offset), (q, ks, vs), reps=args.reps)
+                rows.append(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
+                                 ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec)))
+            except Exception as e:  # noqa: BLE001 - record why cuDNN could not run
+                rows.append(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
+                                 error=f"{type(e).__name__}: {e}"[:300]))
+            print(rows[-1], flush=True)
+            cudnn_full(t)
+            for cfg in configs:
+                fn = jax.jit(lambda q, k, v, qs, kl, c=cfg: prefill_attention_gpu.prefill_attention(
+                    q, k, v, qs, kl, config=c))
+                row = dict(kind="ours", impl="pallas_gpu", t=t, offset=offset, context=n,
+                           config=cfg.__dict__)
+                try:
+                    out = fn(q, k, v, qs, kl)
+                    sec = time_fn(fn, (q, k, v, qs, kl), reps=args.reps)
+                    row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
+                               max_rel_err=None if want is None else rel_err(
+                                   out.astype(jnp.float32), want.astype(jnp.float32)),
+                               checked_against=None if want is None else "cudnn_split_merge")
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(row, flush=True)
+            del q, k, v, ks, vs, want
+    for n in args.full:  # the whole prompt as one chunk: the same shapes as cuDNN no-offset
+        sec_c = cudnn_full(n)
+        q, k, v = make_inputs(jax.random.key(n), b, n, n, hq, hkv, d, dtype)
+        qs, kl = jnp.zeros((b,), jnp.int32), jnp.full((b,), n, jnp.int32)
+        for cfg in configs:
+            fn = jax.jit(lambda q, k, v, qs, kl, c=cfg: prefill_attention_gpu.prefill_attention(
+                q, k, v, qs, kl, config=c))
+            row = dict(kind="ours_no_offset", impl="pallas_gpu", t=n, offset=0, context=n,
+                       config=cfg.__dict__)
+            try:
+                sec = time_fn(fn, (q, k, v, qs, kl), reps=args.reps)
+                row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, causal_pairs(n, 0), sec),
+                           vs_cudnn_time=sec / sec_c)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(row, flush=True)
+        del q, k, v
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (xla impl)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--contexts", type=int, nargs="+",
+                   default=[8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--full", type=int, nargs="*", default=[8192, 32768, 131072],
+                   help="no-offset lengths timed as one chunk beside cuDNN")
+    p.add_argument("--configs", nargs="+",
+                   default=["128:64:8:3", "128:128:8:2", "128:64:4:3", "64:64:4:3", "128:128:8:3"],
+                   help="GPU kernel configs rows:block_k:num_warps:num_stages")
+    p.add_argument("--reps", type=int, default=10)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    if not args.smoke and jax.default_backend() not in ("gpu", "cuda"):
+        sys.exit(f"no GPU (backend {jax.default_backend()!r}); use --smoke on a CPU")
+    rows = run_smoke(args) if args.smoke else run_gpu(args)
+    meta = dict(command=" ".join(["python", "scripts/bench_prefill_kernel.py", *argv]),
+                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                python=platform.python_version(), smoke=args.smoke,
+                shapes="smoke: Hq 4 Hkv 2 D 16 f32 B 2" if args.smoke else
+                "Hq 32 Hkv 8 D 128 bf16 B 1",
+                flops="4 * B * Hq * D * causal pairs")
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
