@@ -3,3 +3,4 @@
 from sfi_jax.kernels.api import dense_decode, sparse_decode
 
 __all__ = ["dense_decode", "sparse_decode"]
+from sfi_jax.kernels.prefill_attention import prefill_attention  # noqa: E402,F401
