@@ -42,7 +42,20 @@ def tflops(b, hq, d, pairs, seconds):
     return 4.0 * b * hq * d * pairs / seconds / 1e12
 
 
-def time_fn(fn, args, reps, repeats=5):
+class Results:
+    """Rows written to --out after each one, so a run cut short keeps what it measured."""
+
+    def __init__(self, path, meta):
+        self.path, self.meta, self.rows = path, meta, []
+
+    def add(self, row):
+        self.rows.append(row)
+        print(row, flush=True)
+        with open(self.path, "w") as f:
+            json.dump(dict(meta=self.meta, rows=self.rows), f, indent=1)
+
+
+def time_fn(fn, args, reps, repeats=3):
     """Median seconds per call of `reps` back-to-back calls (after a warm-up)."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -99,8 +112,7 @@ def cudnn_offset(q, k_seq, v_seq, offset):
     return out.astype(q.dtype)
 
 
-def run_smoke(args):
-    rows = []
+def run_smoke(args, res):
     hq, hkv, d, b = 4, 2, 16, 2
     for t, n in ((16, 48), (24, 70)):
         q, k, v = make_inputs(jax.random.key(t * 100 + n), b, t, n, hq, hkv, d, jnp.float32)
@@ -111,29 +123,51 @@ def run_smoke(args):
                                                                block_q=8, block_k=16))
         sec = time_fn(fn, (q, k, v, qs, kl), reps=2, repeats=2)
         err = rel_err(fn(q, k, v, qs, kl), reference(q, k, v, qs, kl))
-        rows.append(dict(kind="ours", impl="xla", t=t, offset=offset, context=n,
-                         config=None, ms=sec * 1e3,
-                         tflops=tflops(b, hq, d, causal_pairs(t, offset), sec),
-                         max_rel_err=err, checked_against="reference"))
-    return rows
+        res.add(dict(kind="ours", impl="xla", t=t, offset=offset, context=n,
+                     config=None, ms=sec * 1e3,
+                     tflops=tflops(b, hq, d, causal_pairs(t, offset), sec),
+                     max_rel_err=err, checked_against="reference"))
 
 
-def run_gpu(args):
+def check_small(configs):
+    """Our kernel (each config) and cuDNN's split-and-merge against the dense reference on a
+    small offset chunk, so the large rows' cross-check against cuDNN means something."""
+    hq, hkv, d, b, t, n = 32, 8, 128, 2, 384, 1280
+    q, k, v = make_inputs(jax.random.key(0), b, t, n, hq, hkv, d, jnp.bfloat16)
+    qs, kl = jnp.full((b,), n - t, jnp.int32), jnp.full((b,), n, jnp.int32)
+    want = reference(q, k, v, qs, kl).astype(jnp.float32)
+    out = {}
+    try:
+        got = cudnn_offset(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), n - t)
+        out["cudnn_split_merge"] = rel_err(got.astype(jnp.float32), want)
+    except Exception as e:  # noqa: BLE001
+        out["cudnn_split_merge"] = f"{type(e).__name__}: {e}"[:300]
+    for cfg in configs:
+        got = prefill_attention_gpu.prefill_attention(q, k, v, qs, kl, config=cfg)
+        out[str(cfg)] = rel_err(got.astype(jnp.float32), want)
+    return out
+
+
+def run_gpu(args, res):
     hq, hkv, d, b, dtype = 32, 8, 128, 1, jnp.bfloat16
     configs = [parse_config(c) for c in args.configs]
-    rows = []
+    res.meta["rel_err_vs_reference_b2_t384_offset896"] = check_small(configs)
+    print(res.meta, flush=True)
     cudnn_no_offset = {}
 
     def cudnn_full(n):
-        """cuDNN causal no-offset attention of length n (cached per length)."""
+        """Seconds of cuDNN causal no-offset attention of length n (None if it failed)."""
         if n not in cudnn_no_offset:
             q, k, v = make_inputs(jax.random.key(n), b, n, n, hq, hkv, d, dtype)
             ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            sec = time_fn(jax.jit(cudnn_causal), (q, ks, vs), reps=args.reps)
+            row = dict(kind="cudnn_causal_no_offset", t=n, offset=0, context=n)
+            try:
+                sec = time_fn(jax.jit(cudnn_causal), (q, ks, vs), reps=args.reps)
+                row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, causal_pairs(n, 0), sec))
+            except Exception as e:  # noqa: BLE001 - record why cuDNN could not run
+                sec, row["error"] = None, f"{type(e).__name__}: {e}"[:300]
             cudnn_no_offset[n] = sec
-            rows.append(dict(kind="cudnn_causal_no_offset", t=n, offset=0, context=n,
-                             ms=sec * 1e3, tflops=tflops(b, hq, d, causal_pairs(n, 0), sec)))
-            print(rows[-1], flush=True)
+            res.add(row)
         return cudnn_no_offset[n]
 
     for t in args.chunks:
@@ -150,12 +184,11 @@ def run_gpu(args):
             try:
                 want = cfn(q, ks, vs, offset=offset)
                 sec = time_fn(lambda *a: cfn(*a, offset=offset), (q, ks, vs), reps=args.reps)
-                rows.append(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
-                                 ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec)))
+                res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
+                             ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec)))
             except Exception as e:  # noqa: BLE001 - record why cuDNN could not run
-                rows.append(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
-                                 error=f"{type(e).__name__}: {e}"[:300]))
-            print(rows[-1], flush=True)
+                res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
+                             error=f"{type(e).__name__}: {e}"[:300]))
             cudnn_full(t)
             for cfg in configs:
                 fn = jax.jit(lambda q, k, v, qs, kl, c=cfg: prefill_attention_gpu.prefill_attention(
@@ -171,8 +204,7 @@ def run_gpu(args):
                                checked_against=None if want is None else "cudnn_split_merge")
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                print(row, flush=True)
+                res.add(row)
             del q, k, v, ks, vs, want
     for n in args.full:  # the whole prompt as one chunk: the same shapes as cuDNN no-offset
         sec_c = cudnn_full(n)
@@ -186,13 +218,11 @@ def run_gpu(args):
             try:
                 sec = time_fn(fn, (q, k, v, qs, kl), reps=args.reps)
                 row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, causal_pairs(n, 0), sec),
-                           vs_cudnn_time=sec / sec_c)
+                           vs_cudnn_time=None if sec_c is None else sec / sec_c)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            print(row, flush=True)
+            res.add(row)
         del q, k, v
-    return rows
 
 
 def main(argv=None):
@@ -207,21 +237,20 @@ def main(argv=None):
     p.add_argument("--configs", nargs="+",
                    default=["128:64:8:3", "128:128:8:2", "128:64:4:3", "64:64:4:3", "128:128:8:3"],
                    help="GPU kernel configs rows:block_k:num_warps:num_stages")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=5, help="back-to-back calls per timing")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if not args.smoke and jax.default_backend() not in ("gpu", "cuda"):
         sys.exit(f"no GPU (backend {jax.default_backend()!r}); use --smoke on a CPU")
-    rows = run_smoke(args) if args.smoke else run_gpu(args)
     meta = dict(command=" ".join(["python", "scripts/bench_prefill_kernel.py", *argv]),
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 python=platform.python_version(), smoke=args.smoke,
                 shapes="smoke: Hq 4 Hkv 2 D 16 f32 B 2" if args.smoke else
                 "Hq 32 Hkv 8 D 128 bf16 B 1",
                 flops="4 * B * Hq * D * causal pairs")
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {args.out} ({len(rows)} rows)")
+    res = Results(args.out, meta)
+    (run_smoke if args.smoke else run_gpu)(args, res)
+    print(f"wrote {args.out} ({len(res.rows)} rows)")
 
 
 if __name__ == "__main__":
