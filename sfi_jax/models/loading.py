@@ -103,19 +103,21 @@ def _load(source: str, *, dtype, mesh, seed) -> Model:
 
 
 def load_tokenizer(source: str = EMBEDDED_DEFAULT):
-    """The transformers tokenizer that belongs to `source` (a clear error for config-only presets)."""
-    from transformers import AutoTokenizer
+    """The transformers tokenizer that belongs to `source` (a clear error for config-only presets).
 
+    GGUF tokenizers (the embedded default, a .gguf path) are built from the file's metadata
+    with the `tokenizers` library, so no torch is needed.
+    """
     if source == EMBEDDED_DEFAULT:
-        path = gguf_loader.embedded_gguf_path()
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return gguf_loader.gguf_tokenizer(gguf_loader.embedded_gguf_path())
     if source in PRESETS:
         raise ValueError(f"preset {source!r} has random weights and no tokenizer; pass token ids, "
                          "or load a real checkpoint directory")
     path = os.path.expanduser(source)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                             gguf_file=os.path.basename(path))
+        return gguf_loader.gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
     if not os.path.exists(path) and _looks_like_hub_id(source):
         path = _resolve_hub(source)
     if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
