@@ -1,9 +1,10 @@
 """sfi_jax: Slow-Fast Inference for long-context decoding in JAX."""
 
 from sfi_jax.config import SFIConfig
+from sfi_jax.options import EngineOptions
 from sfi_jax.models import Model, ModelConfig, forward, load_model, load_tokenizer
 from sfi_jax.runtime import GenerateResult, generate
 
-__all__ = ["GenerateResult", "Model", "ModelConfig", "SFIConfig", "forward", "generate",
+__all__ = ["EngineOptions", "GenerateResult", "Model", "ModelConfig", "SFIConfig", "forward", "generate",
            "load_model", "load_tokenizer"]
 __version__ = "0.1.0"

@@ -7,8 +7,6 @@ import math
 import numbers
 
 POLICIES = ("sfi", "tmax", "streaming", "prefill_only", "oracle")
-TOPK_IMPLS = ("auto", "lax", "threshold", "radix", "radix_kernel")  # see SFIConfig.topk_impl
-SCORES_IMPLS = ("auto", "xla", "pallas_gpu")  # see SFIConfig.scores_impl
 """Refresh policies.
 
 - "sfi": slow step on the first decode step, after a trigger token, and every t_max steps.
@@ -72,15 +70,6 @@ class SFIConfig:
     prefill_window: int = 16
     policy: str = "sfi"
     refresh_rows: int | None = None
-    # selector top-k: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
-    # lax.top_k; faster on the H200 at long contexts), "radix" (the same with radix searches in
-    # place of the sorts), "radix_kernel" (the same with each radix search in one Triton
-    # kernel) or "auto" (radix_kernel on GPU, lax elsewhere)
-    topk_impl: str = "auto"
-    # selector scores (§4 steps 1-6): "xla" (jnp), "pallas_gpu" (Triton kernels for steps 1-4:
-    # two passes over the logits and one over two floats per position) or "auto" (pallas_gpu
-    # on GPU, xla elsewhere)
-    scores_impl: str = "auto"
     # Decode queries whose logits feed a slow step's selector, per layer: 1 = the step's own
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
     # each layer's last W queries and selects from all of them, as prefill does with 16.
@@ -111,14 +100,40 @@ class SFIConfig:
         _float_field(self, "eps", 0.0, 1.0, lo_open=True, hi_open=True)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.topk_impl not in TOPK_IMPLS:
-            raise ValueError(f"SFIConfig.topk_impl must be one of {TOPK_IMPLS}, "
-                             f"got {self.topk_impl!r}")
-        if self.scores_impl not in SCORES_IMPLS:
-            raise ValueError(f"SFIConfig.scores_impl must be one of {SCORES_IMPLS}, "
-                             f"got {self.scores_impl!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
+
+    @property
+    def refreshes(self) -> bool:
+        """Rows refresh their selection during decode ("sfi", "tmax"): the refreshed rows'
+        logits are kept for one step and selected from at the next step's start."""
+        return self.policy in ("sfi", "tmax")
+
+    @property
+    def uses_triggers(self) -> bool:
+        """A trigger token asks for a slow step ("sfi")."""
+        return self.policy == "sfi"
+
+    @property
+    def selects_every_step(self) -> bool:
+        """Every step selects from a fresh dense pass, per layer ("oracle")."""
+        return self.policy == "oracle"
+
+    @property
+    def sink_only(self) -> bool:
+        """The compact buffers hold the sink alone and never change ("streaming")."""
+        return self.policy == "streaming"
+
+    @property
+    def selects_at_prefill(self) -> bool:
+        """The prefill window makes the initial selection (every policy but "streaming")."""
+        return not self.sink_only
+
+    @property
+    def fixed_selection(self) -> bool:
+        """The selection made at prefill is kept for the whole decode ("streaming",
+        "prefill_only")."""
+        return self.policy in ("streaming", "prefill_only")
 
     @property
     def budget(self) -> int:

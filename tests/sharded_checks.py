@@ -35,7 +35,6 @@ from sfi_jax.models.modeling import Model  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
 from sfi_jax.runtime import sharding  # noqa: E402
 
-MESHES = ("1x8", "2x4", "8x1")
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_q_heads=16, num_kv_heads=8,
             head_dim=16, vocab_size=256, max_position_embeddings=512, qk_norm=True)
 CONFIGS = {
@@ -81,71 +80,77 @@ def same_greedy(got, want, want_logits, what):
     return ""
 
 
-def run_generate(model, mode, mesh=None, impl="auto"):
+def run_generate(model, mode, mesh=None, options=None):
     return sfi_jax.generate(model, prompts(), max_new_tokens=NEW_TOKENS, mode=mode, sfi=SFI,
                             trigger_ids=TRIGGERS, return_logits=True, chunk_steps=16,
-                            stop_at_eos=False, mesh=mesh, impl=impl)
+                            stop_at_eos=False, mesh=mesh, options=options)
+
+
+_REFERENCES = {}
+
+
+def reference(name, mode):
+    """One device's run of CONFIGS[name] (seed 1) in `mode`, computed once per process: several
+    checks compare against it."""
+    if (name, mode) not in _REFERENCES:
+        cfg = CONFIGS[name]
+        _REFERENCES[name, mode] = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)),
+                                               mode)
+    return _REFERENCES[name, mode]
 
 
 def check_gpu_kernels():
     """The GPU path under shard_map (Triton kernels in interpret mode): the sparse kernel's
     cache stores, the unconditional refresh writing logits and outputs in place, the repack
-    kernel, each on a device's rows and KV heads; the same tokens as one device's XLA path."""
+    kernel, each on a device's rows and KV heads; the same tokens as one device's XLA path
+    (the CPU default, and what every other mesh check runs, XLA's repack included)."""
     cfg = CONFIGS["qwen3"]
-    ref = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)), "sfi", impl="xla")
+    ref = reference("qwen3", "sfi")
     mesh = sharding.make_mesh("2x4")
     model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
-    notes = []
-    for repack in ("xla", "kernel"):
-        os.environ["SFI_JAX_REPACK"] = repack
-        jax.clear_caches()
-        got = run_generate(model, "sfi", impl="pallas_gpu")
-        notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
-                                 f"pallas_gpu 2x4 repack={repack}"))
-        if got.tokens == ref.tokens:
-            assert got.stats["slow_steps"] == ref.stats["slow_steps"]
-    os.environ.pop("SFI_JAX_REPACK")
-    return "; ".join(n for n in notes if n) or "identical tokens"
+    got = run_generate(model, "sfi", options=sfi_jax.EngineOptions(attention="pallas_gpu",
+                                                                   repack="kernel"))
+    note = same_greedy(got.tokens, ref.tokens, ref.stats["logits"], "pallas_gpu 2x4")
+    if got.tokens == ref.tokens:
+        assert got.stats["slow_steps"] == ref.stats["slow_steps"]
+    return note or "identical tokens"
 
 
-def check_generation(name, modes=("dense", "sfi"), meshes=MESHES):
+def check_generation(name, runs, split=True, fused=False):
+    """Generation on meshes equals one device's: `runs` is a list of (mesh spec, mode). With
+    `split`, the last mesh's model split into per-layer weights (SFI) too; with `fused`, one
+    device's split layout with fused q/k/v run on that mesh (SFI)."""
     cfg = CONFIGS[name]
-    single = Model(cfg, random_params(cfg, "float32", seed=1))
-    refs = {mode: run_generate(single, mode) for mode in modes}
+    refs = {mode: reference(name, mode) for mode in dict.fromkeys(m for _, m in runs)}
     if "sfi" in refs:
         slow = sum(refs["sfi"].stats["slow_steps"])
         fast = sum(refs["sfi"].stats["fast_steps"])
         assert slow > BATCH and fast > 0, f"SFI run has {slow} slow / {fast} fast steps"
     notes = []
-    for spec in meshes:
+    for spec, mode in runs:
         mesh = sharding.make_mesh(spec)
         model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
-        for mode in modes:
-            got = run_generate(model, mode)  # the mesh comes from the parameters
-            ref = refs[mode]
-            notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
-                                     f"{name} {mode} {spec}"))
-            if mode == "sfi" and got.tokens == ref.tokens:
-                assert got.stats["slow_steps"] == ref.stats["slow_steps"], (
-                    f"{name} {spec}: slow steps {got.stats['slow_steps']} vs "
-                    f"{ref.stats['slow_steps']}")
-    # split (per-layer) weights on the last mesh keep their shardings and give the same result
-    layer0 = model.params["layers"]["wq"].sharding.spec
-    model.split_layers()
-    assert tuple(model.params["layers"][0]["wq"].sharding.spec) == tuple(layer0)[1:], (
-        model.params["layers"][0]["wq"].sharding.spec, layer0)
-    for mode in modes:
+        got = run_generate(model, mode)  # the mesh comes from the parameters
         ref = refs[mode]
-        notes.append(same_greedy(run_generate(model, mode).tokens, ref.tokens,
-                                 ref.stats["logits"], f"{name} {mode} {spec} split layers"))
-    # one device's split layout (fused q/k/v) run on the mesh: generate unfuses and places it
-    fused = Model(cfg, random_params(cfg, "float32", seed=1)).split_layers(fuse_qkv=True)
-    assert "wqkv" in fused.params["layers"][0]
-    for mode in modes:
-        ref = refs[mode]
-        notes.append(same_greedy(run_generate(fused, mode, mesh=mesh).tokens, ref.tokens,
-                                 ref.stats["logits"], f"{name} {mode} {spec} fused q/k/v"))
-    if "sfi" in modes:
+        notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
+                                 f"{name} {mode} {spec}"))
+        if mode == "sfi" and got.tokens == ref.tokens:
+            assert got.stats["slow_steps"] == ref.stats["slow_steps"], (
+                f"{name} {spec}: slow steps {got.stats['slow_steps']} vs "
+                f"{ref.stats['slow_steps']}")
+    ref = reference(name, "sfi")
+    if split:  # split (per-layer) weights keep their shardings and give the same result
+        layer0 = model.params["layers"]["wq"].sharding.spec
+        model.split_layers()
+        assert tuple(model.params["layers"][0]["wq"].sharding.spec) == tuple(layer0)[1:], (
+            model.params["layers"][0]["wq"].sharding.spec, layer0)
+        notes.append(same_greedy(run_generate(model, "sfi").tokens, ref.tokens,
+                                 ref.stats["logits"], f"{name} sfi {spec} split layers"))
+    if fused:  # one device's split layout (fused q/k/v) on the mesh: generate unfuses it
+        one = Model(cfg, random_params(cfg, "float32", seed=1)).split_layers(fuse_qkv=True)
+        assert "wqkv" in one.params["layers"][0]
+        notes.append(same_greedy(run_generate(one, "sfi", mesh=mesh).tokens, ref.tokens,
+                                 ref.stats["logits"], f"{name} sfi {spec} fused q/k/v"))
         try:
             sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
                              sfi=dataclasses.replace(SFI, evidence_window=2))
@@ -210,7 +215,8 @@ def check_selector():
     lengths = jnp.asarray([96, 70, 50, 81], jnp.int32)
     cfg = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=16, alpha_cross=1.0)
     lo, hi = engine._allowed(lengths, cfg)
-    fn = functools.partial(engine._select_compact, sfi=cfg)
+    fn = functools.partial(engine._select_compact, sfi=cfg,
+                           options=sfi_jax.EngineOptions().resolved())
     want = jax.jit(fn)(logits, norms, k, v, lo, hi, lengths)
     for spec in ("2x4", "1x8"):
         plan = sharding.plan_for(CONFIGS["qwen3"], sharding.make_mesh(spec), B)
@@ -302,7 +308,7 @@ def check_explicit_mesh():
     user_mesh = jax.make_mesh((2, 4), ("data", "model"))
     model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=user_mesh))
     single = Model(cfg, random_params(cfg, "float32", seed=1))
-    ref = run_generate(single, "dense")
+    ref = reference("qwen3", "dense")
     notes = [same_greedy(run_generate(model, "dense").tokens, ref.tokens, ref.stats["logits"],
                          "explicit 2x4")]
     with jax.set_mesh(user_mesh):
@@ -351,8 +357,7 @@ def check_multiprocess():
                                    outs[i]],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True) for i in range(2)]
-        cfg = CONFIGS["qwen3"]
-        ref = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)), "sfi")
+        ref = reference("qwen3", "sfi")  # while the workers run
         logs = [p.communicate(timeout=600)[0] for p in procs]
         for p, log in zip(procs, logs):
             assert p.returncode == 0, f"worker exited with {p.returncode}:\n{log[-3000:]}"
@@ -361,14 +366,19 @@ def check_multiprocess():
     return same_greedy(got[0]["tokens"], ref.tokens, ref.stats["logits"], "2 processes") or "equal"
 
 
+# The fewest runs that still cover each mesh shape (1x8: heads over 'model'; 2x4: rows and
+# heads; 8x1: rows only) with SFI, dense on one, MoE experts on a mesh, heads that no axis
+# divides, the GPU kernels under shard_map, and two processes.
 CHECKS = {
     "rules": check_rules,
     "selector": check_selector,
     "loading": check_loading,
     "orbax": check_orbax,
-    "generate_qwen3": lambda: check_generation("qwen3"),
-    "generate_qwen3_moe": lambda: check_generation("qwen3_moe"),
-    "generate_odd_heads": lambda: check_generation("odd_heads", modes=("sfi",), meshes=("2x4",)),
+    "generate_qwen3": lambda: check_generation(
+        "qwen3", [("1x8", "sfi"), ("2x4", "sfi"), ("1x8", "dense"), ("8x1", "sfi")], fused=True),
+    "generate_qwen3_moe": lambda: check_generation(
+        "qwen3_moe", [("8x1", "dense"), ("2x4", "sfi")]),
+    "generate_odd_heads": lambda: check_generation("odd_heads", [("2x4", "sfi")], split=False),
     "gpu_kernels": check_gpu_kernels,
     "explicit_mesh": check_explicit_mesh,
     "multiprocess": check_multiprocess,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sfi_jax import SFIConfig
+from sfi_jax import EngineOptions, SFIConfig
 from sfi_jax.models.config import PRESETS
 from sfi_jax.models.modeling import split_layers
 from sfi_jax.models.params import random_params
@@ -25,7 +25,7 @@ CFG = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
 B, S, N = 4, 384, 4
 
 
-def _big_copies(sfi, split: bool, impl: str = "auto"):
+def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions()):
     params = random_params(CFG, "float32", 0)
     if split:
         params["layers"] = split_layers(params["layers"], fuse_qkv=True)
@@ -43,7 +43,7 @@ def _big_copies(sfi, split: bool, impl: str = "auto"):
     forced = jnp.zeros((B, N), jnp.int32)
     text = engine.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
                                      sampling=SamplingConfig(), n_steps=N,
-                                     impl=impl).compile().as_text()
+                                     options=options.resolved()).compile().as_text()
     dims = [("bf16", shape)]
     if sfi is not None:
         dims.append(("bf16", (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size,
@@ -64,11 +64,10 @@ def test_decode_loop_has_no_big_copies(sfi, split):
 
 
 @pytest.mark.parametrize("repack", ["xla", "kernel"])
-def test_gpu_kernels_update_in_place(monkeypatch, repack):
+def test_gpu_kernels_update_in_place(repack):
     """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
     logits into the scratch buffer, the sparse kernel the cache, and the repack kernel the
     compact buffers, through aliased outputs, without copying them."""
-    monkeypatch.setenv("SFI_JAX_REPACK", repack)
-    jax.clear_caches()  # the engine reads the switch at trace time
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
-    assert _big_copies(sfi, True, impl="pallas_gpu") == []
+    options = EngineOptions(attention="pallas_gpu", repack=repack)
+    assert _big_copies(sfi, True, options) == []

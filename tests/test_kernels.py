@@ -432,20 +432,20 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
         w["k_norm"] = 1 + 0.3 * jax.random.normal(ks[3], (d,), dtype)
     x = _rand(ks[4], (5, 1, 48), dtype)
     pos = jnp.array([[0], [1], [777], [65536], [200003]], jnp.int32)
-    want = attention_inputs(w, cfg, x, pos, impl="xla")
-    got = attention_inputs(w, cfg, x, pos, impl="pallas_gpu")
+    want = attention_inputs(w, cfg, x, pos, heads="xla")
+    got = attention_inputs(w, cfg, x, pos, heads="kernel")
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     for name, a, b in zip("qkv", got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert _rel(a, b) < tol, (name, _rel(a, b))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # v: a plain copy
     # a wrong rotation (no sign flip) or a missing norm would not pass
-    bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, impl="xla")
+    bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, heads="xla")
     assert _rel(got[0], bad[0]) > 10 * tol
     # only a decode step (one position per row) with fused q/k/v weights takes the kernel
     def uses_kernel(w, x, pos):
         return "sfi_norm_rope_heads" in str(jax.make_jaxpr(
-            lambda x: attention_inputs(w, cfg, x, pos, impl="pallas_gpu"))(x))
+            lambda x: attention_inputs(w, cfg, x, pos, heads="kernel"))(x))
 
     assert uses_kernel(w, x, pos)
     assert not uses_kernel(w, jnp.concatenate([x, x], 1), jnp.concatenate([pos, pos + 1], 1))
@@ -481,11 +481,11 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
         w["router"] = w["router"].at[:, 3].add(50.0)
     x = _rand(ks[4], (n, h), dtype) + (1.0 if skew else 0.0)
     want = moe_mlp(w, cfg, x, impl="xla")
-    got = moe_mlp(w, cfg, x, impl="pallas_gpu")
+    got = moe_mlp(w, cfg, x, impl="kernel")
     assert got.shape == want.shape and got.dtype == want.dtype
     assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
     # the kernels ran (and are not the ragged_dot path)
-    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="pallas_gpu"))(x))
+    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="kernel"))(x))
     assert "sfi_moe_swiglu" in jaxpr and "ragged_dot" not in jaxpr
     # row blocks: each expert's rows in ceil(count / 16) blocks, then empty ones
     sizes = jnp.array([0, 1, 17, 16, 0, 3], jnp.int32)
@@ -543,11 +543,10 @@ def test_moe_token_tiles_match_ragged_dot(n, dtype):
          "we_down": _rand(ks[3], (e, inter, h), dtype) * 0.1}
     x = _rand(ks[4], (n, h), dtype)
     want = moe_mlp(w, cfg, x, impl="xla")
-    got = moe_mlp(w, cfg, x, impl="pallas_gpu", grouping="tokens")
+    got = moe_mlp(w, cfg, x, impl="tokens")
     assert got.shape == want.shape and got.dtype == want.dtype
     assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
-    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="pallas_gpu",
-                                                 grouping="tokens"))(x))
+    jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="tokens"))(x))
     assert ("sfi_moe_token_swiglu" in jaxpr) == (n <= 16) and "ragged_dot" not in jaxpr
-    with pytest.raises(ValueError, match="grouping"):
-        moe_mlp(w, cfg, x, impl="pallas_gpu", grouping="dense")
+    with pytest.raises(ValueError, match="moe impl"):
+        moe_mlp(w, cfg, x, impl="pallas_gpu")

@@ -398,7 +398,7 @@ def test_topk_prefilter_exact(case):
         np.testing.assert_array_equal(got, want, err_msg=impl)
 
 
-def test_scores_kernel_reads_the_given_slot_and_row(monkeypatch):
+def test_scores_kernel_reads_the_given_slot_and_row():
     """selector_scores_at (the engine's call): the kernel reads logits[:, slot] and
     key_norms[:, row] of the full buffers in place, as the jnp path does after slicing."""
     from sfi_jax.selector.select import selector_scores_at
@@ -409,16 +409,15 @@ def test_scores_kernel_reads_the_given_slot_and_row(monkeypatch):
     norms = rng.uniform(0.2, 5.0, (N, B, H, S)).astype(np.float32)
     lo, hi = np.array([4, 4, 4], np.int32), np.array([250, 200, 280], np.int32)
     cfg = dataclasses.replace(BASE, lam_clip=1.0)  # a large prior share: the row matters
-    # steps 5-6 by jnp (the default), by the adjust kernel (the switch), and by jnp for a
-    # window the kernel does not unroll
+    # steps 5-6 by jnp (the default), by the adjust kernel (adjust="kernel"), and by jnp for
+    # a window the kernel does not unroll
     wide = dataclasses.replace(cfg, nms_radius=65)
     for (c, adjust), (slot, row) in itertools.product(
-            ((cfg, ""), (cfg, "kernel"), (wide, "kernel")), ((0, 3), (2, 1))):
-        monkeypatch.setenv("SFI_JAX_SELECTOR_ADJUST", adjust)
+            ((cfg, "xla"), (cfg, "kernel"), (wide, "kernel")), ((0, 3), (2, 1))):
         z_ref = ref_scores(logits[:, slot], norms[:, row], lo, hi, c)
         for impl in ("xla", "pallas_gpu"):
-            z = np.asarray(jax.jit(lambda lg, kn, s, r, i=impl, c=c: selector_scores_at(
-                lg, s, kn, r, lo, hi, c, impl=i))(logits, norms, slot, row))
+            z = np.asarray(jax.jit(lambda lg, kn, s, r, i=impl, c=c, a=adjust: selector_scores_at(
+                lg, s, kn, r, lo, hi, c, impl=i, adjust=a))(logits, norms, slot, row))
             finite = np.isfinite(z_ref)
             np.testing.assert_array_equal(np.isfinite(z), finite)
             np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)

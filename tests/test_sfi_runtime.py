@@ -247,72 +247,62 @@ def test_tmax_one_refresh_slot(per_row_runs):
 
 # ---------------------------------------------------------------- GPU kernels in the loop
 
-@pytest.mark.parametrize("cond, repack", [("0", "xla"), ("1", "xla"), ("0", "kernel")],
+def _compiles_its_own_program(options, run):
+    """run() compiles a decode program for `options` (resolved), which no earlier call had."""
+    from sfi_jax.runtime.generation import decode_programs
+
+    want = options.resolved()
+    before = decode_programs()
+    out = run()
+    new = [p for key, p in decode_programs().items() if key not in before]
+    assert [p["options"] for p in new] == [want]
+    return out
+
+
+@pytest.mark.parametrize("refresh, repack", [("unconditional", "xla"), ("cond", "xla"),
+                                             ("unconditional", "kernel")],
                          ids=["unconditional", "cond", "repack-kernel"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, monkeypatch, cond, repack):
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
-    or behind a condition (SFI_JAX_REFRESH_COND=1), with the repack kernel (the GPU default)
-    or the XLA repack (SFI_JAX_REPACK=xla), and the selector's scores kernel; all give the xla
-    path's logits."""
+    or behind a condition (refresh="cond"), with the repack kernel (the GPU default) or the XLA
+    repack, and the selector's scores kernel; each compiles its own program and all give the
+    xla path's logits."""
     prompts, forced, runs = per_row_runs
-    monkeypatch.setenv("SFI_JAX_REFRESH_COND", cond)
-    monkeypatch.setenv("SFI_JAX_REPACK", repack)
-    import jax
-
-    jax.clear_caches()  # the engine reads the switch at trace time
-    sfi = dataclasses.replace(SMALL, scores_impl="pallas_gpu")
-    got = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=sfi,
-                           trigger_ids=[TRIGGER], forced_tokens=forced, stop_at_eos=False,
-                           return_logits=True, impl="pallas_gpu")
+    options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
+                                    refresh=refresh, repack=repack)
+    got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
+        tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL, trigger_ids=[TRIGGER],
+        forced_tokens=forced, stop_at_eos=False, return_logits=True, options=options))
     want = runs["sfi"]
     assert got.stats["slow_steps"] == want.stats["slow_steps"]
     assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
-    jax.clear_caches()
 
 
 def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
     included (the GPU defaults): the xla path's logits, in SFI and in dense decoding."""
-    import jax
-
     prompts, forced, runs = per_row_runs
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
     assert "wqkv" in split.params["layers"][0]
+    gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
+    assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
-              impl="pallas_gpu")
-    gpu_defaults = dataclasses.replace(SMALL, scores_impl="pallas_gpu", topk_impl="radix_kernel")
-    sfi = sfi_jax.generate(split, prompts, sfi=gpu_defaults, trigger_ids=[TRIGGER], **kw)
+              options=gpu_defaults)
+    sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
     dense = sfi_jax.generate(split, prompts, mode="dense", **kw)
     for got, want in ((sfi, runs["sfi"]), (dense, runs["dense"])):
         assert got.stats.get("slow_steps") == want.stats.get("slow_steps")
         assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
-    jax.clear_caches()
 
 
-def test_moe_switch_picks_the_expert_layout(monkeypatch):
-    """SFI_JAX_MOE: unset means the token tiles with the GPU kernels; a mesh plan and "xla"
-    mean ragged_dot."""
-    from sfi_jax.runtime import engine
-
-    monkeypatch.delenv("SFI_JAX_MOE", raising=False)
-    assert engine._moe_impl("pallas_gpu", None) == ("pallas_gpu", "tokens")
-    assert engine._moe_impl("pallas_gpu", object()) == ("xla", "sorted")
-    for value, want in (("tokens", ("auto", "tokens")), ("kernel", ("auto", "sorted")),
-                        ("xla", ("xla", "sorted"))):
-        monkeypatch.setenv("SFI_JAX_MOE", value)
-        assert engine._moe_impl("auto", None) == want, value
-
-
-@pytest.mark.parametrize("switch", ["kernel", "tokens", None])
-def test_moe_kernels_in_the_decode_loop(monkeypatch, switch):
+@pytest.mark.parametrize("moe", ["kernel", "tokens", "auto"])
+def test_moe_kernels_in_the_decode_loop(moe):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
-    (interpret mode) and the expert kernels (SFI_JAX_MOE=kernel: expert-sorted rows; tokens:
-    per-expert tiles of all tokens; unset: the default, tokens): the xla path's logits, in SFI
-    and in dense decoding."""
-    import jax
-
+    (interpret mode) and the expert kernels (moe="kernel": expert-sorted rows; "tokens":
+    per-expert tiles of all tokens; "auto" with the GPU kernels: tokens), each its own
+    program: the xla path's logits, in SFI and in dense decoding."""
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
     from sfi_jax.models.params import random_params
@@ -324,20 +314,20 @@ def test_moe_kernels_in_the_decode_loop(monkeypatch, switch):
     model = Model(cfg, random_params(cfg, "float32", seed=3)).split_layers(fuse_qkv=True)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (30, 41, 26)]
-    kw = dict(max_new_tokens=12, stop_at_eos=False, return_logits=True, trigger_ids=[TRIGGER])
-    sfi = dataclasses.replace(SMALL, scores_impl="pallas_gpu")
-    want = {m: sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="xla", **kw)
+    kw = dict(max_new_tokens=12, stop_at_eos=False, return_logits=True, trigger_ids=[TRIGGER],
+              sfi=SMALL)
+    xla = sfi_jax.EngineOptions(attention="xla", selector_scores="pallas_gpu")
+    want = {m: sfi_jax.generate(model, prompts, mode=m, options=xla, **kw)
             for m in ("sfi", "dense")}
-    if switch is None:
-        monkeypatch.delenv("SFI_JAX_MOE", raising=False)
-    else:
-        monkeypatch.setenv("SFI_JAX_MOE", switch)
-    jax.clear_caches()  # the engine reads the switch at trace time
+    options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
+                                    moe=moe)
+    assert options.resolved().moe == ("tokens" if moe == "auto" else moe)
     for m in ("sfi", "dense"):
-        got = sfi_jax.generate(model, prompts, mode=m, sfi=sfi, impl="pallas_gpu", **kw)
+        got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
+            model, prompts, mode=m, options=options, **kw)) if moe != "auto" else \
+            sfi_jax.generate(model, prompts, mode=m, options=options, **kw)
         assert got.tokens == want[m].tokens, m
         assert rel_err(got.stats["logits"], want[m].stats["logits"]) < 1e-4, m
-    jax.clear_caches()
 
 
 # ---------------------------------------------------------------- split (per-layer) weights
@@ -405,19 +395,3 @@ def test_evidence_window(tiny_qwen3, per_row_runs):
     assert rel_err(small.stats["logits"], runs["sfi"].stats["logits"]) > 1e-4
     with pytest.raises(ValueError, match="evidence_window"):
         sfi_jax.SFIConfig(evidence_window=0)
-
-
-@pytest.mark.parametrize("name, value", [("SFI_JAX_MOE", "yes"), ("SFI_JAX_REPACK", "pallas"),
-                                         ("SFI_JAX_REFRESH_COND", "true"),
-                                         ("SFI_JAX_LAYER_UNROLL", "x"),
-                                         ("SFI_JAX_SELECTOR_ADJUST", "pallas")])
-def test_engine_switches_reject_unknown_values(tiny_qwen3, monkeypatch, name, value):
-    """A mistyped engine switch is an error naming it, not a silent default."""
-    import jax
-
-    monkeypatch.setenv(name, value)
-    jax.clear_caches()  # the engine reads the switches at trace time
-    with pytest.raises(ValueError, match=name):
-        sfi_jax.generate(tiny_qwen3.model, [[5, 6, 7]], max_new_tokens=2, sfi=SMALL)
-    jax.clear_caches()
-

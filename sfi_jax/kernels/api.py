@@ -9,37 +9,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sfi_jax.backend import platform as _platform
 from sfi_jax.kernels import reference
-
-IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+from sfi_jax.kernels.common import interpret_for as _interpret
+from sfi_jax.options import ATTENTION as IMPLS
+from sfi_jax.options import REPACK, resolve
 
 
 def resolve_impl(impl) -> str:
     """The implementation `impl` stands for here ("auto" resolved for the current platform)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
-    if impl == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform(), "xla")
-    return impl
-
-
-def skips_empty_rows(impl) -> bool:
-    """True when `dense_decode(..., logits_into=...)` does next to no work for rows of length 0
-    (the GPU kernel): a caller may then run it unconditionally instead of behind a `lax.cond`
-    (each of which costs a device-to-host round trip per step on GPU)."""
-    return resolve_impl(impl) == "pallas_gpu"
-
-
-def _interpret(impl):
-    """Interpret mode (value for pallas_call's `interpret`) when off the kernel's platform."""
-    if impl == "pallas_gpu":
-        return _platform() != "gpu"
-    if _platform() == "tpu":
-        return None
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu.InterpretParams()
+    return resolve("attention", impl)
 
 
 def _check_cache(name, cache, layer, ndim=4):
@@ -206,15 +186,16 @@ def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
     return k, v, key_norms
 
 
-def repack(ck, cv, k, v, positions, slots, *, impl="auto"):
+def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
     """Compact buffers of the refreshed rows: for each slot j with slots[j] < B, layer l and KV
     head h, ck[l, slots[j], h, i] = k[l, slots[j], h, positions[l, j, h, i]] (same for cv, v)
     where positions >= 0; entries at -1 keep unspecified values (readers stop at c_len).
 
     ck, cv [L, B, Hkv, C, D]; k, v [L, B, Hkv, S, D]; positions int32 [L, n_slots, Hkv, C];
     slots int32 [n_slots] (>= B: empty, skipped; occupied ones unique). Returns (ck, cv),
-    updated in place inside a jitted caller that owns them. "pallas_gpu" is one launch that
-    does no work for empty slots; the others are one XLA gather + scatter over every slot.
+    updated in place inside a jitted caller that owns them. impl "kernel" is one Pallas GPU
+    launch that does no work for empty slots (interpret mode off the GPU); "xla" is one XLA
+    gather + scatter over every slot; "auto" as `EngineOptions.repack`.
     """
     L, B, Hkv, C, D = ck.shape
     if cv.shape != ck.shape or k.shape[:3] != (L, B, Hkv) or k.shape[-1] != D or \
@@ -223,7 +204,9 @@ def repack(ck, cv, k, v, positions, slots, *, impl="auto"):
     if positions.shape != (L, slots.shape[0], Hkv, C):
         raise ValueError(f"positions has shape {positions.shape}; expected "
                          f"{(L, slots.shape[0], Hkv, C)}")
-    if resolve_impl(impl) == "pallas_gpu":
+    if impl not in REPACK:
+        raise ValueError(f"repack impl={impl!r}; expected one of {REPACK}")
+    if resolve("repack", impl) == "kernel":
         from sfi_jax.kernels import gpu
 
         return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=_interpret("pallas_gpu")))

@@ -11,8 +11,7 @@ r, as max-shifted running sums: f is never stored) and `_write_scores` (z = log(
 f + lambda r + eps), -inf outside J). The logits are read from the engine's scratch buffer
 [N, M, H, R, S] at a slot and the key norms from the cache's [N, B, H, S] at a row, so no
 per-slot copy is made. Steps 5-6 (soft-NMS, cross-head) can be one more kernel over z
-(`adjust_scores`, opt-in with SFI_JAX_SELECTOR_ADJUST=kernel: on the H200 it is no faster
-than jnp).
+(`adjust_scores`, opt-in with EngineOptions(selector_adjust="kernel")).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.selector.select import _sortable_keys  # the key order the kernel must match
+from sfi_jax.kernels.common import sortable_keys  # the key order the jnp radix search uses
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -356,7 +355,7 @@ def _kth_key_kernel(x_ref, out_ref, *, k, radix_bits, s_len, blk):
         def body(i, counts, cand=cand):
             pos = i * blk + jnp.arange(blk)
             x = plgpu_triton.load(x_ref.at[n, pl.ds(i * blk, blk)], mask=pos < s_len, other=0.0)
-            keys = jnp.where(pos < s_len, _sortable_keys(x), jnp.uint32(0))  # 0: below every digit
+            keys = jnp.where(pos < s_len, sortable_keys(x), jnp.uint32(0))  # 0: below every digit
             hit = (keys[None, :] >= cand[:, None]).astype(jnp.int32)
             return counts + jnp.sum(hit, axis=1)
 
@@ -372,7 +371,7 @@ KTH_RADIX_BITS = (1, 2, 4)  # the kernel's candidate tile is [2**bits, block]
 
 @functools.partial(jax.jit, static_argnames=("k", "radix_bits", "interpret", "num_warps"))
 def kth_largest_key(scores, k: int, *, radix_bits: int = 4, interpret=False, num_warps=8):
-    """The k-th largest sortable key (`selector.select._sortable_keys`) of each row of float32
+    """The k-th largest sortable key (`kernels.common.sortable_keys`) of each row of float32
     scores [N, S], uint32 [N]: the radix search of `select._kth_largest_key` as one program
     per row (the XLA version re-reads each row once per candidate digit per round)."""
     if radix_bits not in KTH_RADIX_BITS:

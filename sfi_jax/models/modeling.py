@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sfi_jax.backend import on_gpu
-from sfi_jax.kernels.api import resolve_impl
+from sfi_jax.kernels.common import interpret_for
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
@@ -239,34 +238,34 @@ def apply_rope(x, positions, cfg: ModelConfig):
     return out.astype(x.dtype)
 
 
-def _heads_kernel(impl, cfg: ModelConfig, w: dict, T: int):
-    """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): fused
-    q/k/v weights, one position per row, the Triton implementation, a supported head dim."""
-    if impl == "xla" or T != 1 or "wqkv" not in w:
+def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
+    """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): asked for,
+    fused q/k/v weights, one position per row, a supported head dim."""
+    if heads != "kernel" or T != 1 or "wqkv" not in w:
         return False
     from sfi_jax.kernels import heads_gpu  # Triton's Pallas lowering, imported only when used
 
-    return resolve_impl(impl) == "pallas_gpu" and heads_gpu.supported(cfg.head_dim)
+    return heads_gpu.supported(cfg.head_dim)
 
 
-def attention_inputs(w: dict, cfg: ModelConfig, x, positions, impl: str = "xla"):
+def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x.
 
-    impl: "xla" (jnp), or a kernels.api implementation name: with "pallas_gpu" (or "auto" on
-    GPU) a decode step (T = 1) with fused q/k/v weights norms and rotates its heads in one
-    Triton launch (interpret mode off the GPU)."""
+    heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
+    rotates its heads in one Triton launch (interpret mode off the GPU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in w:
         qkv = _matmul(h, w["wqkv"])
-        if _heads_kernel(impl, cfg, w, T):
+        if _heads_kernel(heads, cfg, w, T):
             from sfi_jax.kernels import heads_gpu
 
             cos, sin = rope_cos_sin(positions, cfg)
             q, k, v = heads_gpu.norm_rope_heads(
                 qkv[:, 0], cos[:, 0], sin[:, 0], w.get("q_norm") if cfg.qk_norm else None,
                 w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, interpret=not on_gpu())
+                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
+                interpret=interpret_for("pallas_gpu"))
             return q[:, None], k[:, None], v[:, None]
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
@@ -281,30 +280,28 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, impl: str = "xla")
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
-def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe_impl: str = "xla",
-                             moe_grouping: str = "sorted"):
+def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla"):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
-    moe_impl, moe_grouping: see `moe_mlp`."""
+    moe: see `moe_mlp`."""
     B, T = attn.shape[:2]
     x = x + _matmul(attn.reshape(B, T, -1).astype(x.dtype), w["wo"])
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
-        return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe_impl,
-                           grouping=moe_grouping).reshape(B, T, -1)
+        return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
     return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
 
 
-MOE_GROUPINGS = ("sorted", "tokens")
+MOE_IMPLS = ("xla", "kernel", "tokens")
 
 
-def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "sorted"):
-    """Top-k routed experts via grouped matmuls over expert-sorted tokens: `lax.ragged_dot`,
-    or with impl "pallas_gpu" (or "auto" on GPU) the Triton kernels of kernels.moe_gpu (each
-    routed expert's weights read once; gate and up in one launch), interpret mode off the GPU.
-    grouping "tokens" (kernels only, at most 16 tokens; more fall back to "sorted"): each
-    expert multiplies all tokens and the routing weights select, with no sort in between."""
-    if grouping not in MOE_GROUPINGS:
-        raise ValueError(f"grouping must be one of {MOE_GROUPINGS}, got {grouping!r}")
+def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla"):
+    """Top-k routed experts via grouped matmuls over expert-sorted tokens: `lax.ragged_dot`
+    ("xla"), or the Triton kernels of kernels.moe_gpu ("kernel": each routed expert's weights
+    read once; gate and up in one launch; interpret mode off the GPU). "tokens" (at most 16
+    tokens; more fall back to "kernel"): each expert multiplies all tokens and the routing
+    weights select, with no sort in between."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
     n, k = x.shape[0], cfg.num_experts_per_tok
     router_logits = jnp.matmul(x, w["router"], preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
@@ -312,12 +309,13 @@ def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla", grouping: str = "so
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     tile = None  # the kernels' weight tile; None: ragged_dot
-    if impl != "xla" and resolve_impl(impl) == "pallas_gpu":
+    if impl != "xla":
         from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
         tile = moe_gpu.tile(cfg.hidden_size, cfg.moe_intermediate_size)
-        kw = dict(interpret=not on_gpu(), block_n=tile[0], block_k=tile[1]) if tile else None
-    if tile is not None and grouping == "tokens" and n <= moe_gpu.TOKENS:
+        kw = dict(interpret=interpret_for("pallas_gpu"), block_n=tile[0],
+                  block_k=tile[1]) if tile else None
+    if tile is not None and impl == "tokens" and n <= moe_gpu.TOKENS:
         # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
         onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
         weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)

@@ -11,15 +11,14 @@ bounds the slow work; `lax.cond` skips it when no row needs it.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfi_jax.backend import on_gpu, switch
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.api import repack, skips_empty_rows, write_new_token
+from sfi_jax.kernels.api import repack, write_new_token
+from sfi_jax.options import EngineOptions
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.config import ModelConfig
@@ -28,55 +27,17 @@ from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
 from sfi_jax.runtime import sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, SFIState
-from sfi_jax.selector import select
-from sfi_jax.selector.select import selector_scores_at, topk_positions
+from sfi_jax.selector.select import selector_scores, selector_scores_at, topk_positions
 
 
-def _layer_unroll():
-    """Layers unrolled per decode-scan iteration over stacked weights (True: all); 6 measured
-    best on the H200 (split weights, the GPU default, need no scan). Override with
-    SFI_JAX_LAYER_UNROLL (an integer, or "all")."""
-    env = os.environ.get("SFI_JAX_LAYER_UNROLL")
-    if env:
-        if env != "all" and not (env.isdigit() and int(env) >= 1):
-            raise ValueError(f"SFI_JAX_LAYER_UNROLL={env!r}: expected a positive integer or 'all'")
-        return True if env == "all" else int(env)
-    return 6 if on_gpu() else 1
+def _heads_impl(options, plan):
+    """The heads' norm + rope on a mesh is jnp (GSPMD does not partition a Pallas call)."""
+    return "xla" if plan is not None else options.heads
 
 
-def _refresh_unconditionally(impl):
-    """Run the refresh slots' dense read every step (no `lax.cond`) where the kernel skips
-    empty slots (GPU); SFI_JAX_REFRESH_COND=1 keeps the condition (for comparisons)."""
-    return switch("SFI_JAX_REFRESH_COND") != "1" and skips_empty_rows(impl)
-
-
-def _repack_impl(impl):
-    """The compact-buffer repack: with the GPU kernels a Pallas kernel that copies only the
-    occupied slots' rows (H200, qwen3-4b 128K batch 6: 936 -> 950 tok/s over the XLA gather +
-    scatter, which covers every slot); SFI_JAX_REPACK=xla keeps the XLA path (for comparisons).
-    `repack` uses the kernel only for the GPU implementation."""
-    return "xla" if switch("SFI_JAX_REPACK") == "xla" else impl
-
-
-def _heads_impl(impl, plan):
-    """A decode step's q/k norm + rope: on one device with the GPU kernels one Triton launch
-    (kernels.heads_gpu) instead of XLA's four or five; on a mesh jnp (GSPMD does not partition
-    a Pallas call). SFI_JAX_HEADS=xla keeps jnp (for comparisons)."""
-    return "xla" if switch("SFI_JAX_HEADS") == "xla" or plan is not None else impl
-
-
-def _moe_impl(impl, plan):
-    """A decode step's expert matmuls as (impl, grouping). With the GPU kernels (impl
-    "pallas_gpu", or "auto" on a GPU) by default the Triton kernels of kernels.moe_gpu in the
-    "tokens" layout: per-expert tiles of all the step's tokens, no sort (at most 16 tokens;
-    more fall back to "sorted"). SFI_JAX_MOE=kernel: the grouped kernels over expert-sorted
-    rows; SFI_JAX_MOE=xla: `lax.ragged_dot`, as on the CPU and in sharded plans. H200,
-    qwen3-30b-a3b 32K batch 16, SFI tok/s: ragged_dot 588, kernel 756, tokens 1090
-    (benchmarks/e2e_ab_moe_layouts_32k.json)."""
-    choice = switch("SFI_JAX_MOE") or "tokens"
-    if choice == "xla" or plan is not None:
-        return "xla", "sorted"
-    return impl, "tokens" if choice == "tokens" else "sorted"
+def _moe_impl(options, plan):
+    """The expert matmuls on a mesh are `lax.ragged_dot` (as for the heads)."""
+    return "xla" if plan is not None else options.moe
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -187,15 +148,19 @@ def _compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
     return ck, cv, c_len, pos
 
 
-def _select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, head_axis=None):
-    sel = select(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis,
-                 topk_impl=sfi.topk_impl, scores_impl=sfi.scores_impl)
+def _select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, options,
+                    head_axis=None):
+    z = selector_scores(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis,
+                        impl=options.selector_scores, adjust=options.selector_adjust)
+    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)
     return _compact(k_layer, v_layer, sel, lengths, sfi)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "plan"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "options", "plan"),
+                   donate_argnames=("state",))
 def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
-                      cfg: ModelConfig, sfi: SFIConfig, plan=None) -> SFIState:
+                      cfg: ModelConfig, sfi: SFIConfig, options: EngineOptions = EngineOptions(),
+                      plan=None) -> SFIState:
     """Initial selection (SFI_METHOD.md §5): re-run the last W prompt positions through the
     layers, and select per layer from their logits over the prompt (under shard_map on a
     mesh, with the cross-head term reduced over the devices holding the KV heads)."""
@@ -214,7 +179,7 @@ def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
         logits = jnp.where(valid_q[:, None, None, :, None], logits, -jnp.inf)
         Hkv, G = logits.shape[1], logits.shape[2]
         args = (logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], k[l], v[l], lo, hi, lengths)
-        fn = functools.partial(_select_compact, sfi=sfi)
+        fn = functools.partial(_select_compact, sfi=sfi, options=options.resolved())
         if plan is None:
             ck, cv, c_len, pos = fn(*args)
         else:
@@ -312,7 +277,7 @@ def _window_logits(qh, k_rows, row_len, step):
     return jnp.where(ok, s, -jnp.inf).reshape(n, Hkv, Hq // Hkv * W, S)
 
 
-def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, impl,
+def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
             head_axis=None, qh=None, step=None):
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
@@ -329,6 +294,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
     next to nothing), writes its logits into `buf` and its output into the fast rows' output."""
     B = q.shape[0]
+    impl = options.attention
     lengths = pos + 1
     deferred = sfi is not None and sfi.policy in ("sfi", "tmax")
     if not deferred:  # write first; the deferred path's sparse kernel writes them itself
@@ -370,7 +336,8 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
         lo, hi = _allowed(pos[safe], sfi)
         ck, cv, c_len, positions = _select_compact(
             logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
-            k[l, safe], v[l, safe], lo, hi, lengths[safe], sfi=sfi, head_axis=head_axis)
+            k[l, safe], v[l, safe], lo, hi, lengths[safe], sfi=sfi, options=options,
+            head_axis=head_axis)
         st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
@@ -399,7 +366,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     def without(buf):
         return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
 
-    if qh is None and _refresh_unconditionally(impl):
+    if qh is None and options.refresh == "unconditional":
         # the GPU kernel writes the logits into `buf` and the refreshed rows' output into
         # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
         # layer and step), no logits copy, no merge launch
@@ -415,7 +382,7 @@ def _attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, im
     return attn, k, v, st, buf
 
 
-def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None, impl="auto"):
+def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, options, head_axis=None):
     """Selection for the refreshed rows of every layer (logits from `buf`), repacked into their
     compact buffers. The selector runs once per occupied slot (one `lax.cond` each, all layers
     together), so its cost follows the slow rows, not `refresh_rows`; the repack is one
@@ -427,15 +394,16 @@ def _select_all_layers(st, buf, k, v, pos, slots, *, sfi, head_axis=None, impl="
     c_len = jnp.zeros((L, n_slots, Hkv), jnp.int32)
     for j in range(n_slots):
         positions, c_len = jax.lax.cond(
-            slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, head_axis=head_axis),
+            slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, options=options,
+                                            head_axis=head_axis),
             lambda p, c, *_: (p, c), positions, c_len, buf, st.key_norms, pos, slots)
-    ck, cv = repack(st.ck, st.cv, k, v, positions, slots, impl=_repack_impl(impl))
+    ck, cv = repack(st.ck, st.cv, k, v, positions, slots, impl=options.repack)
     kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
     return st._replace(ck=ck, cv=cv, c_len=st.c_len.at[:, slots].set(c_len, **kw),
                        positions=st.positions.at[:, slots].set(positions, **kw))
 
 
-def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, head_axis):
+def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, options, head_axis):
     """Slot j's (occupied) selection for all layers: packed positions and counts."""
     L = buf.shape[0]
     row = slots[j]
@@ -443,21 +411,21 @@ def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, head_a
     # with scores_impl="pallas_gpu" the kernels read slot j's logits and the row's key norms
     # in place (a sliced operand of a custom call is a copy)
     z = selector_scores_at(buf, j, key_norms, row, lo, hi, sfi, cross_head_reduce=head_axis,
-                           impl=sfi.scores_impl)
-    sel = topk_positions(z, sfi.k_select, impl=sfi.topk_impl)  # [L, Hkv, K]
+                           impl=options.selector_scores, adjust=options.selector_adjust)
+    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)  # [L, Hkv, K]
     p, c = _compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi)
     return positions.at[:, j].set(p), c_len.at[:, j].set(c)
 
 
-def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, step=None,
+def _layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
                 plan=None):
     """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
     x, k, v, st, diag, buf, qh = carry
     w, l = xs
     B = x.shape[0]
-    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], impl=_heads_impl(params_impl, plan))
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan))
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
-    attend = functools.partial(_attend, cfg=cfg, sfi=sfi, impl=params_impl)
+    attend = functools.partial(_attend, cfg=cfg, sfi=sfi, options=options)
     if qh is not None:  # single device (generate checks)
         attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
                                          qh=qh, step=step)
@@ -466,9 +434,7 @@ def _layer_step(carry, xs, *, cfg, sfi, params_impl, slots, pos, dense_rows, ste
     else:
         attn, k, v, st, buf = sharding.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                               dense_rows, slots)
-    moe_impl, moe_grouping = _moe_impl(params_impl, plan)
-    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe_impl=moe_impl,
-                                 moe_grouping=moe_grouping)
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan))
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh), None
     lengths = pos + 1
@@ -499,21 +465,23 @@ def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_
                           plan.sharding(plan.per_head(5, lead=1)))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "impl",
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "options",
                                              "return_logits", "plan"),
                    donate_argnames=("state",))
 def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg: ModelConfig,
-                 sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int, impl: str = "auto",
-                 return_logits: bool = False, plan=None):
+                 sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int,
+                 options: EngineOptions = EngineOptions(), return_logits: bool = False,
+                 plan=None):
     """See `_decode_chunk`; diagnostics are on when state.diag is set (SFI mode only).
-    plan: a `sharding.ShardPlan` to run on a mesh (None: one device)."""
+    options: how to run (resolved here if it is not). plan: a `sharding.ShardPlan` to run on a
+    mesh (None: one device)."""
     return _decode_chunk(params, state, eos_mask, trigger_mask, forced, cfg=cfg, sfi=sfi,
-                         sampling=sampling, n_steps=n_steps, impl=impl,
+                         sampling=sampling, n_steps=n_steps, options=options.resolved(),
                          return_logits=return_logits, plan=plan)
 
 
 def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg, sfi,
-                  sampling, n_steps, impl, return_logits, plan=None):
+                  sampling, n_steps, options, return_logits, plan=None):
     """Up to n_steps decode steps on device. Stops early when every row is done.
 
     eos_mask, trigger_mask: bool [vocab]. forced: int32 [B, n_steps] teacher-forced next tokens
@@ -529,7 +497,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     L, Hkv = cfg.num_layers, cfg.num_kv_heads
     out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
 
-    select_all = functools.partial(_select_all_layers, sfi=sfi, impl=impl)
+    select_all = functools.partial(_select_all_layers, sfi=sfi, options=options)
     if plan is not None:
         select_all = functools.partial(sharding.select_all_layers, plan, select_all)
 
@@ -570,11 +538,11 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
             st = st._replace(c_len=jax.lax.optimization_barrier(
                 jnp.where(dense_rows[None, :, None], 0, c_len)))
 
-        body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, params_impl=impl, slots=slots,
+        body = functools.partial(_layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
                                  pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
         (x, k, v, st, diag, buf, q_hist), ys = run_layers(
             body, (x, state.k, state.v, st, state.diag, buf, state.q_hist), params["layers"],
-            cfg.num_layers, _layer_unroll())
+            cfg.num_layers, options.unroll)
         if deferred:
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]

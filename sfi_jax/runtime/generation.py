@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
+from sfi_jax.options import EngineOptions
 from sfi_jax.models.modeling import Model, output_logits, unfuse_qkv_weights
 from sfi_jax.runtime import engine, sharding
 from sfi_jax.runtime.sampling import SamplingConfig, sample
@@ -98,6 +99,12 @@ def _compiled_decode(args, statics):
     return _COMPILED[key]
 
 
+def decode_programs() -> dict:
+    """The compiled decode programs held now: {cache key: its static arguments (cfg, sfi,
+    options, ...)}, for tests and reports (which engine options were compiled)."""
+    return {key: dict(key[2]) for key in _COMPILED}
+
+
 def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
     from sfi_jax.selector import trigger_token_ids
 
@@ -125,7 +132,8 @@ def _on_own_mesh(fn):
 def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
-             chunk_steps: int = 32, impl: str = "auto", trigger_ids=None,
+             chunk_steps: int = 32, options: EngineOptions | None = None,
+             impl: str | None = None, trigger_ids=None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
              forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
              diagnostics: bool = False, mesh=None) -> GenerateResult:
@@ -142,8 +150,16 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
     mesh: a device mesh (or 'DxM' spec) to run on; default: the mesh the model's parameters
     are sharded over (`load_model(..., mesh=...)`), or one device when they are not.
+    options: how the engine runs (`EngineOptions`; default: the platform's defaults).
+    impl: a shortcut for options.attention (kept for old callers).
     """
     cfg = model.config
+    options = EngineOptions() if options is None else options
+    if not isinstance(options, EngineOptions):
+        raise ValueError(f"options must be an EngineOptions, got {type(options).__name__}")
+    if impl is not None:
+        options = dataclasses.replace(options, attention=impl)
+    options = options.resolved()
     if mode not in ("sfi", "dense"):
         raise ValueError(f"mode must be 'sfi' or 'dense', got {mode!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -252,7 +268,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                 tail = p[-W:]
                 win[i, W - len(tail):] = tail
             sfi_state = engine.prefill_selection(params, sfi_state, k, v, put(win),
-                                                 lengths, cfg=cfg, sfi=sfi, plan=plan)
+                                                 lengths, cfg=cfg, sfi=sfi, options=options,
+                                                 plan=plan)
     first_logits = output_logits(params, cfg, last_hidden[:, None])[:, 0]
     if plan is not None:  # readable by the host on every process
         first_logits = jax.device_put(first_logits, plan.replicated)
@@ -307,7 +324,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
             got = forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
             forced[:, :got.shape[1]] = got
         args = (params, state, eos_j, trig_j, put(forced))
-        statics = dict(cfg=cfg, sfi=sfi, sampling=sampling, n_steps=n, impl=impl,
+        statics = dict(cfg=cfg, sfi=sfi, sampling=sampling, n_steps=n, options=options,
                        return_logits=return_logits, plan=plan)
         tc = time.perf_counter()
         step_fn = _compiled_decode(args, statics)

@@ -1,7 +1,6 @@
 """Trigger-token sets and the vectorised SFI selector (SFI_METHOD.md §3-4)."""
 
 from sfi_jax.selector.select import (
-    TOPK_IMPLS,
     allowed_mask,
     cross_head,
     evidence,
@@ -23,7 +22,6 @@ from sfi_jax.selector.triggers import (
 
 __all__ = [
     "SENTENCE_ENDS",
-    "TOPK_IMPLS",
     "allowed_mask",
     "cross_head",
     "evidence",

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.backend import on_gpu, switch
-from sfi_jax.config import SCORES_IMPLS, TOPK_IMPLS, SFIConfig
+from sfi_jax.config import SFIConfig
+from sfi_jax.kernels.common import interpret_for, sortable_keys
+from sfi_jax.options import SELECTOR_ADJUST, resolve
 
 NEG_INF = float("-inf")
 
@@ -175,51 +176,37 @@ def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=N
     return z
 
 
-def resolve_scores_impl(impl: str) -> str:
-    """The scores implementation `impl` stands for here ("auto" resolved for the platform)."""
-    if impl not in SCORES_IMPLS:
-        raise ValueError(f"scores impl must be one of {SCORES_IMPLS}, got {impl!r}")
-    if impl == "auto":  # H200, qwen3-4b 128K batch 6, with the radix top-k: selector 2.08 ->
-        # 1.92 ms per refreshed row, 989 -> 1011 tok/s (benchmarks/e2e_ab_selector_flags_128k.json)
-        return "pallas_gpu" if on_gpu() else "xla"
-    return impl
-
-
-def adjust_by_kernel() -> bool:
-    """Steps 5-6 after the steps 1-4 kernels: jnp, or one Triton pass
-    (`selector_gpu.adjust_scores`) with SFI_JAX_SELECTOR_ADJUST=kernel (README: Engine
-    switches). H200, one refreshed qwen3-4b row at 128K: kernel 0.49-0.58 ms against jnp's
-    0.51, and end to end within noise (benchmarks/selector_kernels_adjust_v2.json,
-    e2e_ab_adjust_kernel_barrier.json), so jnp stays the default."""
-    return switch("SFI_JAX_SELECTOR_ADJUST") == "kernel"
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl", "adjust"))
 def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *,
-                    cross_head_reduce=None, impl: str = "xla"):
+                    cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
 
     cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
     impl: jnp ("xla"), or Triton kernels for steps 1-4 ("pallas_gpu", interpret mode off the
-    GPU); "auto" is "pallas_gpu" on GPU, else "xla".
+    GPU); "auto" is "pallas_gpu" on GPU, else "xla" (`EngineOptions.selector_scores`).
+    adjust: steps 5-6 by jnp ("xla") or, after the steps 1-4 kernels, one Triton pass
+    ("kernel"; `EngineOptions.selector_adjust`).
     """
     return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
-                              allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl)
+                              allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl,
+                              adjust=adjust)
 
 
 def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConfig, *,
-                       cross_head_reduce=None, impl: str = "xla"):
+                       cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """`selector_scores` of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S]: the kernel reads them in place (the
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
     size = logits.shape[-1]
     lo, hi = _clipped_range(size, allowed_lo, allowed_hi)
-    by_kernel = adjust_by_kernel()  # read (and checked) on every path
-    if resolve_scores_impl(impl) == "pallas_gpu":
+    if adjust not in SELECTOR_ADJUST:
+        raise ValueError(f"adjust={adjust!r}: expected one of {SELECTOR_ADJUST}")
+    by_kernel = adjust == "kernel"
+    if resolve("selector_scores", impl) == "pallas_gpu":
         from sfi_jax.kernels import selector_gpu
 
-        kw = dict(cfg=cfg, interpret=not on_gpu())
+        kw = dict(cfg=cfg, interpret=interpret_for("pallas_gpu"))
         fused = (by_kernel and cross_head_reduce is None
                  and selector_gpu.adjust_supported(cfg))
         z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
@@ -234,14 +221,6 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
         kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
         z = base_scores(lg, kn, lo, hi, cfg)
     return adjust_scores(z, lo, hi, cfg, cross_head_reduce)
-
-
-def _sortable_keys(x):
-    """uint32 keys whose unsigned order is the float order of x (-0.0 counts as 0.0)."""
-    x = jnp.where(x == 0, 0.0, x.astype(jnp.float32))
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    sign = bits >> 31
-    return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
 def _kth_largest_key(keys, k: int, radix_bits: int):
@@ -261,11 +240,11 @@ def _kth_largest(scores, k: int, radix_bits: int, kernel: bool):
     one Triton-lowered Pallas program per row (kernels.selector_gpu; interpret mode off the
     GPU), which reads a row once per round instead of once per candidate digit."""
     if not kernel:
-        return _kth_largest_key(_sortable_keys(scores), k, radix_bits)
+        return _kth_largest_key(sortable_keys(scores), k, radix_bits)
     from sfi_jax.kernels import selector_gpu
 
     rows = scores.reshape(-1, scores.shape[-1])
-    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=not on_gpu())
+    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=interpret_for("pallas_gpu"))
     return t.reshape(scores.shape[:-1])
 
 
@@ -288,7 +267,7 @@ def _count_prefix(mask):
 
 
 def _topk_threshold(scores, k: int, out_k: int, radix_bits: int, kernel: bool = False):
-    keys = _sortable_keys(scores)
+    keys = sortable_keys(scores)
     t = _kth_largest(scores, k, radix_bits, kernel)[..., None]
     gt = keys > t
     eq = keys == t
@@ -332,7 +311,7 @@ def _prefilter(rows, k: int, plan, radix_bits: int | None = None, kernel: bool =
         keep = rows >= lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
     else:
         t = _kth_largest(sample, rank + 1, radix_bits, kernel)[:, None]
-        keep = _sortable_keys(rows) >= t
+        keep = sortable_keys(rows) >= t
     pos, n = _compact_true(keep & (rows > NEG_INF), cap)
     return pos, jnp.all((n >= k) & (n <= cap))
 
@@ -389,18 +368,6 @@ def _topk_lax(scores, k: int, out_k: int):
     return idx
 
 
-def resolve_topk_impl(impl: str) -> str:
-    """The top-k implementation `impl` stands for here ("auto" resolved for the platform)."""
-    if impl not in TOPK_IMPLS:
-        raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
-    if impl == "auto":  # H200, 288 rows x 128K (one refreshed qwen3-4b row): selector 2.17 ms
-        # with "threshold", 2.08 with "radix"; top-k alone at 224 rows x 32K (qwen3-0.6b)
-        # radix 380 us, radix_kernel 278; in the engine the jnp radix counts also recompute
-        # the scores' last steps once per candidate digit (benchmarks/topk_kernel.json)
-        return "radix_kernel" if on_gpu() else "lax"
-    return impl
-
-
 @functools.partial(jax.jit, static_argnames=("k", "impl", "radix_bits"))
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None = None):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
@@ -416,7 +383,7 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None 
     H200 at 32K, else 4).
     Ties go to the lowest positions in every path. All return the same set.
     """
-    impl = resolve_topk_impl(impl)
+    impl = resolve("selector_topk", impl)
     if radix_bits is None:
         radix_bits = 2 if impl == "radix_kernel" else 4
     if radix_bits not in ((1, 2, 4) if impl == "radix_kernel" else (1, 2, 4, 8)):

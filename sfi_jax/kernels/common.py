@@ -1,0 +1,32 @@
+"""Small pieces the kernels and their references share."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from sfi_jax.options import platform
+
+
+def interpret_for(impl: str):
+    """pallas_call's `interpret` for a kernel of implementation `impl` ("pallas_gpu" or
+    "pallas_tpu") on this platform: off the kernel's own platform it runs in interpret mode, so
+    every kernel can be tested on a CPU."""
+    if impl == "pallas_gpu":
+        return platform() != "gpu"
+    if impl != "pallas_tpu":
+        raise ValueError(f"interpret_for({impl!r}): expected 'pallas_gpu' or 'pallas_tpu'")
+    if platform() == "tpu":
+        return None
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
+
+def sortable_keys(x):
+    """uint32 keys whose unsigned order is the float order of x (-0.0 counts as 0.0): the key
+    order of the selector's radix top-k, in jnp and in the kernel."""
+    x = jnp.where(x == 0, 0.0, x.astype(jnp.float32))
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = bits >> 31
+    return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))

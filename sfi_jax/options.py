@@ -1,0 +1,146 @@
+"""How the engine runs: which implementation each operation uses, and the decode loop's variants.
+
+`EngineOptions` is static configuration: jitted programs take it (resolved) as a static argument,
+so every choice is part of jit's cache key and of the decode loop's ahead-of-time cache. Every
+"auto" is made concrete for the platform in one place, `EngineOptions.resolved`. Options change
+how a result is computed, never what it is: every combination gives the same tokens (up to
+float rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+
+
+def platform() -> str:
+    """"gpu" for any GPU backend (cuda, rocm), else JAX's backend name ("cpu", "tpu")."""
+    p = jax.default_backend()
+    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def on_gpu() -> bool:
+    return platform() == "gpu"
+
+
+ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
+SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
+SELECTOR_ADJUST = ("xla", "kernel")
+MOE = ("auto", "tokens", "kernel", "xla")
+HEADS = ("auto", "kernel", "xla")
+REPACK = ("auto", "kernel", "xla")
+REFRESH = ("auto", "unconditional", "cond")
+
+CHOICES = {"attention": ATTENTION, "selector_scores": SELECTOR_SCORES,
+           "selector_topk": SELECTOR_TOPK, "selector_adjust": SELECTOR_ADJUST, "moe": MOE,
+           "heads": HEADS, "repack": REPACK, "refresh": REFRESH}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Implementation choices (README: Engine options). Frozen and hashable: a static argument.
+
+    attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "pallas_tpu"
+        (Mosaic); a Pallas kernel off its platform runs in interpret mode.
+    selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
+    selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
+        lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix
+        search one Triton kernel).
+    selector_adjust: the selector's steps 5-6: "xla" (jnp) or "kernel" (one Triton pass).
+    moe: expert matmuls: "tokens" (Triton, per-expert tiles of all of a step's tokens),
+        "kernel" (Triton, grouped over expert-sorted rows) or "xla" (`lax.ragged_dot`).
+    heads: a decode step's q/k norm + rope: "kernel" (one Triton launch) or "xla".
+    repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
+    refresh: the refresh slots' dense read: "unconditional" (every step; the GPU kernel skips
+        empty slots) or "cond" (behind a `lax.cond`).
+    layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
+        >= 1 or "all" (None: per platform).
+
+    "auto": attention per platform; scores and top-k the GPU kernels on a GPU; moe, heads,
+    repack and refresh the GPU variants when attention is "pallas_gpu".
+    """
+
+    attention: str = "auto"
+    selector_scores: str = "auto"
+    selector_topk: str = "auto"
+    selector_adjust: str = "xla"
+    moe: str = "auto"
+    heads: str = "auto"
+    repack: str = "auto"
+    refresh: str = "auto"
+    layer_unroll: int | str | None = None
+
+    def __post_init__(self):
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"EngineOptions.{name}={value!r}: expected one of {allowed}")
+        u = self.layer_unroll
+        ok = u is None or u == "all" or (isinstance(u, numbers.Integral)
+                                         and not isinstance(u, bool) and u >= 1)
+        if not ok:
+            raise ValueError(f"EngineOptions.layer_unroll={u!r}: expected None (auto), an "
+                             "integer >= 1 or 'all'")
+        if isinstance(u, numbers.Integral):
+            object.__setattr__(self, "layer_unroll", int(u))
+
+    def resolved(self, platform: str | None = None) -> "EngineOptions":
+        """A copy with every "auto" made concrete for `platform` (default: JAX's backend)."""
+        p = _platform() if platform is None else platform
+        gpu = p == "gpu"
+        attention = self.attention if self.attention != "auto" else \
+            {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(p, "xla")
+        gpu_kernels = attention == "pallas_gpu"
+
+        def pick(value, auto):
+            return auto if value == "auto" else value
+
+        return dataclasses.replace(
+            self, attention=attention,
+            selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu else "xla"),
+            selector_topk=pick(self.selector_topk, "radix_kernel" if gpu else "lax"),
+            moe=pick(self.moe, "tokens" if gpu_kernels else "xla"),
+            heads=pick(self.heads, "kernel" if gpu_kernels else "xla"),
+            repack=pick(self.repack, "kernel" if gpu_kernels else "xla"),
+            refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
+            layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.layer_unroll is not None and all(
+            getattr(self, name) != "auto" for name in CHOICES)
+
+    @property
+    def unroll(self) -> int | bool:
+        """layer_unroll as `lax.scan` takes it (True: all layers); needs a resolved object."""
+        return True if self.layer_unroll == "all" else self.layer_unroll
+
+    @classmethod
+    def from_strings(cls, items, base: "EngineOptions | None" = None) -> "EngineOptions":
+        """Options from "field=value" strings (a CLI's repeated `--opt`, a benchmark variant),
+        applied over `base` (default: all defaults). layer_unroll takes an integer, "all" or
+        "auto"."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        changes = {}
+        for item in items:
+            name, sep, value = str(item).partition("=")
+            name, value = name.strip(), value.strip()
+            if not sep or name not in fields:
+                raise ValueError(f"engine option {item!r}: expected FIELD=VALUE with FIELD one "
+                                 f"of {fields}")
+            if name == "layer_unroll":
+                value = None if value == "auto" else int(value) if value.isdigit() else value
+            changes[name] = value
+        return dataclasses.replace(base if base is not None else cls(), **changes)
+
+
+_platform = platform
+
+
+def resolve(name: str, value: str, platform: str | None = None) -> str:
+    """One field's concrete value for `platform` (the public kernel and selector functions take
+    single implementation names; "auto" resolves as in `EngineOptions.resolved`)."""
+    return getattr(EngineOptions(**{name: value}).resolved(platform), name)

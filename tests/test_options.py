@@ -1,0 +1,78 @@
+"""EngineOptions: validated on construction, "auto" resolved per platform in one place, parsed
+from "field=value" strings; no module of the package reads SFI_JAX_* environment variables."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import sfi_jax
+from sfi_jax.options import EngineOptions, resolve
+
+
+@pytest.mark.parametrize("field, value", [("attention", "triton"), ("selector_scores", "kernel"),
+                                          ("selector_topk", "sort"), ("selector_adjust", "auto"),
+                                          ("moe", "yes"), ("heads", "pallas"),
+                                          ("repack", "pallas"), ("refresh", "true"),
+                                          ("layer_unroll", 0), ("layer_unroll", "x"),
+                                          ("layer_unroll", True)])
+def test_bad_values_name_field_and_allowed(field, value):
+    with pytest.raises(ValueError, match=f"EngineOptions.{field}=") as err:
+        EngineOptions(**{field: value})
+    assert "expected" in str(err.value)
+
+
+def test_resolved_per_platform():
+    gpu = EngineOptions().resolved(platform="gpu")
+    assert gpu == EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
+                                selector_topk="radix_kernel", selector_adjust="xla",
+                                moe="tokens", heads="kernel", repack="kernel",
+                                refresh="unconditional", layer_unroll=6)
+    cpu = EngineOptions().resolved(platform="cpu")
+    assert cpu == EngineOptions(attention="xla", selector_scores="xla", selector_topk="lax",
+                                moe="xla", heads="xla", repack="xla", refresh="cond",
+                                layer_unroll=1)
+    tpu = EngineOptions().resolved(platform="tpu")
+    assert tpu.attention == "pallas_tpu" and tpu.moe == "xla" and tpu.refresh == "cond"
+    # the GPU variants follow the attention kernels, asked for anywhere
+    forced = EngineOptions(attention="pallas_gpu").resolved(platform="cpu")
+    assert (forced.moe, forced.heads, forced.repack, forced.refresh) == \
+        ("tokens", "kernel", "kernel", "unconditional")
+    assert forced.selector_scores == "xla"  # the selector's defaults follow the platform
+    # explicit values are kept; resolving twice changes nothing; resolved objects hash
+    mixed = EngineOptions(attention="pallas_gpu", moe="xla", layer_unroll="all")
+    assert mixed.resolved("gpu").moe == "xla" and mixed.resolved("gpu").unroll is True
+    assert gpu.resolved("cpu") == gpu and gpu.is_resolved and not EngineOptions().is_resolved
+    assert len({gpu, cpu, tpu, EngineOptions().resolved("gpu")}) == 3
+    assert resolve("selector_topk", "auto", "gpu") == "radix_kernel"
+    assert resolve("attention", "pallas_tpu", "gpu") == "pallas_tpu"
+
+
+def test_from_strings():
+    got = EngineOptions.from_strings(["moe=xla", "layer_unroll=all", "refresh=cond"])
+    assert got == EngineOptions(moe="xla", layer_unroll="all", refresh="cond")
+    assert EngineOptions.from_strings(["layer_unroll=3"]).layer_unroll == 3
+    assert EngineOptions.from_strings(["layer_unroll=auto"]).layer_unroll is None
+    base = EngineOptions(attention="xla")
+    assert EngineOptions.from_strings(["heads=xla"], base=base).attention == "xla"
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        EngineOptions.from_strings(["unroll=3"])
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        EngineOptions.from_strings(["moe"])
+    with pytest.raises(ValueError, match="EngineOptions.moe='yes'"):
+        EngineOptions.from_strings(["moe=yes"])
+
+
+def test_generate_takes_only_engine_options(tiny_qwen3):
+    with pytest.raises(ValueError, match="EngineOptions"):
+        sfi_jax.generate(tiny_qwen3.model, [[5, 6, 7]], max_new_tokens=2, options={"moe": "xla"})
+    with pytest.raises(ValueError, match="EngineOptions.attention='cuda'"):
+        sfi_jax.generate(tiny_qwen3.model, [[5, 6, 7]], max_new_tokens=2, impl="cuda")
+
+
+def test_no_module_reads_engine_environment_variables():
+    root = pathlib.Path(sfi_jax.__file__).parent
+    readers = [str(p.relative_to(root)) for p in root.rglob("*.py")
+               if "SFI_JAX_" in p.read_text()]
+    assert readers == []
