@@ -64,8 +64,8 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
     the keys at positions j <= q_start[b] + t and j < kv_len[b] of k, v [B, Hkv, S, D] (or
     stacked [L, B, Hkv, S, D], read in place at `layer`, which may be traced).
 
-    Queries at positions >= kv_len[b] are padding: zeros out, -inf logits and lse. A row
-    with kv_len[b] <= q_start[b] does next to no work on GPU.
+    Queries at positions >= kv_len[b] are padding: zeros out, -inf logits and lse. On GPU a
+    row with kv_len[b] <= q_start[b] reads no K/V (with logits it only writes their -inf).
     Returns out [B, T, Hq, D] in q's dtype, or with return_logits (out, logits f32
     [B, Hq, T, S] of scaled q.k, -inf where masked, lse f32 [B, Hq, T]). The logits keep the
     head major and T inner, so [B, Hkv, G * T, S] is a free view for the selector.

@@ -276,3 +276,21 @@ def test_tpu_kernel_lowers_for_tpu(shape):
 
         text = jax.jit(f).trace(*_specs(*shape)).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text
+
+
+def test_bench_script_smoke(tmp_path):
+    """scripts/bench_multi_query_kernel.py --smoke: tiny shapes on the CPU, checked against
+    the reference by the script itself (it exits non-zero when a case is off)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "bench_multi_query_kernel.py"
+    spec = importlib.util.spec_from_file_location("bench_multi_query_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "mq.json"
+    mod.main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["rel_err"]["out"] <= TOL[jnp.bfloat16] for r in rows)
+    assert all(r["ours_s"] > 0 and r["bytes_logits"] > r["bytes"] for r in rows)
