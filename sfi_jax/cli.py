@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -113,9 +112,6 @@ def _compile_cache(args) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    # without torch, transformers announces on import that its models are unavailable; the
-    # tokenizers are all this command uses
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     _compile_cache(args)  # before anything is compiled
     if args.distributed:
         import jax

@@ -51,12 +51,28 @@ def embedded_gguf_path() -> str:
 
 # ---- reading the GGUF file itself ----
 
-@functools.lru_cache(maxsize=4)
-def _reader_at(path: str, size: int, mtime_ns: int):
+def _plain_reader():
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map: the reader slices the
+    map once per metadata string, and each `np.memmap` slice costs far more than an ndarray
+    one (a 49K-token vocabulary parses 3-4x faster)."""
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = np.asarray(value)
+
+    return Reader
+
+
+@functools.lru_cache(maxsize=4)
+def _reader_at(path: str, size: int, mtime_ns: int):
     try:
-        return gguf.GGUFReader(path)
+        return _plain_reader()(path)
     except Exception as e:  # gguf raises assorted errors on corrupt files
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
                          "re-download or reinstall it") from None

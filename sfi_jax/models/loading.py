@@ -116,7 +116,9 @@ def load_tokenizer(source: str = EMBEDDED_DEFAULT):
     path = os.path.expanduser(source)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return gguf_loader.gguf_tokenizer(path)
-    from transformers import AutoTokenizer
+    from sfi_jax.models.tokenizer import import_transformers
+
+    AutoTokenizer = import_transformers().AutoTokenizer
 
     if not os.path.exists(path) and _looks_like_hub_id(source):
         path = _resolve_hub(source)

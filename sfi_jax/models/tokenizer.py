@@ -8,8 +8,10 @@ wraps it in `transformers.PreTrainedTokenizerFast`, so only the tokenizer packag
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 
 # token types in tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 CONTROL = 3
@@ -139,11 +141,28 @@ def settings_of(meta: dict, source: str = "GGUF") -> dict:
     return out
 
 
+def import_transformers():
+    """`import transformers`, without its notice that models need torch when torch is absent
+    (only its tokenizers are used here)."""
+    if "transformers" not in sys.modules and importlib.util.find_spec("torch") is None:
+        key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+        before = os.environ.get(key)
+        os.environ[key] = "1"
+        try:
+            import transformers
+        finally:
+            if before is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = before
+    import transformers
+
+    return transformers
+
+
 def wrap(backend, settings: dict):
     """`PreTrainedTokenizerFast` around `backend` with the file's special tokens and template."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
+    return import_transformers().PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
 
 
 def tokenizer_from_metadata(meta: dict, source: str = "GGUF"):

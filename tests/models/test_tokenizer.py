@@ -147,8 +147,9 @@ def synthetic_tokenizer(pre: str) -> dict:
     for m in merges:
         tokens.append(m.replace(" ", ""))
     types = [1] * len(tokens)
-    tokens += ["<|begin|>", "<|end|>", "<think>"]
-    types += [3, 3, 4]
+    # <|endoftext|> too: transformers' GGUF path appends it to a vocabulary that lacks it
+    tokens += ["<|endoftext|>", "<|begin|>", "<|end|>", "<think>"]
+    types += [3, 3, 3, 4]
     return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "token_type": types,
             "bos_token_id": len(tokens) - 3, "eos_token_id": len(tokens) - 2,
             "add_bos_token": False,
