@@ -151,6 +151,18 @@ def check_small(configs):
     for cfg in configs:
         got = prefill_attention_gpu.prefill_attention(q, k, v, qs, kl, config=cfg)
         out[str(cfg)] = rel_err(got.astype(jnp.float32), want)
+    for starts in ((n - t, n - t), (0, n - t), (5, 300)):  # the dispatcher's cuDNN path, ragged
+        qs2 = jnp.asarray(starts, jnp.int32)
+        kl2 = jnp.minimum(qs2 + t, n)
+        try:
+            got = prefill_attention(q, k, v, qs2, kl2, impl="cudnn")
+            ref = reference(q, k, v, qs2, kl2)
+            valid = (qs2[:, None] + jnp.arange(t)[None]) < kl2[:, None]
+            out[f"cudnn_dispatch_starts_{starts}"] = rel_err(
+                jnp.where(valid[..., None, None], got.astype(jnp.float32), 0.0),
+                jnp.where(valid[..., None, None], ref.astype(jnp.float32), 0.0))
+        except Exception as e:  # noqa: BLE001
+            out[f"cudnn_dispatch_starts_{starts}"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 
@@ -196,6 +208,23 @@ def run_gpu(args, res):
                 res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
                              error=f"{type(e).__name__}: {e}"[:300]))
             cudnn_full(t)
+            # the dispatcher's cuDNN path: head-major cache of 2n positions, traced offset
+            row = dict(kind="ours_cudnn", impl="cudnn", t=t, offset=offset, context=n)
+            try:
+                pad = ((0, 0), (0, 0), (0, n), (0, 0))
+                kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
+                fn = jax.jit(lambda q, k, v, qs, kl: prefill_attention(q, k, v, qs, kl,
+                                                                       impl="cudnn"))
+                out = fn(q, kb, vb, qs, kl)
+                sec = time_fn(fn, (q, kb, vb, qs, kl), reps=args.reps)
+                row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
+                           max_rel_err=None if want is None else rel_err(
+                               out.astype(jnp.float32), want.astype(jnp.float32)),
+                           checked_against=None if want is None else "cudnn_split_merge")
+                del kb, vb
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            res.add(row)
             for cfg in configs:
                 fn = jax.jit(lambda q, k, v, qs, kl, c=cfg: prefill_attention_gpu.prefill_attention(
                     q, k, v, qs, kl, config=c))

@@ -1,8 +1,10 @@
 """Prefill attention: a chunk of queries at an offset over a cache that already holds them.
 
-`prefill_attention` checks shapes and picks an implementation: "pallas_gpu" (Triton-lowered
-flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp below) or "auto"
-(the current platform's kernel; "xla" on CPU). A Pallas kernel asked for off its platform
+`prefill_attention` checks shapes and picks an implementation: "cudnn" (cuDNN's fused
+attention, two calls merged by their log-sum-exp; GPU, half precision), "pallas_gpu"
+(Triton-lowered flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp below) or "auto"
+(the current platform's fastest: "cudnn" on GPU where it applies, else "pallas_gpu";
+"pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off its platform
 runs in interpret mode, so every implementation can be tested on a CPU.
 
 All of them walk key blocks only up to the causal edge of a query block and the filled
@@ -20,18 +22,24 @@ from jax import lax
 
 from sfi_jax.backend import platform as _platform
 
-IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
 XLA_BLOCK_K = 512
 _M_INIT = -1e30  # finite: exp(m_old - m_new) is never NaN while a row has seen no key
 
 
-def resolve_impl(impl) -> str:
-    """The implementation `impl` stands for on the current platform."""
+def resolve_impl(impl, q=None, k=None) -> str:
+    """The implementation `impl` stands for on the current platform (for q, k when given:
+    "auto" on a GPU takes cuDNN only for inputs it supports)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform(), "xla")
+        impl = {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(_platform(), "xla")
+        if impl == "cudnn" and q is not None:
+            from sfi_jax.kernels import prefill_attention_cudnn
+
+            if not prefill_attention_cudnn.supported(q, k):
+                impl = "pallas_gpu"
     return impl
 
 
@@ -93,7 +101,7 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
     implementation's default; powers of two for pallas_gpu, multiples of 8 / 128 for
     pallas_tpu).
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, q, k)
     q_start = jnp.asarray(q_start)
     kv_len = jnp.asarray(kv_len)
     _check(q, k, v, q_start, kv_len, layer)
@@ -106,6 +114,13 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
         return prefill_attention_xla(q, k, v, q_start, kv_len, layer,
                                      block_q=block_q or XLA_BLOCK_Q,
                                      block_k=block_k or XLA_BLOCK_K)
+    if impl == "cudnn":
+        from sfi_jax.kernels import prefill_attention_cudnn
+
+        if _platform() != "gpu" or not prefill_attention_cudnn.supported(q, k):
+            raise ValueError(f"impl='cudnn' needs a GPU and bfloat16/float16 inputs with head dim "
+                             f"<= 128 (got {_platform()}, {q.dtype}, D={q.shape[-1]})")
+        return prefill_attention_cudnn.prefill_attention(q, k, v, q_start, kv_len, layer)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import prefill_attention_gpu as mod
 

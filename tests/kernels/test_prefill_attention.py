@@ -2,6 +2,7 @@
 inputs (Pallas kernels in interpret mode), the TPU kernel lowered for TPU and the GPU kernel
 exported for CUDA, and the shape checks."""
 
+import importlib
 import importlib.util
 import json
 import os
@@ -179,3 +180,17 @@ def test_bench_script_smoke(tmp_path):
     bench.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["rows"] and all(r["max_rel_err"] < 2e-2 for r in res["rows"])
+
+
+def test_cudnn_impl_needs_a_gpu():
+    """The cuDNN path is GPU-only (checked on the GPU by scripts/bench_prefill_kernel.py):
+    asking for it elsewhere is a clear error, and "auto" never picks it off a GPU."""
+    mod = importlib.import_module("sfi_jax.kernels.prefill_attention")
+
+    q = jnp.zeros((1, 4, 2, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 1, 8, 16), jnp.bfloat16)
+    lens = jnp.array([4], jnp.int32)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="cudnn"):
+            mod.prefill_attention(q, k, k, lens * 0, lens, impl="cudnn")
+        assert mod.resolve_impl("auto", q, k) != "cudnn"

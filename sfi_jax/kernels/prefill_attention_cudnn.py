@@ -1,0 +1,72 @@
+"""Prefill attention through cuDNN's fused attention (`jax.nn.dot_product_attention`).
+
+cuDNN reads sequence-major K/V and its causal mask is top-left aligned, so a chunk at an
+offset runs as two calls merged by their log-sum-exp: the chunk's queries over the prefix
+[0, q_start) (no mask; per-row lengths) and over the chunk's own keys (causal). The prefix
+call reads a static slab whose length `lax.switch` picks among powers of two, so a short
+prefix reads little and one compiled program serves every chunk offset.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def supported(q, k) -> bool:
+    """cuDNN's fused attention takes half-precision inputs and head dims up to 128 here."""
+    d = q.shape[-1]
+    return any(jnp.dtype(q.dtype) == jnp.dtype(t) for t in DTYPES) and \
+        jnp.dtype(k.dtype) == jnp.dtype(q.dtype) and d % 8 == 0 and d <= 128
+
+
+def prefix_lengths(t: int, s: int) -> list[int]:
+    """The static prefix slabs: t * 2^i below s, then s."""
+    out, n = [], t
+    while n < s:
+        out.append(n)
+        n *= 2
+    return out + [s]
+
+
+def _attend(q, k_seq, v_seq, *, causal, kv_lens=None):
+    o, lse = jax.nn.dot_product_attention(q, k_seq, v_seq, is_causal=causal,
+                                          key_value_seq_lengths=kv_lens,
+                                          implementation="cudnn", return_residual=True)
+    if lse.shape != q.shape[:3]:  # [B, Hq, T] -> [B, T, Hq]
+        lse = jnp.swapaxes(lse, 1, 2)
+    return o, lse.astype(jnp.float32)
+
+
+def prefill_attention(q, k, v, q_start, kv_len, layer=None):
+    """See `kernels.prefill_attention.prefill_attention` (the cache must have room for the
+    whole chunk after q_start: q_start + T <= S)."""
+    del kv_len  # valid queries never see keys at or past kv_len (causal); padding ones may
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    b, t, _, _ = q.shape
+    s_len = k.shape[2]
+    to_seq = lambda x: jnp.swapaxes(x, 1, 2)  # [B, Hkv, n, D] -> [B, n, Hkv, D]
+    own = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, t, axis=1))
+    o_self, l_self = _attend(q, to_seq(own(k, q_start)), to_seq(own(v, q_start)), causal=True)
+
+    lens = prefix_lengths(t, s_len)
+    longest = jnp.max(q_start)
+    which = jnp.sum(jnp.asarray(lens[:-1], jnp.int32) < longest)
+
+    def with_prefix(n):
+        def run(q):
+            o, l = _attend(q, to_seq(k[:, :, :n]), to_seq(v[:, :, :n]), causal=False,
+                           kv_lens=jnp.clip(q_start, 1, n))
+            return o.astype(jnp.float32), l
+        return run
+
+    o_pre, l_pre = lax.switch(which, [with_prefix(n) for n in lens], q)
+    m = jnp.maximum(l_pre, l_self)
+    w_pre = jnp.where((q_start > 0)[:, None, None], jnp.exp(l_pre - m), 0.0)[..., None]
+    w_self = jnp.exp(l_self - m)[..., None]
+    out = (o_pre * w_pre + o_self.astype(jnp.float32) * w_self) / (w_pre + w_self)
+    return out.astype(q.dtype)
