@@ -2,7 +2,7 @@
 
 An evaluation decodes the same prompts under a dozen policies and budgets; the dense prefill is
 identical for all of them and dominates the cost on a CPU. Inside `shared_prefill()`, the chunk
-calls `generate` makes to `engine.prefill_chunk` are recorded; at the last chunk the whole
+calls `generate` makes to `runtime.prefill.prefill_chunk` are recorded; at the last chunk the whole
 prompt batch is looked up, and a cached result (copied, since decode donates the cache) is
 returned; otherwise the recorded chunks are run for real, each on the causal prefix of the
 cache it can see. The decode path is untouched.
@@ -16,7 +16,7 @@ import hashlib
 import jax.numpy as jnp
 import numpy as np
 
-from sfi_jax.runtime import engine
+from sfi_jax.runtime import prefill
 
 
 def _replay(real, params, pending, lengths, cfg, kw):
@@ -48,7 +48,7 @@ def shared_prefill(max_entries: int = 2):
     Key norms are always computed (an SFI call needs them; a dense call just does not get them),
     so one prefill serves both modes.
     """
-    real = engine.prefill_chunk
+    real = prefill.prefill_chunk
     store: dict = {}
     pending: list = []
     counts = {"hits": 0, "misses": 0}
@@ -82,8 +82,8 @@ def shared_prefill(max_entries: int = 2):
         pending.clear()
         return kk, vv, out_kn, lh
 
-    engine.prefill_chunk = cached
+    prefill.prefill_chunk = cached
     try:
         yield counts
     finally:
-        engine.prefill_chunk = real
+        prefill.prefill_chunk = real

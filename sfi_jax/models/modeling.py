@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sfi_jax.kernels.common import interpret_for
+from sfi_jax.kernels import heads as heads_kernels
+from sfi_jax.kernels import moe as moe_kernels
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
@@ -241,11 +242,7 @@ def apply_rope(x, positions, cfg: ModelConfig):
 def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
     """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): asked for,
     fused q/k/v weights, one position per row, a supported head dim."""
-    if heads != "kernel" or T != 1 or "wqkv" not in w:
-        return False
-    from sfi_jax.kernels import heads_gpu  # Triton's Pallas lowering, imported only when used
-
-    return heads_gpu.supported(cfg.head_dim)
+    return heads == "kernel" and T == 1 and "wqkv" in w and heads_kernels.supported(cfg.head_dim)
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"):
@@ -258,14 +255,11 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     if "wqkv" in w:
         qkv = _matmul(h, w["wqkv"])
         if _heads_kernel(heads, cfg, w, T):
-            from sfi_jax.kernels import heads_gpu
-
             cos, sin = rope_cos_sin(positions, cfg)
-            q, k, v = heads_gpu.norm_rope_heads(
+            q, k, v = heads_kernels.norm_rope_heads(
                 qkv[:, 0], cos[:, 0], sin[:, 0], w.get("q_norm") if cfg.qk_norm else None,
                 w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
-                interpret=interpret_for("pallas_gpu"))
+                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, impl="kernel")
             return q[:, None], k[:, None], v[:, None]
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
@@ -291,61 +285,22 @@ def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla
     return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
 
 
-MOE_IMPLS = ("xla", "kernel", "tokens")
+MOE_IMPLS = moe_kernels.IMPLS
 
 
 def moe_mlp(w: dict, cfg: ModelConfig, x, impl: str = "xla"):
-    """Top-k routed experts via grouped matmuls over expert-sorted tokens: `lax.ragged_dot`
-    ("xla"), or the Triton kernels of kernels.moe_gpu ("kernel": each routed expert's weights
-    read once; gate and up in one launch; interpret mode off the GPU). "tokens" (at most 16
-    tokens; more fall back to "kernel"): each expert multiplies all tokens and the routing
-    weights select, with no sort in between."""
+    """Top-k routed experts (softmax router, optionally renormalised top-k weights), the
+    expert matmuls by `kernels.moe.routed_experts`: "xla" (`lax.ragged_dot`), "kernel" or
+    "tokens" (Triton kernels; interpret mode off the GPU)."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
-    n, k = x.shape[0], cfg.num_experts_per_tok
     router_logits = jnp.matmul(x, w["router"], preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, k)
+    top_p, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    tile = None  # the kernels' weight tile; None: ragged_dot
-    if impl != "xla":
-        from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
-
-        tile = moe_gpu.tile(cfg.hidden_size, cfg.moe_intermediate_size)
-        kw = dict(interpret=interpret_for("pallas_gpu"), block_n=tile[0],
-                  block_k=tile[1]) if tile else None
-    if tile is not None and impl == "tokens" and n <= moe_gpu.TOKENS:
-        # [n, E]: token t's weight for expert e (0 where unrouted), no scatter
-        onehot = top_e[..., None] == jnp.arange(cfg.num_experts)
-        weights = jnp.sum(jnp.where(onehot, top_p[..., None], 0.0), axis=1)
-        out = moe_gpu.token_moe(x, w["we_gate"], w["we_up"], w["we_down"], weights, **kw)
-        return out.astype(x.dtype)
-    flat_e = top_e.reshape(-1)
-    order = jnp.argsort(flat_e)
-    token_of = order // k
-    xs = x[token_of]
-    group_sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
-
-    if tile is not None:
-        hidden = moe_gpu.grouped_matmul(xs, w["we_gate"], group_sizes, w["we_up"], **kw)
-        ys = moe_gpu.grouped_matmul(hidden, w["we_down"], group_sizes, **kw)[:n * k]
-        return _combine_experts(ys.astype(jnp.float32), top_p, order, token_of, x)
-
-    def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
-                                  preferred_element_type=jnp.float32).astype(x.dtype)
-
-    hidden = jax.nn.silu(grouped(xs, w["we_gate"])) * grouped(xs, w["we_up"])
-    ys = grouped(hidden, w["we_down"]).astype(jnp.float32)
-    return _combine_experts(ys, top_p, order, token_of, x)
-
-
-def _combine_experts(ys, top_p, order, token_of, x):
-    """Each token's expert outputs (expert-sorted rows ys) weighted by its routing weights."""
-    weights = top_p.reshape(-1)[order][:, None]
-    out = jnp.zeros(x.shape, jnp.float32).at[token_of].add(ys * weights)
-    return out.astype(x.dtype)
+    return moe_kernels.routed_experts(x, w["we_gate"], w["we_up"], w["we_down"], top_p, top_e,
+                                      impl=impl)
 
 
 def embed_tokens(params: dict, tokens):

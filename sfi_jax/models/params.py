@@ -41,12 +41,13 @@ def _set(tree, path, value):
 
 
 def default_shardings(cfg: ModelConfig, mesh=None):
-    """Sharding per parameter: replicated on one device, or the mesh rules of runtime.sharding."""
+    """Sharding per parameter: replicated on one device, or the mesh rules of models.sharding."""
     if mesh is None:
         device = jax.devices()[0]
         return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device),
                             param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    from sfi_jax.runtime.sharding import param_shardings
+    from sfi_jax.models.sharding import param_shardings
+
     return param_shardings(cfg, mesh)
 
 

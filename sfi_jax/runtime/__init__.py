@@ -1,4 +1,7 @@
-"""KV cache, SFI state, prefill, the jitted decode loop and sampling."""
+"""The host side and the jitted programs of decoding: KV cache and SFI state (state), dense
+chunked prefill (prefill), the compact buffers' selections (selection), the decode loop
+(decode), quality diagnostics (diagnostics), running on a mesh (mesh), sampling (sampling)
+and `generate` (generation)."""
 
 from sfi_jax.runtime.generation import GenerateResult, generate
 from sfi_jax.runtime.sampling import SamplingConfig

@@ -1,5 +1,6 @@
-"""`generate`: the host side of decoding. Validates input, prefills, then runs jitted chunks of
-decode steps, streaming tokens between chunks and stopping when every row has ended."""
+"""`generate`: the host side of decoding, as named steps: validate the input, allocate the
+cache and state, prefill, make the initial selection, run jitted chunks of decode steps
+(streaming tokens between chunks, stopping when every row has ended), collect the stats."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.options import EngineOptions
 from sfi_jax.models.modeling import Model, output_logits, unfuse_qkv_weights
-from sfi_jax.runtime import engine, sharding
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime import decode, prefill, selection
+from sfi_jax.runtime import mesh as mesh_lib
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
 
@@ -95,7 +97,7 @@ def _compiled_decode(args, statics):
     if key not in _COMPILED:
         if len(_COMPILED) > 32:
             _COMPILED.clear()
-        _COMPILED[key] = engine.decode_chunk.lower(*args, **statics).compile()
+        _COMPILED[key] = decode.decode_chunk.lower(*args, **statics).compile()
     return _COMPILED[key]
 
 
@@ -121,38 +123,48 @@ def _on_own_mesh(fn):
 
     @functools.wraps(fn)
     def wrapper(model, *args, mesh=None, **kw):
-        mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model.params)
-        with jax.set_mesh(mesh):
-            return fn(model, *args, mesh=mesh, **kw)
+        m = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(model.params)
+        with jax.set_mesh(m):
+            return fn(model, *args, mesh=m, **kw)
 
     return wrapper
 
 
-@_on_own_mesh
-def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
-             sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
-             chunk_steps: int = 32, options: EngineOptions | None = None,
-             impl: str | None = None, trigger_ids=None,
-             on_tokens: Callable[[list[list[int]]], None] | None = None,
-             forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
-             diagnostics: bool = False, mesh=None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
+@dataclasses.dataclass
+class _Run:
+    """What one generate call decided before any device work: shapes, policies, placement."""
 
-    prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
-    new token comes from the prefill logits; each further token is one decode step.
-    trigger_ids: override the trigger-token set (default: from the tokenizer; none without one).
-    forced_tokens: [B, max_new_tokens] ids fed instead of sampled ones (teacher forcing; -1 =
-    sample). on_tokens(list of new ids per row) is called after each chunk, for streaming.
-    diagnostics (SFI mode): stats["selected_positions"] [L, B, Hkv, C] (the selection in force
-    at the end), stats["coverage"] [B, steps, L, Hkv], the share of the dense
-    attention mass that each step's attended set covers, and stats["support_jaccard"], the
-    overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
-    mesh: a device mesh (or 'DxM' spec) to run on; default: the mesh the model's parameters
-    are sharded over (`load_model(..., mesh=...)`), or one device when they are not.
-    options: how the engine runs (`EngineOptions`; default: the platform's defaults).
-    impl: a shortcut for options.attention (kept for old callers).
-    """
+    cfg: object
+    sfi: SFIConfig | None
+    sampling: SamplingConfig
+    options: EngineOptions
+    ids: list
+    lens: np.ndarray
+    S: int  # cache length
+    chunk: int  # prefill chunk
+    T: int  # padded prompt length
+    plan: object
+    params: dict
+    sizes: dict
+    forced_tokens: np.ndarray | None
+    trigger_ids: np.ndarray | None
+
+    @property
+    def batch(self) -> int:
+        return len(self.ids)
+
+    def put(self, a):
+        """A host value on the device(s): replicated over the mesh (every process passes the
+        same values)."""
+        if self.plan is None:
+            return jnp.asarray(a)
+        return jax.device_put(np.asarray(a), self.plan.replicated)
+
+
+def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, top_k,
+              tokenizer, chunk_steps, options, impl, forced_tokens, trigger_ids, max_len,
+              diagnostics, mesh) -> _Run:
+    """Check every argument, size the cache and the prefill chunks, place the parameters."""
     cfg = model.config
     options = EngineOptions() if options is None else options
     if not isinstance(options, EngineOptions):
@@ -190,29 +202,28 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                          f"({max_new_tokens}) = {need} exceeds the model's context "
                          f"({cfg.max_position_embeddings})")
     S = max_len or min(_round_up(need, 128), cfg.max_position_embeddings)
-    chunk = engine.prefill_chunk_size(cfg, B, S, int(lens.max()))
+    chunk = prefill.prefill_chunk_size(cfg, B, S, int(lens.max()))
     T = _round_up(int(lens.max()), chunk)
     if max_len is None:
         S = max(S, T)  # the last prefill chunk writes whole chunks into the cache
     if S < max(need, T):
         raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need} (or "
                          f"the padded prompt, {T})")
-    dtype = model.dtype
     params = model.params
-    mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(params)
-    plan = sharding.plan_for(cfg, mesh, B)
-    if plan is not None and sharding.mesh_of(params) != plan.mesh:
+    mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
+    plan = mesh_lib.plan_for(cfg, mesh, B)
+    if plan is not None and mesh_lib.mesh_of(params) != plan.mesh:
         if isinstance(params["layers"], list) and "wqkv" in params["layers"][0]:
             # per-head shardings need q, k, v apart: split each layer's fused weight on the mesh
             rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
             params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg)
                                 for w in params["layers"]]
-        params = jax.device_put(params, sharding.param_shardings(
+        params = jax.device_put(params, mesh_lib.param_shardings(
             cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
         raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
                          "single device only; use evidence_window=1 on a mesh")
-    sizes = state_bytes(cfg, B, S, jnp.dtype(dtype).itemsize, sfi)
+    sizes = state_bytes(cfg, B, S, jnp.dtype(model.dtype).itemsize, sfi)
     split = plan.shard_factor if plan is not None else 1
     device = jax.local_devices()[0] if plan is None else \
         next(d for d in plan.mesh.devices.flat if d.process_index == jax.process_index())
@@ -233,99 +244,134 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
         if bad.size:
             raise ValueError(f"trigger id {int(bad[0])} is outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
+    return _Run(cfg=cfg, sfi=sfi, sampling=sampling, options=options, ids=ids, lens=lens, S=S,
+                chunk=chunk, T=T, plan=plan, params=params, sizes=sizes,
+                forced_tokens=forced_tokens, trigger_ids=trigger_ids)
 
-    # host inputs: replicated over the mesh (every process passes the same values)
-    put = jnp.asarray if plan is None else (lambda a: jax.device_put(np.asarray(a), plan.replicated))
-    t0 = time.perf_counter()
-    tokens = np.zeros((B, T), np.int32)
-    for i, p in enumerate(ids):
-        tokens[i, :len(p)] = p
+
+def _allocate(run: _Run, dtype):
+    """The empty KV cache and SFI state (on a mesh created in place, each device holding only
+    its rows and heads)."""
+    cfg, sfi, plan, B, S = run.cfg, run.sfi, run.plan, run.batch, run.S
     if plan is None:
         k, v = empty_cache(cfg, B, S, dtype)
         sfi_state = empty_sfi_state(cfg, sfi, B, S, dtype) if sfi is not None else None
-    else:  # created in place, each device holding only its rows and heads
-        k, v = sharding.place(lambda: empty_cache(cfg, B, S, dtype),
-                              (sharding.cache_sharding(plan),) * 2)
-        sfi_state = sharding.place(lambda: empty_sfi_state(cfg, sfi, B, S, dtype),
-                                   sharding.sfi_state_shardings(plan)) if sfi is not None else None
-    key_norms = sfi_state.key_norms if sfi is not None else put(np.zeros((0,), np.float32))
+    else:
+        k, v = mesh_lib.place(lambda: empty_cache(cfg, B, S, dtype),
+                              (mesh_lib.cache_sharding(plan),) * 2)
+        sfi_state = mesh_lib.place(lambda: empty_sfi_state(cfg, sfi, B, S, dtype),
+                                   mesh_lib.sfi_state_shardings(plan)) if sfi is not None else None
+    return k, v, sfi_state
+
+
+def _prefill(run: _Run, k, v, sfi_state, dtype):
+    """Run the prompts through the model in chunks, filling the cache (and the key norms).
+    Returns k, v, the key norms and each row's last-position residual."""
+    cfg, B, T, chunk, put = run.cfg, run.batch, run.T, run.chunk, run.put
+    tokens = np.zeros((B, T), np.int32)
+    for i, p in enumerate(run.ids):
+        tokens[i, :len(p)] = p
+    key_norms = sfi_state.key_norms if run.sfi is not None else put(np.zeros((0,), np.float32))
     last_hidden = put(np.zeros((B, cfg.hidden_size), jnp.dtype(dtype)))
-    lengths = put(lens)
+    lengths = put(run.lens)
     for start in range(0, T, chunk):
-        k, v, key_norms, last_hidden = engine.prefill_chunk(
-            params, k, v, key_norms, put(tokens[:, start:start + chunk]),
-            put(np.int32(start)), lengths, last_hidden, cfg=cfg, with_norms=sfi is not None,
-            plan=plan)
-    if sfi is not None:
-        sfi_state = sfi_state._replace(key_norms=key_norms)
-        if sfi.policy == "streaming":
-            sfi_state = engine.sink_only_selection(sfi_state, k, v, lengths, cfg=cfg, sfi=sfi,
-                                                   plan=plan)
-        else:
-            W = sfi.prefill_window
-            win = np.zeros((B, W), np.int32)
-            for i, p in enumerate(ids):
-                tail = p[-W:]
-                win[i, W - len(tail):] = tail
-            sfi_state = engine.prefill_selection(params, sfi_state, k, v, put(win),
-                                                 lengths, cfg=cfg, sfi=sfi, options=options,
-                                                 plan=plan)
-    first_logits = output_logits(params, cfg, last_hidden[:, None])[:, 0]
+        # looked up on the module at each call (eval.prefill_cache replaces it)
+        k, v, key_norms, last_hidden = prefill.prefill_chunk(
+            run.params, k, v, key_norms, put(tokens[:, start:start + chunk]),
+            put(np.int32(start)), lengths, last_hidden, cfg=cfg, with_norms=run.sfi is not None,
+            plan=run.plan)
+    return k, v, key_norms, last_hidden
+
+
+def _initial_selection(run: _Run, sfi_state, k, v, key_norms):
+    """The compact buffers decode starts from: the sink alone (streaming) or the selection from
+    the last prefill_window prompt positions (SFI_METHOD.md §5)."""
+    sfi, lengths = run.sfi, run.put(run.lens)
+    sfi_state = sfi_state._replace(key_norms=key_norms)
+    if sfi.sink_only:
+        return selection.sink_only_selection(sfi_state, k, v, lengths, cfg=run.cfg, sfi=sfi,
+                                             plan=run.plan)
+    W = sfi.prefill_window
+    win = np.zeros((run.batch, W), np.int32)
+    for i, p in enumerate(run.ids):
+        tail = p[-W:]
+        win[i, W - len(tail):] = tail
+    return selection.prefill_selection(run.params, sfi_state, k, v, run.put(win), lengths,
+                                       cfg=run.cfg, sfi=sfi, options=run.options, plan=run.plan)
+
+
+def _first_token(run: _Run, last_hidden, seed):
+    """The first new token of each row, from the prefill's last residual. Returns the tokens
+    (host), their logits and the PRNG key decode continues from."""
+    plan = run.plan
+    first_logits = output_logits(run.params, run.cfg, last_hidden[:, None])[:, 0]
     if plan is not None:  # readable by the host on every process
         first_logits = jax.device_put(first_logits, plan.replicated)
     if not bool(jnp.all(jnp.isfinite(first_logits))):
         raise FloatingPointError("prefill produced non-finite logits (NaN/inf); check the "
                                  "checkpoint and dtype")
     key = jax.random.key(seed) if plan is None else \
-        sharding.place(lambda: jax.random.key(seed), plan.replicated)
+        mesh_lib.place(lambda: jax.random.key(seed), plan.replicated)
     key, sub = jax.random.split(key)
-    first = sample(first_logits, sub, sampling)
-    if forced_tokens is not None:
-        first = jnp.where(forced_tokens[:, 0] >= 0, forced_tokens[:, 0], first)
-    first = np.asarray(jax.block_until_ready(first))
-    prefill_s = time.perf_counter() - t0
+    first = sample(first_logits, sub, run.sampling)
+    if run.forced_tokens is not None:
+        first = jnp.where(run.forced_tokens[:, 0] >= 0, run.forced_tokens[:, 0], first)
+    return np.asarray(jax.block_until_ready(first)), first_logits, key
 
+
+def _token_masks(run: _Run, tokenizer, stop_at_eos):
+    """EOS ids, the EOS mask and the trigger-token mask over the vocabulary."""
+    cfg = run.cfg
     eos_ids = [t for t in cfg.eos_token_ids if t is not None]
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_ids.append(tokenizer.eos_token_id)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     if stop_at_eos:
         eos_mask[[t for t in eos_ids if 0 <= t < cfg.vocab_size]] = True
-    if trigger_ids is not None:
+    if run.trigger_ids is not None:
         trig = np.zeros((cfg.vocab_size,), bool)
-        trig[trigger_ids] = True
+        trig[run.trigger_ids] = True
     else:
-        trig = trigger_mask_for(tokenizer, cfg.vocab_size) if sfi is not None else \
+        trig = trigger_mask_for(tokenizer, cfg.vocab_size) if run.sfi is not None else \
             np.zeros((cfg.vocab_size,), bool)
+    return eos_ids, eos_mask, trig
 
+
+@dataclasses.dataclass
+class _Decoded:
+    generated: list
+    state: DecodeState
+    logits: list | None
+    slow: list
+    diag: list
+    steps: int
+    decode_s: float
+    compile_s: float
+
+
+def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, trig, *,
+                   max_new_tokens, chunk_steps, return_logits, diagnostics, on_tokens):
+    """Run jitted chunks of decode steps until every row ended or max_new_tokens are out."""
+    B, put = run.batch, run.put
     generated = [[int(t)] for t in first]
     done = eos_mask[first]
     logits_out = [np.asarray(first_logits)[:, None]] if return_logits else None
     slow_flags, diag_parts = [], []
     if on_tokens:
         on_tokens([[int(t)] for t in first])
-    state = DecodeState(k=k, v=v, lengths=lengths, token=put(first), done=put(done),
-                        step=put(np.int32(0)), key=key, sfi=sfi_state,
-                        diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
-                        if diagnostics else None,
-                        q_hist=jnp.zeros((cfg.num_layers, B, cfg.num_q_heads,
-                                          sfi.evidence_window, cfg.head_dim), dtype)
-                        if sfi is not None and sfi.evidence_window > 1 else None)
-    if plan is not None:
-        state = jax.device_put(state, sharding.decode_state_shardings(plan, state))
     eos_j, trig_j = put(eos_mask), put(trig)
     remaining = max_new_tokens - 1
-    decode_s, steps_taken, compile_s = 0.0, 0, 0.0
+    steps_taken, compile_s = 0, 0.0
     t1 = time.perf_counter()
     while remaining > 0 and not bool(np.all(done)):
         n = min(chunk_steps, remaining) if remaining < chunk_steps else chunk_steps
         forced = np.full((B, n), -1, np.int32)
-        if forced_tokens is not None:
-            got = forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
+        if run.forced_tokens is not None:
+            got = run.forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
             forced[:, :got.shape[1]] = got
-        args = (params, state, eos_j, trig_j, put(forced))
-        statics = dict(cfg=cfg, sfi=sfi, sampling=sampling, n_steps=n, options=options,
-                       return_logits=return_logits, plan=plan)
+        args = (run.params, state, eos_j, trig_j, put(forced))
+        statics = dict(cfg=run.cfg, sfi=run.sfi, sampling=run.sampling, n_steps=n,
+                       options=run.options, return_logits=return_logits, plan=run.plan)
         tc = time.perf_counter()
         step_fn = _compiled_decode(args, statics)
         compile_s += time.perf_counter() - tc
@@ -348,34 +394,99 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
             break
     jax.block_until_ready(state.lengths)
     decode_s = time.perf_counter() - t1 - compile_s
+    return _Decoded(generated, state, logits_out, slow_flags, diag_parts, steps_taken, decode_s,
+                    compile_s)
 
-    n_decoded = sum(len(g) - 1 for g in generated)
+
+def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics) -> dict:
+    """Timings, per-row slow/fast step counts and the optional logits and diagnostics."""
+    B, cfg = run.batch, run.cfg
+    n_decoded = sum(len(g) - 1 for g in out.generated)
+    decode_s = out.decode_s
     stats = {
-        "mode": mode, "batch": B, "prompt_tokens": lens.tolist(), "max_len": S,
-        "prefill_s": prefill_s, "decode_compile_s": compile_s, "decode_s": decode_s, "decode_steps": steps_taken,
-        "decode_tokens": n_decoded,
+        "mode": mode, "batch": B, "prompt_tokens": run.lens.tolist(), "max_len": run.S,
+        "prefill_s": prefill_s, "decode_compile_s": out.compile_s, "decode_s": decode_s,
+        "decode_steps": out.steps, "decode_tokens": n_decoded,
         "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
-        "new_tokens": [len(g) for g in generated],
-        "memory_bytes": sizes,
+        "new_tokens": [len(g) for g in out.generated],
+        "memory_bytes": run.sizes,
     }
-    if sfi is not None:
-        st = state.sfi
+    if run.sfi is not None:
+        st = out.state.sfi
         stats.update(slow_steps=np.asarray(st.slow_steps).tolist(),
                      fast_steps=np.asarray(st.fast_steps).tolist(),
-                     slow_timeline=(np.concatenate(slow_flags, 1) if slow_flags else
+                     slow_timeline=(np.concatenate(out.slow, 1) if out.slow else
                                     np.zeros((B, 0), bool)))
     else:
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
     if return_logits:
-        stats["logits"] = np.concatenate(logits_out, axis=1)
+        stats["logits"] = np.concatenate(out.logits, axis=1)
     if diagnostics:
-        d = (np.concatenate(diag_parts, axis=2) if diag_parts else
+        d = (np.concatenate(out.diag, axis=2) if out.diag else
              np.zeros((2, B, 0, cfg.num_layers, cfg.num_kv_heads), np.float32))
         stats["coverage"], stats["support_jaccard"] = d[0], d[1]
         # the selection in force at the end: [L, B, Hkv, n_sink + k_select], -1 = empty
-        stats["selected_positions"] = np.asarray(state.sfi.positions)
+        stats["selected_positions"] = np.asarray(out.state.sfi.positions)
+    return stats
+
+
+@_on_own_mesh
+def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
+             sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
+             chunk_steps: int = 32, options: EngineOptions | None = None,
+             impl: str | None = None, trigger_ids=None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
+             diagnostics: bool = False, mesh=None) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
+
+    prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
+    new token comes from the prefill logits; each further token is one decode step.
+    trigger_ids: override the trigger-token set (default: from the tokenizer; none without one).
+    forced_tokens: [B, max_new_tokens] ids fed instead of sampled ones (teacher forcing; -1 =
+    sample). on_tokens(list of new ids per row) is called after each chunk, for streaming.
+    diagnostics (SFI mode): stats["selected_positions"] [L, B, Hkv, C] (the selection in force
+    at the end), stats["coverage"] [B, steps, L, Hkv], the share of the dense
+    attention mass that each step's attended set covers, and stats["support_jaccard"], the
+    overlap of the dense top-k_select support with the previous step's (slow: for evaluation).
+    mesh: a device mesh (or 'DxM' spec) to run on; default: the mesh the model's parameters
+    are sharded over (`load_model(..., mesh=...)`), or one device when they are not.
+    options: how the engine runs (`EngineOptions`; default: the platform's defaults).
+    impl: a shortcut for options.attention (kept for old callers).
+    """
+    run = _validate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, sfi=sfi,
+                    temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer,
+                    chunk_steps=chunk_steps, options=options, impl=impl,
+                    forced_tokens=forced_tokens, trigger_ids=trigger_ids, max_len=max_len,
+                    diagnostics=diagnostics, mesh=mesh)
+    cfg, sfi, plan, B, S, dtype = run.cfg, run.sfi, run.plan, run.batch, run.S, model.dtype
+    t0 = time.perf_counter()
+    k, v, sfi_state = _allocate(run, dtype)
+    k, v, key_norms, last_hidden = _prefill(run, k, v, sfi_state, dtype)
+    if sfi is not None:
+        sfi_state = _initial_selection(run, sfi_state, k, v, key_norms)
+    first, first_logits, key = _first_token(run, last_hidden, seed)
+    prefill_s = time.perf_counter() - t0
+
+    eos_ids, eos_mask, trig = _token_masks(run, tokenizer, stop_at_eos)
+    state = DecodeState(k=k, v=v, lengths=run.put(run.lens), token=run.put(first),
+                        done=run.put(eos_mask[first]), step=run.put(np.int32(0)), key=key,
+                        sfi=sfi_state,
+                        diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
+                        if diagnostics else None,
+                        q_hist=jnp.zeros((cfg.num_layers, B, cfg.num_q_heads,
+                                          sfi.evidence_window, cfg.head_dim), dtype)
+                        if sfi is not None and sfi.evidence_window > 1 else None)
+    if plan is not None:
+        state = jax.device_put(state, mesh_lib.decode_state_shardings(plan, state))
+    out = _decode_chunks(run, state, first, first_logits, eos_mask, trig,
+                         max_new_tokens=max_new_tokens, chunk_steps=chunk_steps,
+                         return_logits=return_logits, diagnostics=diagnostics,
+                         on_tokens=on_tokens)
+    stats = _stats(run, out, mode, prefill_s, return_logits, diagnostics)
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)
-                for g in generated]
-    return GenerateResult(tokens=generated, text=text, stats=stats)
+                for g in out.generated]
+    return GenerateResult(tokens=out.generated, text=text, stats=stats)

@@ -3,177 +3,25 @@
 Shapes: logits [B, Hkv, R, S], key_norms [B, Hkv, S], allowed range J = [lo[b], hi[b]) per
 batch row. Everything outside J is masked to -inf (scores) or 0 (probabilities), so empty and
 one-element ranges give no NaN. `selector_scores` and `topk_positions` are the two halves of
-`select`, kept separate so they can be tested and profiled on their own.
+`select`, kept separate so they can be tested and profiled on their own. The scores' steps and
+the radix search are computed in `kernels.selector` (jnp or Triton kernels).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.kernels.common import interpret_for, sortable_keys
-from sfi_jax.options import SELECTOR_ADJUST, resolve
-
-NEG_INF = float("-inf")
-
-
-def allowed_mask(size: int, lo, hi):
-    """Bool [B, S]: position s of row b lies in [lo[b], hi[b])."""
-    pos = jnp.arange(size, dtype=jnp.int32)
-    lo = jnp.asarray(lo, jnp.int32)[:, None]
-    hi = jnp.asarray(hi, jnp.int32)[:, None]
-    return (pos >= lo) & (pos < hi)
-
-
-def _masked_softmax(x, mask, axis=-1):
-    """Softmax over the masked entries; all-masked slices give zeros instead of NaN."""
-    x = jnp.where(mask, x, NEG_INF)
-    mx = jnp.max(x, axis=axis, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    e = jnp.exp(x - mx)
-    total = jnp.sum(e, axis=axis, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
-
-
-def evidence(logits, in_j, power_alpha: float):
-    """f(j): per-row softmax over J, power mean over the R rows, renormalised. [B, H, S].
-
-    Done in the log domain (mu^(1/a) is renormalised through a max-shifted softmax), so tiny
-    probabilities at 128K positions do not underflow to ties.
-    """
-    mask = in_j[:, None, None, :]
-    x = jnp.where(mask, logits.astype(jnp.float32), NEG_INF)
-    mx = jnp.max(x, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    total = jnp.sum(jnp.exp(x - mx), axis=-1, keepdims=True)
-    log_total = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
-    logp = x - mx - log_total  # -inf outside J and where a row masks a position
-    mu = jnp.sum(jnp.exp(power_alpha * logp), axis=2)  # the 1/R factor cancels below
-    g = jnp.log(mu) / power_alpha
-    return _masked_softmax(g, in_j[:, None, :] & (mu > 0))
-
-
-def prior(key_norms, lo, hi, in_j, cfg: SFIConfig):
-    """r(j): key-norm prior times position prior, normalised over J. [B, H, S]."""
-    eps = cfg.eps
-    size = key_norms.shape[-1]
-    pos = jnp.arange(size, dtype=jnp.float32)[None, :]
-    lo_f = jnp.asarray(lo, jnp.float32)[:, None]
-    last = jnp.asarray(hi, jnp.float32)[:, None] - 1.0
-    span = jnp.maximum(last - lo_f, 0.0) + eps
-    u = jnp.where(in_j, (pos - lo_f) / span, 0.0)
-    # 1 - u written as (max J - j + eps) / span keeps the newest position's eps^eta exact.
-    one_minus_u = jnp.where(in_j, (last - pos + eps) / span, 1.0)
-    pi_pos = jnp.exp(-cfg.beta * u**cfg.p) * (one_minus_u + eps) ** cfg.eta
-    pi_kn = (key_norms.astype(jnp.float32) + eps) ** (-cfg.gamma)
-    pi = jnp.where(in_j[:, None, :], pi_kn * pi_pos[:, None, :], 0.0)
-    total = jnp.sum(pi, axis=-1, keepdims=True)
-    return pi / jnp.where(total > 0, total, 1.0)
-
-
-def fusion_lambda(f, r, lam_clip: float):
-    """lam = clip((f.f - f.r) / |f - r|^2, 0, lam_clip), 0 when the denominator is 0. [B, H, 1]."""
-    d = f - r
-    den = jnp.sum(d * d, axis=-1, keepdims=True)
-    num = jnp.sum(f * d, axis=-1, keepdims=True)
-    lam = jnp.clip(num / jnp.where(den > 0, den, 1.0), 0.0, lam_clip)
-    return jnp.where(den > 0, lam, 0.0)
-
-
-def window_max(x, radius: int):
-    """Max over |i - j| <= radius along the last axis (-inf padding), by doubling windows:
-    log2(2r+1) elementwise passes instead of 2r+1."""
-    if radius == 0:
-        return x
-    width = 2 * radius + 1
-    size = x.shape[-1]
-    pad = [(0, 0)] * (x.ndim - 1)
-    xp = jnp.pad(x, pad + [(radius, radius)], constant_values=NEG_INF)
-    t, w = xp, 1
-    while 2 * w <= width:  # t[i] = max xp[i : i + w]
-        shifted = jnp.pad(t[..., w:], pad + [(0, w)], constant_values=NEG_INF)
-        t = jnp.maximum(t, shifted)
-        w *= 2
-    return jnp.maximum(t[..., :size], t[..., width - w : width - w + size])
-
-
-def soft_nms(z, in_j, radius: int, alpha_soft: float):
-    """z - alpha_soft * (m - z) with m the local max over |i - j| <= radius inside J."""
-    if alpha_soft == 0.0 or radius == 0:
-        return z
-    m = window_max(z, radius)
-    return jnp.where(in_j[:, None, :], z - alpha_soft * jnp.maximum(m - z, 0.0), NEG_INF)
-
-
-def _reduce(x, op: str, cross_head_reduce):
-    """Finish a per-device reduction over heads: nothing, a collective over an axis name, or a
-    user callable fn(x, op) with op in {"max", "sum"}."""
-    if cross_head_reduce is None:
-        return x
-    if callable(cross_head_reduce):
-        return cross_head_reduce(x, op)
-    return lax.pmax(x, cross_head_reduce) if op == "max" else lax.psum(x, cross_head_reduce)
-
-
-def cross_head(z, in_j, cfg: SFIConfig, cross_head_reduce=None):
-    """z + alpha_cross * log(max(q, eps)), q = softmax over all KV heads of z / T."""
-    if cfg.alpha_cross == 0.0:
-        return z
-    y = z / cfg.cross_temp
-    mx = _reduce(jnp.max(y, axis=1, keepdims=True), "max", cross_head_reduce)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    total = _reduce(jnp.sum(jnp.exp(y - mx), axis=1, keepdims=True), "sum", cross_head_reduce)
-    log_total = jnp.log(jnp.where(total > 0, total, 1.0))
-    log_q = jnp.maximum(y - mx - log_total, math.log(cfg.eps))
-    return jnp.where(in_j[:, None, :], z + cfg.alpha_cross * log_q, NEG_INF)
-
-
-SUCCESSOR_PENALTY = 1e-3
-
-
-def successor_spread(z, in_j, radius: int, penalty: float = SUCCESSOR_PENALTY):
-    """max(z[j], z[j - s] - s * penalty for s = 1..radius) inside J: successors of a strong
-    position rank just below it (an extension; SFIConfig.successor_radius)."""
-    out = z
-    for s in range(1, radius + 1):
-        pad = [(0, 0)] * (z.ndim - 1) + [(s, 0)]
-        shifted = jnp.pad(z[..., :-s], pad, constant_values=NEG_INF) - s * penalty
-        out = jnp.maximum(out, shifted)
-    return jnp.where(in_j[:, None, :], out, NEG_INF)
-
-
-def _clipped_range(size, lo, hi):
-    return (jnp.clip(jnp.asarray(lo, jnp.int32), 0, size),
-            jnp.clip(jnp.asarray(hi, jnp.int32), 0, size))
-
-
-def base_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig):
-    """z = log(s + eps) of SFI_METHOD.md §4 steps 1-4, [B, H, S] float32, -inf outside J
-    (lo, hi already clipped to [0, S]); the jnp reference of kernels.selector_gpu."""
-    in_j = allowed_mask(logits.shape[-1], allowed_lo, allowed_hi)
-    f = evidence(logits, in_j, cfg.power_alpha)
-    if cfg.lam_clip > 0.0:
-        r = prior(key_norms, allowed_lo, allowed_hi, in_j, cfg)
-        lam = fusion_lambda(f, r, cfg.lam_clip)
-        s = (1.0 - lam) * f + lam * r
-    else:
-        s = f
-    return jnp.where(in_j[:, None, :], jnp.log(s + cfg.eps), NEG_INF)
-
-
-def adjust_scores(z, allowed_lo, allowed_hi, cfg: SFIConfig, cross_head_reduce=None):
-    """Steps 5-6 (soft-NMS, cross-head exclusivity) and the successor spread on z [B, H, S]."""
-    in_j = allowed_mask(z.shape[-1], allowed_lo, allowed_hi)
-    z = soft_nms(z, in_j, cfg.nms_radius, cfg.alpha_soft)
-    z = cross_head(z, in_j, cfg, cross_head_reduce)
-    if cfg.successor_radius > 0:
-        z = successor_spread(z, in_j, cfg.successor_radius)
-    return z
+from sfi_jax.kernels import selector as selector_kernels
+from sfi_jax.kernels.common import sortable_keys
+from sfi_jax.kernels.selector_reference import (  # noqa: F401 (the selector's public steps)
+    NEG_INF, adjust_scores, allowed_mask, base_scores, cross_head, evidence, fusion_lambda,
+    prior, soft_nms, successor_spread, window_max)
+from sfi_jax.options import resolve
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl", "adjust"))
@@ -198,54 +46,9 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg
     """`selector_scores` of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S]: the kernel reads them in place (the
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
-    size = logits.shape[-1]
-    lo, hi = _clipped_range(size, allowed_lo, allowed_hi)
-    if adjust not in SELECTOR_ADJUST:
-        raise ValueError(f"adjust={adjust!r}: expected one of {SELECTOR_ADJUST}")
-    by_kernel = adjust == "kernel"
-    if resolve("selector_scores", impl) == "pallas_gpu":
-        from sfi_jax.kernels import selector_gpu
-
-        kw = dict(cfg=cfg, interpret=interpret_for("pallas_gpu"))
-        fused = (by_kernel and cross_head_reduce is None
-                 and selector_gpu.adjust_supported(cfg))
-        z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
-                                     pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
-        if fused:
-            z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
-            if cfg.successor_radius > 0:
-                z = successor_spread(z, allowed_mask(size, lo, hi), cfg.successor_radius)
-            return z
-    else:
-        lg = lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
-        kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
-        z = base_scores(lg, kn, lo, hi, cfg)
-    return adjust_scores(z, lo, hi, cfg, cross_head_reduce)
-
-
-def _kth_largest_key(keys, k: int, radix_bits: int):
-    """Exact k-th largest key per row: a radix search fixing radix_bits per round, each round
-    one fused count of keys >= each candidate digit (no sort, no histogram scatter)."""
-    prefix = jnp.zeros(keys.shape[:-1], jnp.uint32)
-    digits = jnp.arange(1, 2**radix_bits, dtype=jnp.uint32)
-    for shift in range(32 - radix_bits, -1, -radix_bits):
-        cand = prefix[..., None] + (digits << shift)  # count(keys >= prefix) >= k holds throughout
-        counts = jnp.sum(keys[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)
-        prefix = prefix + (jnp.sum(counts >= k, axis=-1, dtype=jnp.uint32) << shift)
-    return prefix
-
-
-def _kth_largest(scores, k: int, radix_bits: int, kernel: bool):
-    """The k-th largest sortable key of each row of scores [..., S]: by jnp, or with kernel by
-    one Triton-lowered Pallas program per row (kernels.selector_gpu; interpret mode off the
-    GPU), which reads a row once per round instead of once per candidate digit."""
-    if not kernel:
-        return _kth_largest_key(sortable_keys(scores), k, radix_bits)
-    from sfi_jax.kernels import selector_gpu
-
-    rows = scores.reshape(-1, scores.shape[-1])
-    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=interpret_for("pallas_gpu"))
-    return t.reshape(scores.shape[:-1])
+    return selector_kernels.scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg,
+                                      cross_head_reduce=cross_head_reduce, impl=impl,
+                                      adjust=adjust)
 
 
 def _count_prefix(mask):
@@ -268,7 +71,7 @@ def _count_prefix(mask):
 
 def _topk_threshold(scores, k: int, out_k: int, radix_bits: int, kernel: bool = False):
     keys = sortable_keys(scores)
-    t = _kth_largest(scores, k, radix_bits, kernel)[..., None]
+    t = selector_kernels.kth_largest(scores, k, radix_bits, kernel)[..., None]
     gt = keys > t
     eq = keys == t
     quota = k - jnp.sum(gt, axis=-1, keepdims=True, dtype=jnp.int32)
@@ -310,7 +113,7 @@ def _prefilter(rows, k: int, plan, radix_bits: int | None = None, kernel: bool =
     if radix_bits is None:
         keep = rows >= lax.top_k(sample, rank + 1)[0][:, rank:rank + 1]
     else:
-        t = _kth_largest(sample, rank + 1, radix_bits, kernel)[:, None]
+        t = selector_kernels.kth_largest(sample, rank + 1, radix_bits, kernel)[:, None]
         keep = sortable_keys(rows) >= t
     pos, n = _compact_true(keep & (rows > NEG_INF), cap)
     return pos, jnp.all((n >= k) & (n <= cap))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sfi_jax.kernels import reference
-from sfi_jax.kernels.common import interpret_for as _interpret
+from sfi_jax.kernels import attention_reference as reference
+from sfi_jax.kernels.common import interpret_for
 from sfi_jax.options import ATTENTION as IMPLS
 from sfi_jax.options import REPACK, resolve
 
@@ -87,12 +87,12 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     impl = resolve_impl(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
     if impl == "pallas_gpu":
-        from sfi_jax.kernels import gpu
+        from sfi_jax.kernels import attention_gpu as gpu
 
         buf, dest = out_into if out_into is not None else (None, None)
         return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
                                 logits_into=logits_into, out_into=buf, out_rows=dest,
-                                gather_q=gather_q, interpret=_interpret(impl))
+                                gather_q=gather_q, interpret=interpret_for(impl))
     if gather_q:
         q = q[rows]
     with_logits = return_logits or logits_into is not None
@@ -100,10 +100,10 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
                                      return_logits=with_logits)
     else:
-        from sfi_jax.kernels import tpu
+        from sfi_jax.kernels import attention_tpu as tpu
 
         res = tpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=with_logits,
-                               interpret=_interpret(impl))
+                               interpret=interpret_for(impl))
     out, extra = (res[0], res[1:]) if with_logits else (res, ())
     if out_into is not None:
         out = out_into[0].at[out_into[1]].set(out.astype(out_into[0].dtype), mode="drop")
@@ -152,11 +152,11 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     if impl == "pallas_gpu":
-        from sfi_jax.kernels import gpu
+        from sfi_jax.kernels import attention_gpu as gpu
 
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                  window=window, new_kv=new_kv, key_norms=key_norms,
-                                 interpret=_interpret(impl))
+                                 interpret=interpret_for(impl))
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
     if c_len.ndim == 3:
@@ -165,10 +165,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
         out = reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
                                       layer=layer, window=window)
     else:
-        from sfi_jax.kernels import tpu
+        from sfi_jax.kernels import attention_tpu as tpu
 
         out = tpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                                window=window, interpret=_interpret(impl))
+                                window=window, interpret=interpret_for(impl))
     return out if new_kv is None else (out, k, v, key_norms)
 
 
@@ -207,9 +207,9 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
     if impl not in REPACK:
         raise ValueError(f"repack impl={impl!r}; expected one of {REPACK}")
     if resolve("repack", impl) == "kernel":
-        from sfi_jax.kernels import gpu
+        from sfi_jax.kernels import attention_gpu as gpu
 
-        return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=_interpret("pallas_gpu")))
+        return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=interpret_for("pallas_gpu")))
     safe = jnp.minimum(slots, B - 1)
     idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
            jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels import api, gpu, reference, tpu
+from sfi_jax.kernels import attention as api
+from sfi_jax.kernels import attention_gpu as gpu
+from sfi_jax.kernels import attention_reference as reference
+from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

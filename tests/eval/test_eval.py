@@ -16,7 +16,7 @@ from sfi_jax.eval import (answer_correct, kl_divergence, log_loss, make_sample, 
 from sfi_jax.eval.tasks import TASKS, extract_answers
 from sfi_jax.eval.text import TextSource, TokenText
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

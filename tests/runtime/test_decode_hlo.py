@@ -15,7 +15,7 @@ from sfi_jax import EngineOptions, SFIConfig
 from sfi_jax.models.config import PRESETS
 from sfi_jax.models.modeling import split_layers
 from sfi_jax.models.params import random_params
-from sfi_jax.runtime import engine
+from sfi_jax.runtime import decode
 from sfi_jax.runtime.sampling import SamplingConfig
 from sfi_jax.runtime.state import DecodeState, empty_sfi_state
 
@@ -41,14 +41,14 @@ def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions()):
                         key=jnp.zeros((2,), jnp.uint32), sfi=st)
     mask = jnp.zeros((CFG.vocab_size,), bool)
     forced = jnp.zeros((B, N), jnp.int32)
-    text = engine.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
+    text = decode.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
                                      sampling=SamplingConfig(), n_steps=N,
                                      options=options.resolved()).compile().as_text()
     dims = [("bf16", shape)]
     if sfi is not None:
         dims.append(("bf16", (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size,
                               CFG.head_dim)))
-        buf = engine.slow_logits_buffer(CFG, sfi, B, S)
+        buf = decode.slow_logits_buffer(CFG, sfi, B, S)
         if buf is not None:
             dims.append(("f32", buf.shape))
     wanted = [f"{t}[" + ",".join(map(str, d)) + "]" for t, d in dims]

@@ -357,7 +357,7 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
 # ---------------------------------------------------------------- evidence window (W > 1)
 
 def test_window_logits_match_numpy():
-    from sfi_jax.runtime.engine import _window_logits
+    from sfi_jax.runtime.decode import window_logits
 
     rng = np.random.default_rng(11)
     n, Hq, Hkv, W, D, S = 2, 4, 2, 5, 8, 30
@@ -365,7 +365,7 @@ def test_window_logits_match_numpy():
     k = rng.standard_normal((n, Hkv, S, D)).astype(np.float32)
     row_len = np.array([30, 17], np.int32)
     for step in (0, 2, 4, 9):
-        got = np.asarray(_window_logits(qh, k, row_len, step))
+        got = np.asarray(window_logits(qh, k, row_len, step))
         assert got.shape == (n, Hkv, (Hq // Hkv) * W, S)
         for b in range(n):
             for h in range(Hq):

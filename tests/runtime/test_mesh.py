@@ -1,6 +1,6 @@
 """Sharded execution: mesh specs, sharding rules, and dense / SFI generation, the selector,
 checkpoint placement and an Orbax round trip on 8 simulated CPU devices compared with one
-device. The 8-device checks run once, in a fresh interpreter (tests/sharded_checks.py),
+device. The 8-device checks run once, in a fresh interpreter (tests/runtime/sharded_checks.py),
 because the device count is fixed when jax starts."""
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ import sys
 import jax
 import pytest
 
-from sfi_jax.runtime import sharding
+from sfi_jax.runtime import mesh as sharding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-# two checker processes side by side (compiling is mostly single-threaded)
-GROUPS = (["rules", "selector", "loading", "orbax", "generate_qwen3", "explicit_mesh",
-           "multiprocess"],
-          ["generate_qwen3_moe", "generate_odd_heads", "gpu_kernels"])
+# two checker processes side by side (compiling is mostly single-threaded); a process computes
+# each one-device reference once, so the checks against the same reference share a process
+GROUPS = (["multiprocess", "generate_qwen3", "explicit_mesh"],
+          ["rules", "selector", "loading", "orbax", "gpu_kernels", "generate_qwen3_moe",
+           "generate_odd_heads"])
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def checks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # the checker imports sfi_jax from this checkout, installed or not
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE),
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT,
                                                     env.get("PYTHONPATH")) if p)
     outs = [tmp / f"results{i}.json" for i in range(len(GROUPS))]
     logs = [tmp / f"log{i}.txt" for i in range(len(GROUPS))]
@@ -86,7 +88,7 @@ def test_mesh_axis_names_checked():
 def _launcher():
     import importlib.util
 
-    path = os.path.join(os.path.dirname(HERE), "scripts", "tpu_pod", "launch.py")
+    path = os.path.join(ROOT, "scripts", "tpu_pod", "launch.py")
     spec = importlib.util.spec_from_file_location("tpu_pod_launch", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -258,7 +258,8 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
 def test_shard_map_over_kv_heads():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -306,11 +307,10 @@ def test_kth_largest_key_kernel_matches_jnp(bits):
     """The Triton radix search (interpret mode) against the jnp one on fresh rows: distinct
     values, ties, -0.0 and -inf padding, a length that is no multiple of the block, k = 1 and
     k = the row length."""
-    import importlib
-
     from sfi_jax.kernels import selector_gpu
+    from sfi_jax.kernels.common import sortable_keys
+    from sfi_jax.kernels.selector_reference import kth_largest_key
 
-    sel = importlib.import_module("sfi_jax.selector.select")
     rng = np.random.default_rng(30 + bits)
     x = rng.standard_normal((5, 3001)).astype(np.float32) * 100
     x[1] = np.round(x[1] / 50)  # heavy ties
@@ -319,7 +319,7 @@ def test_kth_largest_key_kernel_matches_jnp(bits):
     x[3, :] = -np.inf
     for k in (1, 37, 1500, 3001):
         got = selector_gpu.kth_largest_key(jnp.asarray(x), k, radix_bits=bits, interpret=True)
-        want = sel._kth_largest_key(sel._sortable_keys(jnp.asarray(x)), k, bits)
+        want = kth_largest_key(sortable_keys(jnp.asarray(x)), k, bits)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
     with pytest.raises(ValueError, match="radix_bits"):
         selector_gpu.kth_largest_key(jnp.asarray(x), 5, radix_bits=8, interpret=True)
@@ -340,7 +340,7 @@ def test_window_max_against_loop():
 def test_successor_spread():
     """successor_radius (an extension): each position lends its score minus 1e-3 per step to its
     next `radius` positions inside J; 0 leaves the scores of §4 unchanged."""
-    from sfi_jax.selector.select import SUCCESSOR_PENALTY, successor_spread
+    from sfi_jax.kernels.selector_reference import SUCCESSOR_PENALTY, successor_spread
 
     rng = np.random.default_rng(4)
     z = rng.standard_normal((2, 3, 40)).astype(np.float32)

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sfi_jax.kernels import gpu, tpu
+from sfi_jax.kernels import attention_gpu as gpu
+from sfi_jax.kernels import attention_tpu as tpu
 
 # jax serializes a Triton module without verifying it, so an ill-typed op (an `scf.for` whose
 # bounds differ in type, say) would only fail in the GPU's compile. Verify each one here.

@@ -338,7 +338,7 @@ def _params(cfg):
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  logits_into=None, out_into=None, out_rows=None, gather_q=False, interpret=False,
                  config=None):
-    """Dense decode attention (see kernels.api.dense_decode); one pass over K and V.
+    """Dense decode attention (see kernels.attention.dense_decode); one pass over K and V.
 
     logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
     whose layer `layer` receives the logits in place; returns (out, buffer, lse). Positions at
@@ -398,7 +398,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
                   new_kv=None, key_norms=None, interpret=False, config=None):
-    """Compact + recent-window decode attention (see kernels.api.sparse_decode).
+    """Compact + recent-window decode attention (see kernels.attention.sparse_decode).
 
     new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
     k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
@@ -482,7 +482,7 @@ def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, _ck_in, _cv_in, ck_out, cv_
 @functools.partial(jax.jit, static_argnames=("interpret", "block"))
 def repack(ck, cv, k, v, positions, slots, *, interpret=False, block=64):
     """Copy cache rows into the compact buffers of the refreshed rows (see
-    kernels.api.repack): one launch, in place, that does no work for empty slots."""
+    kernels.attention.repack): one launch, in place, that does no work for empty slots."""
     n_layers, n_rows, hkv, c_size, d = ck.shape
     n_slots = slots.shape[0]
     dp = _pow2(d)

@@ -1,7 +1,7 @@
-"""Sharded-execution checks on 8 simulated CPU devices, run by tests/test_sharding.py in a fresh
+"""Sharded-execution checks on 8 simulated CPU devices, run by tests/runtime/test_mesh.py in a fresh
 interpreter (the device count must be fixed before jax starts).
 
-    python tests/sharded_checks.py OUT.json [check ...]
+    python tests/runtime/sharded_checks.py OUT.json [check ...]
 
 Writes {check name: {"ok": bool, "detail": str, "seconds": float}} to OUT.json. Each check
 compares a run on a mesh with the same run on one device. XLA's slower optimisations are off:
@@ -33,7 +33,7 @@ import sfi_jax  # noqa: E402
 from sfi_jax.models.config import ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import Model  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
-from sfi_jax.runtime import sharding  # noqa: E402
+from sfi_jax.runtime import mesh as sharding  # noqa: E402
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_q_heads=16, num_kv_heads=8,
             head_dim=16, vocab_size=256, max_position_embeddings=512, qk_norm=True)
@@ -204,7 +204,7 @@ def check_selector():
 
     from jax.sharding import PartitionSpec as P
 
-    from sfi_jax.runtime import engine
+    from sfi_jax.runtime import selection
 
     B, H, R, S, D = 4, 8, 4, 96, 8
     rng = np.random.default_rng(0)
@@ -214,8 +214,8 @@ def check_selector():
     v = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
     lengths = jnp.asarray([96, 70, 50, 81], jnp.int32)
     cfg = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=16, alpha_cross=1.0)
-    lo, hi = engine._allowed(lengths, cfg)
-    fn = functools.partial(engine._select_compact, sfi=cfg,
+    lo, hi = selection.allowed_range(lengths, cfg)
+    fn = functools.partial(selection.select_compact, sfi=cfg,
                            options=sfi_jax.EngineOptions().resolved())
     want = jax.jit(fn)(logits, norms, k, v, lo, hi, lengths)
     for spec in ("2x4", "1x8"):

@@ -125,7 +125,7 @@ def _params():
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "block_k"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  interpret=None, block_k=BLOCK_K):
-    """Dense decode attention (see kernels.api.dense_decode)."""
+    """Dense decode attention (see kernels.attention.dense_decode)."""
     k, layer_arr = _stack(k, layer)
     v, _ = _stack(v, layer)
     n_rows, hq, d = q.shape
@@ -195,7 +195,7 @@ def _sparse_kernel(clen_ref, rs_ref, len_ref, layer_ref, q_ref, ck_ref, cv_ref, 
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "block_k"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
                   interpret=None, block_k=BLOCK_K):
-    """Compact + recent-window decode attention (see kernels.api.sparse_decode).
+    """Compact + recent-window decode attention (see kernels.attention.sparse_decode).
 
     The grid covers ceil(C / block) compact steps plus enough recent steps for `window`
     keys at any alignment (the whole cache when window is None).

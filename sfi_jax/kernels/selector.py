@@ -1,0 +1,57 @@
+"""The selector's compute, dispatched: its scores (steps 1-6 of SFI_METHOD.md §4) by jnp or the
+Triton kernels, and the k-th largest key of the radix top-k by jnp or one kernel per row.
+`selector.select` builds the selector on these."""
+
+from __future__ import annotations
+
+from jax import lax
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.kernels import selector_reference as reference
+from sfi_jax.kernels.common import interpret_for, sortable_keys
+from sfi_jax.options import SELECTOR_ADJUST, resolve
+
+
+def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+              cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
+    """z_adj [N, H, S] of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
+    logits [N, M, H, R, S] and key_norms [N, B, H, S] (the kernels read them in place).
+    impl: steps 1-4 by jnp ("xla") or the kernels ("pallas_gpu"); adjust: steps 5-6 by jnp
+    ("xla") or, after the kernels, one more ("kernel")."""
+    size = logits.shape[-1]
+    lo, hi = reference.clipped_range(size, allowed_lo, allowed_hi)
+    if adjust not in SELECTOR_ADJUST:
+        raise ValueError(f"adjust={adjust!r}: expected one of {SELECTOR_ADJUST}")
+    by_kernel = adjust == "kernel"
+    if resolve("selector_scores", impl) == "pallas_gpu":
+        from sfi_jax.kernels import selector_gpu
+
+        kw = dict(cfg=cfg, interpret=interpret_for("pallas_gpu"))
+        fused = (by_kernel and cross_head_reduce is None
+                 and selector_gpu.adjust_supported(cfg))
+        z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
+                                     pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
+        if fused:
+            z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
+            if cfg.successor_radius > 0:
+                z = reference.successor_spread(z, reference.allowed_mask(size, lo, hi),
+                                               cfg.successor_radius)
+            return z
+    else:
+        lg = lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
+        kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
+        z = reference.base_scores(lg, kn, lo, hi, cfg)
+    return reference.adjust_scores(z, lo, hi, cfg, cross_head_reduce)
+
+
+def kth_largest(scores, k: int, radix_bits: int, kernel: bool):
+    """The k-th largest sortable key of each row of scores [..., S]: by jnp, or with kernel by
+    one Triton-lowered Pallas program per row (kernels.selector_gpu; interpret mode off the
+    GPU), which reads a row once per round instead of once per candidate digit."""
+    if not kernel:
+        return reference.kth_largest_key(sortable_keys(scores), k, radix_bits)
+    from sfi_jax.kernels import selector_gpu  # Triton's Pallas lowering, imported when used
+
+    rows = scores.reshape(-1, scores.shape[-1])
+    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=interpret_for("pallas_gpu"))
+    return t.reshape(scores.shape[:-1])

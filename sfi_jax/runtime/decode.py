@@ -1,0 +1,350 @@
+"""The jitted decode loop.
+
+Decode runs a chunk of steps inside one `lax.while_loop` on device; each step scans over the
+stacked layers with the KV cache (and the SFI state) in the carry, so the cache is updated in
+place. In SFI mode every row decides per step whether it is slow (dense attention + selector +
+repack of its compact buffer) or fast (sparse attention over sink + selected + recent). A
+static number of refresh slots per step bounds the slow work.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.kernels import dense_decode, sparse_decode
+from sfi_jax.kernels.attention import write_new_token
+from sfi_jax.models.config import ModelConfig
+from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
+                                     output_logits, run_layers)
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime import mesh
+from sfi_jax.runtime.diagnostics import attention_diagnostics
+from sfi_jax.runtime.sampling import SamplingConfig, sample
+from sfi_jax.runtime.selection import (allowed_range, select_all_layers, select_compact)
+from sfi_jax.runtime.slots import refresh_slots
+from sfi_jax.runtime.state import DecodeState, SFIState
+
+
+def _heads_impl(options, plan):
+    """The heads' norm + rope on a mesh is jnp (GSPMD does not partition a Pallas call)."""
+    return "xla" if plan is not None else options.heads
+
+
+def _moe_impl(options, plan):
+    """The expert matmuls on a mesh are `lax.ragged_dot` (as for the heads)."""
+    return "xla" if plan is not None else options.moe
+
+
+def _per_query_head(buf, n_q_heads):
+    """The logits scratch [L, slots, Hkv, G, S] viewed as [L, slots, Hq, S] (a free reshape), the
+    layout the dense kernels write."""
+    return buf.reshape(buf.shape[:2] + (n_q_heads, buf.shape[-1]))
+
+
+def window_logits(qh, k_rows, row_len, step):
+    """Scaled logits [n, Hkv, G*W, S] of each row's last W queries qh [n, Hq, W, D] over its keys
+    k_rows [n, Hkv, S, D]; -inf past row_len and for history slots not written yet (decode step
+    `step` wrote slot step % W)."""
+    n, Hq, W, D = qh.shape
+    Hkv, S = k_rows.shape[1], k_rows.shape[2]
+    qg = qh.reshape(n, Hkv, Hq // Hkv, W, D)
+    s = jnp.einsum("nkgwd,nksd->nkgws", qg, k_rows, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(D)
+    written = (jnp.arange(W) <= step) | (step >= W - 1)
+    ok = (jnp.arange(S)[None, :] < row_len[:, None])[:, None, None, None, :] & \
+        written[None, None, None, :, None]
+    return jnp.where(ok, s, -jnp.inf).reshape(n, Hkv, Hq // Hkv * W, S)
+
+
+class LayerAttention(NamedTuple):
+    """One layer's decode attention: the output and the state it updated."""
+
+    attn: jax.Array  # [B, Hq, D]
+    k: jax.Array  # the KV cache, this step's key and value stored
+    v: jax.Array
+    st: SFIState | None
+    buf: jax.Array | None  # the refreshed rows' logits scratch
+    qh: jax.Array | None = None  # the query history (evidence_window > 1)
+
+
+def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
+                 head_axis=None, qh=None, step=None) -> LayerAttention:
+    """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
+    (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
+    whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
+    axis the KV heads are split over (the selector reduces over it).
+
+    The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs at the
+    next step's start, per occupied slot for all layers together (`select_all_layers`), not
+    once per layer: the selector is ~30 small kernels, which per layer cost more than the
+    selection itself. The fast read of a refreshed row is replaced by its dense result, so
+    deferring changes nothing. The oracle policy selects before its read, per layer.
+
+    On GPU the launches per layer are few: the sparse kernel also stores the new key, value
+    and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
+    next to nothing), writes its logits into `buf` and its output into the fast rows' output."""
+    B = q.shape[0]
+    impl = options.attention
+    lengths = pos + 1
+    deferred = sfi is not None and sfi.refreshes
+    if not deferred:  # write first; the deferred path's sparse kernel writes them itself
+        k, v, norms = write_new_token(k, v, None if sfi is None else st.key_norms, (kk, vv),
+                                      pos, l)
+        if sfi is not None:
+            st = st._replace(key_norms=norms)
+    if sfi is None:
+        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf)
+
+    recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+
+    def fast_attention(st, k, v):
+        # stacked, the kernel reads layer l; the deferred policies mask the dense rows' counts
+        # once per step in `decode_chunk` (here it would be one launch per layer)
+        c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
+        # dense rows (context within the budget) read [0, length) as their "recent" window,
+        # so no row reads more than `budget` cache positions in place
+        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
+        if not deferred:
+            return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
+                k, v, st
+        out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
+                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
+        return out, k, v, st._replace(key_norms=norms)
+
+    n_slots = slots.shape[0]
+    safe = jnp.minimum(slots, B - 1)
+    # empty slots (== B) attend to nothing: the kernel reads no keys for them
+    row_len = jnp.where(slots < B, lengths[safe], 0)
+
+    def dense_rows_with_logits():
+        return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
+                            impl=impl)
+
+    if sfi.selects_every_step:
+        _, logits, _ = dense_rows_with_logits()
+        Hkv = k.shape[2]
+        lo, hi = allowed_range(pos[safe], sfi)
+        ck, cv, c_len, positions = select_compact(
+            logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
+            k[l, safe], v[l, safe], lo, hi, lengths[safe], sfi=sfi, options=options,
+            head_axis=head_axis)
+        st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
+                         cv=st.cv.at[l, slots].set(cv, mode="drop"),
+                         c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
+                         positions=st.positions.at[l, slots].set(positions, mode="drop"))
+        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
+    if sfi.fixed_selection:
+        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
+
+    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
+    # The condition has the identity as its other branch and updates only `buf` in place:
+    # a condition whose both branches update a buffer in place (e.g. around the whole layer
+    # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
+    # count (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA
+    # copy buffers at every step (10x slower fast steps on the H200).
+    if qh is not None:  # evidence_window > 1: remember this step's query
+        qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
+
+    def refresh(buf):
+        if qh is None:
+            out_d, logits, _ = dense_rows_with_logits()
+        else:
+            out_d = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl)
+            logits = window_logits(qh[l, safe], k[l, safe], row_len, step)
+        return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out_d
+
+    def without(buf):
+        return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+
+    if qh is None and options.refresh == "unconditional":
+        # the GPU kernel writes the logits into `buf` and the refreshed rows' output into
+        # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
+        # layer and step), no logits copy, no merge launch
+        flat = _per_query_head(buf, q.shape[1])
+        attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=safe, impl=impl,
+                                     logits_into=flat, out_into=(attn, slots), gather_q=True)
+        buf = flat.reshape(buf.shape)
+    else:
+        buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
+        attn = attn.at[slots].set(out_d, mode="drop")
+    return LayerAttention(attn, k, v, st, buf, qh)
+
+
+def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
+                plan=None):
+    """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
+    x, k, v, st, diag, buf, qh = carry
+    w, l = xs
+    B = x.shape[0]
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan))
+    q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
+    attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
+    if plan is None:  # the query history is single-device only (generate checks)
+        attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
+                                         qh=qh, step=step)
+    else:
+        attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
+                                          dense_rows, slots)
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan))
+    if sfi is None or diag is None:
+        return (x, k, v, st, diag, buf, qh), None
+    lengths = pos + 1
+    recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+    refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+    fast_rows = ~dense_rows & (True if sfi.selects_every_step else ~refreshed)
+    positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
+    cov, jac, support = attention_diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
+                                     diag[l], sfi.k_select)
+    return (x, k, v, st, diag.at[l].set(support), buf, qh), (cov, jac)
+
+
+def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
+                       plan=None):
+    """Scratch for the refreshed rows' f32 logits of every layer [L, slots, Hkv, G, S] (None
+    when the policy refreshes per layer or never). On a mesh each device holds its own slots."""
+    if sfi is None or not sfi.refreshes:
+        return None
+    n = batch if sfi.refresh_rows is None else min(sfi.refresh_rows, batch)
+    shape = (cfg.num_layers, n, cfg.num_kv_heads,
+             cfg.num_q_heads // cfg.num_kv_heads * sfi.evidence_window, max_len)
+    if plan is None:
+        return jnp.zeros(shape, jnp.float32)
+    nb = mesh.axis_size(plan.mesh, plan.batch_axis)
+    n_local = min(n, batch // nb)
+    shape = (shape[0], n_local * nb) + shape[2:]
+    return mesh.place(lambda: jnp.zeros(shape, jnp.float32),
+                          plan.sharding(plan.per_head(5, lead=1)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "options",
+                                             "return_logits", "plan"),
+                   donate_argnames=("state",))
+def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg: ModelConfig,
+                 sfi: SFIConfig | None, sampling: SamplingConfig, n_steps: int,
+                 options: EngineOptions = EngineOptions(), return_logits: bool = False,
+                 plan=None):
+    """Up to n_steps decode steps on device. Stops early when every row is done.
+
+    eos_mask, trigger_mask: bool [vocab]. forced: int32 [B, n_steps] teacher-forced next tokens
+    (-1 = sample). Returns the new state, tokens [B, n_steps] (-1 after a row ended), the number
+    of steps taken, slow flags [B, n_steps], logits [B, n_steps, vocab] (with return_logits)
+    and the diagnostics (when state.diag is set; SFI mode only).
+    options: how to run (resolved here if it is not). plan: a `mesh.ShardPlan` to run on a
+    mesh (None: one device)."""
+    return _decode_chunk(params, state, eos_mask, trigger_mask, forced, cfg=cfg, sfi=sfi,
+                         sampling=sampling, n_steps=n_steps, options=options.resolved(),
+                         return_logits=return_logits, plan=plan)
+
+
+def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg, sfi,
+                  sampling, n_steps, options, return_logits, plan=None):
+    B = state.token.shape[0]
+    n_slots = B if sfi is None or sfi.refresh_rows is None else min(sfi.refresh_rows, B)
+    out_tokens = jnp.full((B, n_steps), -1, jnp.int32)
+    out_slow = jnp.zeros((B, n_steps), bool)
+    out_logits = jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32)
+    diagnose = state.diag is not None
+    L, Hkv = cfg.num_layers, cfg.num_kv_heads
+    out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
+
+    select_all = functools.partial(select_all_layers, sfi=sfi, options=options)
+    if plan is not None:
+        select_all = functools.partial(mesh.select_all_layers, plan, select_all)
+
+    def apply_selections(st, buf, k, v, pos, slots):
+        """The previous step's refreshed rows get their new selections (all layers at once)
+        before anything reads the compact buffers again: updating them after this step's
+        reads instead made XLA copy them at every step."""
+        return jax.lax.cond(jnp.any(slots < B), select_all, lambda st, *_: st,
+                            st, buf, k, v, pos, slots)
+
+    def step(carry):
+        state, i, out_tokens, out_slow, out_logits, out_diag, buf, prev_slots = carry
+        pos = state.lengths
+        st = state.sfi
+        if buf is not None:
+            st = apply_selections(st, buf, state.k, state.v, pos - 1, prev_slots)
+            # + 0 that XLA cannot fold: it makes this step's writes of `buf` wait for the
+            # selection that reads it (else XLA copies `buf` at every step)
+            pos = pos + jnp.minimum(st.c_len[0, 0, 0], 0)
+        if sfi is not None:
+            dense_rows = pos + 1 <= sfi.budget
+            if sfi.refreshes:
+                want = st.pending | (pos == sfi.budget)
+                slots = refresh_slots(want, state.done, n_slots)
+            elif sfi.selects_every_step:
+                slots = jnp.arange(B, dtype=jnp.int32)
+            else:
+                slots = jnp.full((n_slots,), B, jnp.int32)
+        else:
+            dense_rows, slots = None, None
+        x = embed_tokens(params, state.token[:, None])
+        deferred = sfi is not None and sfi.refreshes
+        if deferred:  # dense rows read no compact buffer (see `_attend`); no layer writes c_len
+            c_len = st.c_len
+            # the barrier materialises the mask once: the profile showed XLA re-running this
+            # fusion once per layer (36 launches, 47 us per step at qwen3-4b 128K on the H200);
+            # end to end within noise (benchmarks/e2e_ab_adjust_kernel_barrier.json)
+            st = st._replace(c_len=jax.lax.optimization_barrier(
+                jnp.where(dense_rows[None, :, None], 0, c_len)))
+
+        body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
+                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
+        (x, k, v, st, diag, buf, q_hist), ys = run_layers(
+            body, (x, state.k, state.v, st, state.diag, buf, state.q_hist), params["layers"],
+            cfg.num_layers, options.unroll)
+        if deferred:
+            st = st._replace(c_len=c_len)
+        if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
+            out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
+        logits = output_logits(params, cfg, x[:, 0])
+        key, sub = jax.random.split(state.key)
+        token = sample(logits, sub, sampling)
+        token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
+        live = ~state.done
+        out_tokens = out_tokens.at[:, i].set(jnp.where(live, token, -1))
+        if return_logits:
+            out_logits = out_logits.at[:, i].set(logits)
+        if sfi is not None:
+            refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+            if sfi.selects_every_step:
+                refreshed = jnp.ones((B,), bool)
+            out_slow = out_slow.at[:, i].set(refreshed & live)
+            since = jnp.where(refreshed, 1, st.since_slow + 1)
+            pending = (st.pending & ~refreshed) | (since >= sfi.t_max)
+            if sfi.uses_triggers:
+                pending = pending | trigger_mask[token]
+            st = st._replace(since_slow=since, pending=pending,
+                             slow_steps=st.slow_steps + (refreshed & live),
+                             fast_steps=st.fast_steps + (~refreshed & live))
+        done = state.done | eos_mask[token]
+        state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
+                            step=state.step + 1, key=key, sfi=st, diag=diag, q_hist=q_hist)
+        if plan is not None:  # keep the loop carry's shardings fixed
+            state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
+        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf,
+                None if buf is None else slots)
+
+    def cond(carry):
+        state, i = carry[0], carry[1]
+        return (i < n_steps) & ~jnp.all(state.done)
+
+    buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
+    no_slots = None if buf is None else B + jnp.arange(n_slots, dtype=jnp.int32)
+    state, taken, out_tokens, out_slow, out_logits, out_diag, buf, last_slots = \
+        jax.lax.while_loop(cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits,
+                                        out_diag, buf, no_slots))
+    if buf is not None:  # the last step's refreshed rows
+        state = state._replace(sfi=apply_selections(state.sfi, buf, state.k, state.v,
+                                                    state.lengths - 1, last_slots))
+    if plan is not None:
+        state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
+    out_tokens, taken, out_slow, out_logits, out_diag = mesh.replicate(
+        (out_tokens, taken, out_slow, out_logits, out_diag), plan)
+    return state, out_tokens, taken, out_slow, out_logits, out_diag

@@ -1,0 +1,149 @@
+"""Which positions each row's compact buffer holds: the initial selection from the prefill
+window (SFI_METHOD.md §5), the streaming baseline's sink-only buffers, and the deferred
+selection of the rows a decode step refreshed; the packing of sink + selected positions and
+the gather of their keys and values."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.kernels.attention import repack
+from sfi_jax.models.config import ModelConfig
+from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, run_layers
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime import mesh
+from sfi_jax.runtime.prefill import cache_attention
+from sfi_jax.runtime.state import SFIState
+from sfi_jax.selector.select import selector_scores, selector_scores_at, topk_positions
+
+
+def allowed_range(lengths, sfi: SFIConfig):
+    """J = [n_sink, t - n_recent) for a step whose current position is t = lengths[b]."""
+    lo = jnp.full_like(lengths, sfi.n_sink)
+    return lo, jnp.maximum(lo, lengths - sfi.n_recent)
+
+
+def compact_positions(sel, lengths, sfi: SFIConfig):
+    """Sink + selected positions [..., B, Hkv, C], valid first (order kept), -1 padded, and the
+    valid counts. sel [..., B, Hkv, K] holds positions ascending with -1 padding."""
+    # The valid sinks are a prefix of [0, n_sink) and the valid selections a prefix of sel, so
+    # the packed list is closed-form: slot j holds sink j, then sel[j - n_sinks] (no sort).
+    n_sinks = jnp.minimum(lengths, sfi.n_sink).astype(jnp.int32)[..., None, None]
+    n_sinks = jnp.broadcast_to(n_sinks, sel.shape[:-1] + (1,))
+    n_sel = jnp.sum(sel >= 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    j = jnp.arange(sfi.n_sink + sel.shape[-1], dtype=jnp.int32)
+    from_sel = jnp.take_along_axis(sel, jnp.clip(j - n_sinks, 0, sel.shape[-1] - 1), axis=-1)
+    pos = jnp.where(j < n_sinks, j, jnp.where(j < n_sinks + n_sel, from_sel, -1))
+    return pos, (n_sinks + n_sel)[..., 0]
+
+
+def compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
+    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D]."""
+    pos, c_len = compact_positions(sel, lengths, sfi)
+    idx = jnp.maximum(pos, 0)[..., None]
+    ck = jnp.take_along_axis(k_layer, idx, axis=2)
+    cv = jnp.take_along_axis(v_layer, idx, axis=2)
+    return ck, cv, c_len, pos
+
+
+def select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, options,
+                    head_axis=None):
+    z = selector_scores(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis,
+                        impl=options.selector_scores, adjust=options.selector_adjust)
+    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)
+    return compact(k_layer, v_layer, sel, lengths, sfi)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "options", "plan"),
+                   donate_argnames=("state",))
+def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
+                      cfg: ModelConfig, sfi: SFIConfig, options: EngineOptions = EngineOptions(),
+                      plan=None) -> SFIState:
+    """Initial selection (SFI_METHOD.md §5): re-run the last W prompt positions through the
+    layers, and select per layer from their logits over the prompt (under shard_map on a
+    mesh, with the cross-head term reduced over the devices holding the KV heads)."""
+    B, W = tokens_window.shape
+    q_pos = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
+    valid_q = q_pos >= 0
+    q_pos_c = jnp.maximum(q_pos, 0)
+    lo, hi = allowed_range(lengths, sfi)
+
+    def layer(carry, xs):
+        x, st = carry
+        w, l = xs
+        q, _, _ = attention_inputs(w, cfg, x, q_pos_c)
+        attn, logits = cache_attention(q, k[l], v[l], q_pos_c, lengths)
+        # invalid window rows (prompt shorter than W) carry no evidence
+        logits = jnp.where(valid_q[:, None, None, :, None], logits, -jnp.inf)
+        Hkv, G = logits.shape[1], logits.shape[2]
+        args = (logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], k[l], v[l], lo, hi, lengths)
+        fn = functools.partial(select_compact, sfi=sfi, options=options.resolved())
+        if plan is None:
+            ck, cv, c_len, pos = fn(*args)
+        else:
+            ck, cv, c_len, pos = mesh.select_and_compact(plan, fn, *args)
+        st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
+                         c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
+        return (attention_output_and_mlp(w, cfg, x, attn), st), None
+
+    x = embed_tokens(params, jnp.where(valid_q, tokens_window, 0))
+    (_, state), _ = run_layers(layer, (x, state), params["layers"], cfg.num_layers)
+    if plan is not None:
+        state = mesh.constrain(state, mesh.sfi_state_shardings(plan))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "plan"), donate_argnames=("state",))
+def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi: SFIConfig,
+                        plan=None):
+    """Compact buffers holding the sink alone (the StreamingLLM baseline)."""
+    L, B, Hkv = state.c_len.shape
+    empty = jnp.full((B, Hkv, sfi.k_select), -1, jnp.int32)
+
+    def one(l):
+        return compact(k[l], v[l], empty, lengths, sfi)
+
+    ck, cv, c_len, pos = jax.lax.map(one, jnp.arange(L))
+    state = state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)
+    if plan is not None:
+        state = mesh.constrain(state, mesh.sfi_state_shardings(plan))
+    return state
+
+
+def select_all_layers(st, buf, k, v, pos, slots, *, sfi, options, head_axis=None):
+    """Selection for the refreshed rows of every layer (logits from `buf`), repacked into their
+    compact buffers. The selector runs once per occupied slot (one `lax.cond` each, all layers
+    together), so its cost follows the slow rows, not `refresh_rows`; the repack is one
+    gather + scatter for all slots (per-slot in-place updates of the compact buffers inside the
+    conditions made XLA copy them). Shapes are local as in `decode.attend_layer`."""
+    L, n_slots, Hkv, _, _ = buf.shape
+    B = pos.shape[0]
+    positions = jnp.full((L, n_slots, Hkv, sfi.compact_size), -1, jnp.int32)
+    c_len = jnp.zeros((L, n_slots, Hkv), jnp.int32)
+    for j in range(n_slots):
+        positions, c_len = jax.lax.cond(
+            slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, options=options,
+                                            head_axis=head_axis),
+            lambda p, c, *_: (p, c), positions, c_len, buf, st.key_norms, pos, slots)
+    ck, cv = repack(st.ck, st.cv, k, v, positions, slots, impl=options.repack)
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    return st._replace(ck=ck, cv=cv, c_len=st.c_len.at[:, slots].set(c_len, **kw),
+                       positions=st.positions.at[:, slots].set(positions, **kw))
+
+
+def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, options, head_axis):
+    """Slot j's (occupied) selection for all layers: packed positions and counts."""
+    L = buf.shape[0]
+    row = slots[j]
+    lo, hi = allowed_range(jnp.full((L,), pos[row]), sfi)
+    # with scores_impl="pallas_gpu" the kernels read slot j's logits and the row's key norms
+    # in place (a sliced operand of a custom call is a copy)
+    z = selector_scores_at(buf, j, key_norms, row, lo, hi, sfi, cross_head_reduce=head_axis,
+                           impl=options.selector_scores, adjust=options.selector_adjust)
+    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)  # [L, Hkv, K]
+    p, c = compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi)
+    return positions.at[:, j].set(p), c_len.at[:, j].set(c)
