@@ -38,13 +38,13 @@ from _common import (TRIGGER_ID, chunk_plan, copy_bandwidth, device_bytes,  # no
                      forced_schedule, make_state, timeit)
 
 import sfi_jax  # noqa: E402
-from sfi_jax.config import TOPK_IMPLS, SFIConfig  # noqa: E402
+from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
-from sfi_jax.selector.select import resolve_scores_impl, resolve_topk_impl  # noqa: E402
+from sfi_jax.options import EngineOptions  # noqa: E402
 
 
 def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, limit: int):
@@ -66,11 +66,12 @@ def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, li
     raise SystemExit(f"{cfg.name} at {ctx} does not fit even at batch 1")
 
 
-def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig, profile=None):
+def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, trig,
+               profile=None):
     """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times,
     slow shares). profile: a dict that receives the kernel breakdown of one more chunk (GPU)."""
     eos = jnp.zeros((cfg.vocab_size,), bool)
-    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, impl="auto")
+    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, options=options)
     fn = engine.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
                                    **kw).compile()
     times, slow = [], []
@@ -94,7 +95,7 @@ def run_chunks(params, state, cfg, sfi, n_steps, chunks, forced_fn, trig, profil
     return state, times, slow
 
 
-def selector_time(cfg, B, ctx, sfi, reps=5):
+def selector_time(cfg, B, ctx, sfi, options, reps=5):
     """The selector (scores + top-k) for B rows x all layers at once (B = 1: what the engine
     runs per refreshed row)."""
     B = B * cfg.num_layers
@@ -104,8 +105,8 @@ def selector_time(cfg, B, ctx, sfi, reps=5):
     norms = jax.random.uniform(key, (B, cfg.num_kv_heads, ctx), jnp.float32) + 0.5
     lo = jnp.full((B,), sfi.n_sink, jnp.int32)
     hi = jnp.full((B,), ctx - sfi.n_recent, jnp.int32)
-    f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=sfi.topk_impl,
-                                     scores_impl=sfi.scores_impl))
+    f = jax.jit(lambda lg, n: select(lg, n, lo, hi, sfi, topk_impl=options.selector_topk,
+                                     scores_impl=options.selector_scores))
     return timeit(f, logits, norms, iters=5, repeats=reps) / 1e6
 
 
@@ -168,34 +169,32 @@ def _steps(ctx, args):
     return chunk_plan(ctx, args.chunk_steps, args.new_tokens)
 
 
+def engine_options(args) -> EngineOptions:
+    """The engine options of this run (`--opt` over the defaults), resolved for the platform:
+    the record names what each "auto" stood for."""
+    return EngineOptions.from_strings(args.opt).resolved()
+
+
 def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
     # the record says what "auto" stands for
-    scores = "xla" if args.scores_impl == "best" else resolve_scores_impl(args.scores_impl)
-    sfi = SFIConfig(t_max=args.t_max, topk_impl=resolve_topk_impl(args.topk_impl),
-                    refresh_rows=slots, scores_impl=scores)
-    by_impl = None
-    if args.scores_impl == "best":  # time the selector with each scores path, keep the faster
-        by_impl = {impl: selector_time(cfg, 1, ctx, dataclasses.replace(sfi, scores_impl=impl))
-                   for impl in ("xla", "pallas_gpu")}
-        sfi = dataclasses.replace(sfi, scores_impl=min(by_impl, key=by_impl.get))
+    sfi = SFIConfig(t_max=args.t_max, refresh_rows=slots)
+    options = engine_options(args)
     trig = np.zeros((cfg.vocab_size,), bool)
     trig[TRIGGER_ID] = True
     trig = jnp.asarray(trig)
     no_trig = jnp.zeros_like(trig)
     rec = dict(model=name, context=ctx, batch=B, new_tokens=chunks * n, fill=args.fill,
                trigger_every=args.trigger_every, t_max=args.t_max, k_select=sfi.k_select,
-               n_recent=sfi.n_recent, n_sink=sfi.n_sink, topk_impl=sfi.topk_impl,
-               scores_impl=sfi.scores_impl, refresh_rows=slots)
-    if by_impl:
-        rec["selector_row_s_by_scores_impl"] = by_impl
+               n_recent=sfi.n_recent, n_sink=sfi.n_sink, refresh_rows=slots,
+               options=dataclasses.asdict(options))
 
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
     dense_prof = {} if args.profile else None
-    state, times, _ = run_chunks(params, state, cfg, None, n, chunks,
+    state, times, _ = run_chunks(params, state, cfg, None, options, n, chunks,
                                  lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size), no_trig,
                                  dense_prof)
     del state
@@ -206,7 +205,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     state = make_state(cfg, B, S, ctx, sfi)
     sfi_prof = {} if args.profile else None
     state, times, slow = run_chunks(
-        params, state, cfg, sfi, n, chunks,
+        params, state, cfg, sfi, options, n, chunks,
         lambda c: forced_schedule(B, n, c * n, args.trigger_every, cfg.vocab_size), trig,
         sfi_prof)
     if args.profile:
@@ -215,7 +214,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     slow_share = float(np.mean(slow))
     # the same executable with every row slow at every step, then with none
     eos = jnp.zeros((cfg.vocab_size,), bool)
-    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, impl="auto")
+    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, options=options)
     all_trig = jnp.full((B, n), TRIGGER_ID, jnp.int32)
     fn = engine.decode_chunk.lower(params, state, eos, trig, all_trig, **kw).compile()
     state = state._replace(sfi=state.sfi._replace(pending=jnp.ones((B,), bool)))
@@ -234,7 +233,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     jax.block_until_ready(toks)
     fast_step = (time.perf_counter() - t) / n
     del state
-    sel = selector_time(cfg, 1, ctx, sfi)  # the engine selects per occupied slot
+    sel = selector_time(cfg, 1, ctx, sfi, options)  # the engine selects per occupied slot
     repack = repack_time(cfg, 1, ctx, sfi, 1)  # one refreshed row, all layers
     attn_dense = attention_time(cfg, B, ctx)
     rec.update(sfi_step_s=sfi_step, sfi_tokens_per_s=B / sfi_step, slow_share=slow_share,
@@ -322,25 +321,25 @@ def engine_check():
                             sfi=SFIConfig(k_select=2048))
     out["full_budget_equals_dense"] = full.tokens == dense.tokens
     small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
-    # the xla arm: jnp attention and jnp selector scores; the other the platform's kernels
-    a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
-                         sfi=dataclasses.replace(small, scores_impl="xla"), impl="xla",
-                         trigger_ids=[5, 6, 7])
+    # the xla arm: every operation in jnp; the other the platform's kernels
+    xla = EngineOptions(attention="xla", selector_scores="xla", selector_topk="lax")
+    a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
+                         options=xla, trigger_ids=[5, 6, 7])
     b = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
                          trigger_ids=[5, 6, 7])
     out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
     out["small_budget_differs_from_dense"] = a.tokens != dense.tokens
     out["slow_steps"] = b.stats["slow_steps"]
-    if jax.default_backend() == "gpu":  # the opt-in expert kernels (SFI_JAX_MOE=kernel|tokens)
-        for grouping in ("sorted", "tokens"):
-            err = moe_kernel_check(grouping=grouping)
-            out[f"moe_kernels_{grouping}_rel_err"] = err
-            out[f"moe_kernels_{grouping}_match_ragged_dot"] = err < 2e-2
+    if jax.default_backend() == "gpu":  # both expert-kernel layouts (EngineOptions.moe)
+        for impl in ("kernel", "tokens"):
+            err = moe_kernel_check(impl=impl)
+            out[f"moe_{impl}_rel_err"] = err
+            out[f"moe_{impl}_matches_ragged_dot"] = err < 2e-2
     return out
 
 
-def moe_kernel_check(cfg=None, n_tokens=16, seed=0, grouping="sorted"):
-    """Relative error of the expert kernels' MoE block (`grouping` as in moe_mlp) against the
+def moe_kernel_check(cfg=None, n_tokens=16, seed=0, impl="kernel"):
+    """Relative error of the expert kernels' MoE block (`impl` as in moe_mlp) against the
     lax.ragged_dot path (models.modeling.moe_mlp both ways) at one decode step's tokens, bf16,
     fresh random weights; Qwen3-30B-A3B's expert shapes unless `cfg` says otherwise."""
     from sfi_jax.models.modeling import moe_mlp
@@ -353,9 +352,8 @@ def moe_kernel_check(cfg=None, n_tokens=16, seed=0, grouping="sorted"):
          "we_up": jax.random.normal(ks[2], (e, h, inter), jnp.bfloat16) * h ** -0.5,
          "we_down": jax.random.normal(ks[3], (e, inter, h), jnp.bfloat16) * inter ** -0.5}
     x = jax.random.normal(ks[4], (n_tokens, h), jnp.bfloat16)
-    want, got = (jax.jit(lambda w, x, impl=impl: moe_mlp(w, cfg, x, impl=impl,
-                                                         grouping=grouping))(w, x)
-                 .astype(jnp.float32) for impl in ("xla", "pallas_gpu"))
+    want, got = (jax.jit(lambda w, x, impl=i: moe_mlp(w, cfg, x, impl=impl))(w, x)
+                 .astype(jnp.float32) for i in ("xla", impl))
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
@@ -508,12 +506,9 @@ def main(argv=None):
     p.add_argument("--t-max", type=int, default=64)
     p.add_argument("--refresh-rows", type=int, default=0,
                    help="refresh slots per step (0: max(2, batch/4))")
-    p.add_argument("--topk-impl", default="auto",
-                   choices=TOPK_IMPLS,
-                   help="selector top-k (auto: the engine's default, radix_kernel on GPU)")
-    p.add_argument("--scores-impl", choices=("auto", "xla", "pallas_gpu", "best"), default="auto",
-                   help="selector scores (auto: the engine's default, pallas_gpu on GPU; best: "
-                        "time both per context and use the faster)")
+    p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an engine option (sfi_jax.EngineOptions field), e.g. "
+                        "selector_topk=radix or repack=xla; repeat for several")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")
@@ -526,6 +521,10 @@ def main(argv=None):
                    help="write the report from these e2e.json files (no device work)")
     p.add_argument("--notes", default=None, help="Markdown appended to e2e.md")
     args = p.parse_args(argv)
+    try:
+        engine_options(args)
+    except ValueError as e:
+        p.error(str(e))
     notes = open(args.notes).read() if args.notes else None
     if args.merge:
         merge_reports(args.merge, args.out, notes)
@@ -542,8 +541,7 @@ def main(argv=None):
                 device_bytes_limit=limit,
                 mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
-                refresh_cond=os.environ.get("SFI_JAX_REFRESH_COND", "0"),
-                engine_env={k: v for k, v in os.environ.items() if k.startswith("SFI_JAX_")},
+                options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
     if not args.smoke and not args.no_check:
@@ -574,8 +572,7 @@ def main(argv=None):
                 write_outputs(records, meta, args.out, notes)
                 continue
             rec["wall_s"] = time.perf_counter() - t
-            rec.update(xla_flags=meta["xla_flags"], refresh_cond=meta["refresh_cond"],
-                       engine_env=meta["engine_env"], package=meta["package"])
+            rec.update(xla_flags=meta["xla_flags"], package=meta["package"])
             records.append(rec)
             print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in rec.items()}), flush=True)

@@ -1,11 +1,14 @@
 """A/B engine variants end to end: bench_e2e.py once per variant, each in its own process
-(environment switches such as SFI_JAX_REFRESH_COND, SFI_JAX_REPACK or XLA_FLAGS are read at
-start-up or trace time), then one comparison table.
+(XLA flags are read once per process), then one comparison table.
 
     python scripts/bench/bench_variants.py --out /tmp/ab \\
-        --variant base= --variant xla_repack=SFI_JAX_REPACK=xla \\
-        --variant radix= --args "radix=--topk-impl radix" \\
+        --variant base= --variant xla_repack=repack=xla \\
+        --variant radix=selector_topk=radix,XLA_FLAGS=--xla_gpu_enable_command_buffer= \\
         -- --models qwen3-4b --contexts 131072,8192 --no-check
+
+A variant is NAME=[SETTING,...]: a lower-case FIELD=VALUE is an engine option (a field of
+sfi_jax.EngineOptions, passed as bench_e2e's `--opt FIELD=VALUE`), an upper-case VAR=VALUE an
+environment variable of the variant's process.
 
 --args NAME=ARGS adds bench_e2e arguments to one variant (after the shared ones).
 --tree NAME=DIR runs one variant from another checkout (its scripts/bench/bench_e2e.py, or
@@ -32,8 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_variant(text: str):
-    """'name=K1=V1,K2=V2' -> (name, {K1: V1, K2: V2}); 'name=' is the unchanged environment.
-    A comma not followed by VAR= belongs to the value (XLA_FLAGS lists are comma-separated)."""
+    """'name=K1=V1,K2=V2' -> (name, {K1: V1, K2: V2}); 'name=' changes nothing. A comma not
+    followed by KEY= belongs to the value (XLA_FLAGS lists are comma-separated)."""
     name, _, rest = text.partition("=")
     if not name:
         raise SystemExit(f"--variant {text!r}: expected NAME=[VAR=VALUE,...]")
@@ -41,7 +44,7 @@ def parse_variant(text: str):
     for item in filter(None, re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", rest)):
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--variant {text!r}: {item!r} is not VAR=VALUE")
+            raise SystemExit(f"--variant {text!r}: {item!r} is not KEY=VALUE")
         env[key] = value
     return name, env
 
@@ -56,10 +59,19 @@ def e2e_script(tree=None):
     raise SystemExit(f"--tree {tree}: no scripts/bench/bench_e2e.py or scripts/bench/bench_e2e.py")
 
 
-def run_variant(name, env, bench_args, out, timeout, extra=(), tree=None):
+def split_settings(settings: dict):
+    """A variant's settings -> (environment, bench_e2e arguments): lower-case keys are engine
+    options (`--opt key=value`), upper-case ones environment variables."""
+    env = {k: v for k, v in settings.items() if k.isupper()}
+    opts = [a for k, v in settings.items() if not k.isupper() for a in ("--opt", f"{k}={v}")]
+    return env, opts
+
+
+def run_variant(name, settings, bench_args, out, timeout, extra=(), tree=None):
     script = e2e_script(tree)
+    env, opts = split_settings(settings)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, script, "--out", tmp, *bench_args, *extra]
+        cmd = [sys.executable, script, "--out", tmp, *bench_args, *opts, *extra]
         with open(os.path.join(out, f"{name}.log"), "w") as log:
             try:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log,
@@ -92,7 +104,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", required=True, metavar="NAME=[VAR=VALUE,...]")
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=[KEY=VALUE,...]")
     p.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
                    help="extra bench_e2e arguments for variant NAME (space-separated)")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",

@@ -20,6 +20,7 @@ from _common import make_state  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
+from sfi_jax.options import EngineOptions  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 
@@ -40,7 +41,8 @@ def main(argv=None):
         st = make_state(cfg, B, S, a.ctx, sfi)
         forced = jnp.zeros((B, n), jnp.int32) + 200
         fn = engine.decode_chunk.lower(params, st, eos, eos, forced, cfg=cfg, sfi=sfi,
-                                       sampling=SamplingConfig(), n_steps=n).compile()
+                                       sampling=SamplingConfig(), n_steps=n,
+                                       options=EngineOptions().resolved()).compile()
         txt = fn.as_text()
         if a.out:
             with open(os.path.join(a.out, f"hlo_{'sfi' if sfi else 'dense'}.txt"), "w") as f:

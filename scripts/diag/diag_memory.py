@@ -34,6 +34,7 @@ from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.modeling import fuse_qkv_weights, split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
+from sfi_jax.options import EngineOptions  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 
@@ -118,7 +119,8 @@ def main(argv=None):
         state = jax.eval_shape(lambda: make_state(cfg, B, S, ctx, sfi))
         vocab = jax.ShapeDtypeStruct((cfg.vocab_size,), jnp.bool_)
         forced = jax.ShapeDtypeStruct((B, n), jnp.int32)
-        kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, impl="auto")
+        kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n,
+                  options=EngineOptions().resolved())
         rec = dict(model=name, context=ctx, batch=B, arm=arm,
                    kv_cache_gib=cfg.kv_cache_bytes(B, S, 2) / GIB)
         try:

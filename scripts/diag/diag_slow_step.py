@@ -35,6 +35,7 @@ from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
+from sfi_jax.options import EngineOptions  # noqa: E402
 from sfi_jax.runtime import engine  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.runtime.state import DecodeState  # noqa: E402
@@ -158,8 +159,9 @@ def main(argv=None):
               f"[{cfg.num_layers},2,{cfg.num_kv_heads},{G},{S}]": "slow_logits",
               f"[{cfg.num_layers},{B},{cfg.num_kv_heads},{S}]": "key_norms"}
     for topk in a.topk.split(","):
-        sfi = SFIConfig(t_max=10**6, refresh_rows=2, topk_impl=topk)
-        kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n)
+        sfi = SFIConfig(t_max=10**6, refresh_rows=2)
+        kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n,
+                  options=EngineOptions(selector_topk=topk).resolved())
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
@@ -179,7 +181,8 @@ def main(argv=None):
     dst = DecodeState(k=st.k, v=st.v, lengths=st.lengths, token=st.token, done=st.done,
                       step=st.step, key=st.key, sfi=None)
     del st
-    kw = dict(cfg=cfg, sfi=None, sampling=SamplingConfig(), n_steps=n)
+    kw = dict(cfg=cfg, sfi=None, sampling=SamplingConfig(), n_steps=n,
+              options=EngineOptions().resolved())
     fn = engine.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
     _, step_ms, _, prof = time_and_profile(fn, params, dst, eos, trig, jnp.asarray(plain), n,
                                            a.top)

@@ -6,8 +6,8 @@ once per process).
     python scripts/diag/profile_decode.py --out /tmp/prof                 # all variants
     python scripts/diag/profile_decode.py --one base --model qwen3-4b     # one variant, this process
 
-Variants: environment settings (layer unroll, XLA flags) and `--layers list` (weights passed as
-one dict per layer instead of stacked, so no layer slicing happens at all).
+Variants: engine options (layer unroll), XLA flags and `--layers list` (weights passed as one
+dict per layer instead of stacked, so no layer slicing happens at all).
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ import time
 
 CMD_BUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
            "WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1")
+# name: (environment, engine options, weight layout)
 VARIANTS = {
-    "base": ({"SFI_JAX_LAYER_UNROLL": "6"}, "stacked"),
-    "unroll_all": ({"SFI_JAX_LAYER_UNROLL": "all"}, "stacked"),
-    "list": ({}, "list"),
-    "list_cmdbuf": ({"XLA_FLAGS": CMD_BUF}, "list"),
-    "unroll_all_dsf": ({"SFI_JAX_LAYER_UNROLL": "all",
-                        "XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}, "stacked"),
-    "list_nocmdbuf": ({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, "list"),
+    "base": ({}, ["layer_unroll=6"], "stacked"),
+    "unroll_all": ({}, ["layer_unroll=all"], "stacked"),
+    "list": ({}, [], "list"),
+    "list_cmdbuf": ({"XLA_FLAGS": CMD_BUF}, [], "list"),
+    "unroll_all_dsf": ({"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"},
+                       ["layer_unroll=all"], "stacked"),
+    "list_nocmdbuf": ({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, [], "list"),
 }
 
 
@@ -47,8 +48,10 @@ def one(args):
     from sfi_jax.models.modeling import split_layers
     from sfi_jax.models.params import random_params
     from sfi_jax.runtime import engine
+    from sfi_jax.options import EngineOptions
     from sfi_jax.runtime.sampling import SamplingConfig
 
+    options = EngineOptions.from_strings(args.opt).resolved()
     cfg = PRESETS[args.model]
     params = random_params(cfg, "bfloat16", 0)
     if args.layers == "list":
@@ -67,7 +70,8 @@ def one(args):
                   for c in range(6)]
         t0 = time.perf_counter()
         fn = engine.decode_chunk.lower(params, st, eos, trig, forced[0], cfg=cfg, sfi=sfi,
-                                       sampling=SamplingConfig(), n_steps=n).compile()
+                                       sampling=SamplingConfig(), n_steps=n,
+                                       options=options).compile()
         compile_s = time.perf_counter() - t0
         txt = fn.as_text()
         shapes = {f"[{cfg.num_layers},{B},{cfg.num_kv_heads},{S},{cfg.head_dim}]": "cache"}
@@ -112,6 +116,8 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--one", default=None, help="run one variant in this process")
     p.add_argument("--layers", default="stacked", choices=["stacked", "list"])
+    p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an engine option (sfi_jax.EngineOptions field) for --one")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--top", type=int, default=12, help="kernels listed per variant and mode")
     p.add_argument("--out", default=None)
@@ -121,12 +127,13 @@ def main(argv=None):
         return
     rows = []
     for name in a.variants.split(","):
-        env_add, layers = VARIANTS[name]
+        env_add, opts, layers = VARIANTS[name]
         env = dict(os.environ, **env_add)
         cmd = [sys.executable, __file__, "--one", name, "--layers", layers, "--model", a.model,
                "--batch", str(a.batch), "--ctx", str(a.ctx), "--steps", str(a.steps),
                "--modes", a.modes, "--trigger-every", str(a.trigger_every),
-               "--bandwidth", str(a.bandwidth), "--top", str(a.top)]
+               "--bandwidth", str(a.bandwidth), "--top", str(a.top),
+               *[x for o in opts for x in ("--opt", o)]]
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
             text = out.stdout + out.stderr
@@ -137,7 +144,7 @@ def main(argv=None):
         if not got:
             print(f"{name}: failed\n{text[-3000:]}", flush=True)
         for r in got:
-            r["env"] = env_add
+            r["env"], r["options"] = env_add, opts
             rows.append(r)
             print(json.dumps(r), flush=True)
     if a.out:

@@ -53,16 +53,17 @@ def load(rel: str):
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     """One bench_variants.py call, shared by the tests below: 'base' (bench_e2e.py --smoke as
-    it is), 'other' (an environment switch, extra arguments, and another copy of the code via
-    --tree) and 'broken' (a process that fails at once)."""
+    it is), 'other' (an engine option, an environment variable, extra arguments, and another
+    copy of the code via --tree) and 'broken' (a process that fails at once)."""
     tmp = tmp_path_factory.mktemp("variants")
     out, tree = tmp / "ab", tmp / "other_checkout"
     for part in ("sfi_jax", "scripts"):
         shutil.copytree(os.path.join(ROOT, part), tree / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     text = _run(os.path.join(SCRIPTS, "bench", "bench_variants.py"), "--out", str(out),
-                "--variant", "base=", "--variant", "other=SFI_JAX_REFRESH_COND=1",
-                "--args", "other=--topk-impl radix", "--tree", f"other={tree}",
+                "--variant", "base=",
+                "--variant", "other=layer_unroll=2,XLA_PYTHON_CLIENT_MEM_FRACTION=0.5",
+                "--args", "other=--opt selector_topk=radix", "--tree", f"other={tree}",
                 "--variant", "broken=", "--args", "broken=--no-such-flag", "--", "--smoke")
     return out, tree, text
 
@@ -115,16 +116,21 @@ def test_bench_e2e_merge(variants, tmp_path):
 
 
 def test_bench_variants_runs_each_variant_in_its_own_process(variants):
-    """Each variant in its own process with its environment and arguments, from this checkout
-    or another: a JSON, a log and a table row each; a variant whose process fails is reported,
-    not fatal."""
+    """Each variant in its own process with its engine options, environment and arguments,
+    from this checkout or another: a JSON, a log and a table row each; a variant whose process
+    fails is reported, not fatal."""
     out, tree, text = variants
-    base = json.loads((out / "base.json").read_text())["results"][0]
-    assert base["model"] == "tiny" and base["refresh_cond"] == "0" and base["topk_impl"] == "lax"
-    assert base["package"] == os.path.join(ROOT, "sfi_jax")
-    other = json.loads((out / "other.json").read_text())["results"][0]
-    assert other["refresh_cond"] == "1" and other["topk_impl"] == "radix"
-    assert other["package"] == str(tree / "sfi_jax")
+    base = json.loads((out / "base.json").read_text())
+    rec = base["results"][0]
+    assert rec["model"] == "tiny" and rec["package"] == os.path.join(ROOT, "sfi_jax")
+    # the record names the resolved options: the CPU defaults here
+    assert rec["options"]["selector_topk"] == "lax" and rec["options"]["layer_unroll"] == 1
+    assert base["meta"]["mem_fraction"] != "0.5"
+    other = json.loads((out / "other.json").read_text())
+    assert other["results"][0]["options"]["layer_unroll"] == 2
+    assert other["results"][0]["options"]["selector_topk"] == "radix"
+    assert other["meta"]["mem_fraction"] == "0.5"
+    assert other["results"][0]["package"] == str(tree / "sfi_jax")
     assert "| base | tiny | 2560 | 2 |" in text and "| other | tiny | 2560 | 2 |" in text
     assert (out / "broken.log").exists() and not (out / "broken.json").exists()
     assert "| broken | - | - | - | - | - | - | - | - | 2 |" in text
@@ -134,6 +140,9 @@ def test_bench_variants_runs_each_variant_in_its_own_process(variants):
 def test_bench_variants_parses_variants():
     bench_variants = load("bench/bench_variants.py")
     assert bench_variants.parse_variant("a=X=1,Y=2") == ("a", {"X": "1", "Y": "2"})
+    # lower-case keys are engine options for bench_e2e, upper-case ones the environment
+    assert bench_variants.split_settings({"repack": "xla", "XLA_FLAGS": "--f", "moe": "xla"}) == (
+        {"XLA_FLAGS": "--f"}, ["--opt", "repack=xla", "--opt", "moe=xla"])
     # a comma-separated flag list stays one value
     assert bench_variants.parse_variant("c=XLA_FLAGS=--f=A,B,C,Y=2") == (
         "c", {"XLA_FLAGS": "--f=A,B,C", "Y": "2"})
@@ -169,7 +178,7 @@ def test_engine_check_moe_kernels_against_ragged_dot():
                       num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
     assert bench_e2e.moe_kernel_check(cfg, n_tokens=6) < 2e-2
-    assert bench_e2e.moe_kernel_check(cfg, n_tokens=6, grouping="tokens") < 2e-2
+    assert bench_e2e.moe_kernel_check(cfg, n_tokens=6, impl="tokens") < 2e-2
     real = moe_gpu.grouped_matmul
 
     def gate_only(x, w, sizes, w2=None, **kw):  # SiLU(x @ w) without the up product
