@@ -32,6 +32,8 @@ from _common import (TRIGGER_ID, big_copies, forced_schedule, make_state,  # noq
 
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import dense_decode  # noqa: E402
+from sfi_jax.kernels.common import sortable_keys  # noqa: E402
+from sfi_jax.kernels.selector_reference import kth_largest_key  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
@@ -80,14 +82,14 @@ def selector_parts(cfg, ctx, sfi):
     out = {"scores": ms(scores, logits, norms)}
     k = sfi.k_select
     ref = np.asarray(selmod._topk_lax(z, k, k))
-    keys = selmod._sortable_keys(z)
+    keys = sortable_keys(z)
     for bits in (1, 2, 4, 8):  # the radix search alone, and with its compaction
         f = jax.jit(lambda z, r=bits: selmod._topk_threshold(z, k, k, r))
         out[f"thr_r{bits}"] = ms(f, z)
         out[f"thr_r{bits}_same"] = bool((np.asarray(f(z)) == ref).all())
-        out[f"kth_r{bits}"] = ms(jax.jit(lambda x, r=bits: selmod._kth_largest_key(x, k, r)),
+        out[f"kth_r{bits}"] = ms(jax.jit(lambda x, r=bits: kth_largest_key(x, k, r)),
                                  keys)
-    f = jax.jit(lambda z: selmod._topk_prefiltered(z, k, k, 4))
+    f = jax.jit(lambda z: selmod._topk_prefiltered(z, k, k, 4, True))
     out["prefiltered"] = ms(f, z)
     out["prefiltered_same"] = bool((np.asarray(f(z)) == ref).all())
     out["lax_top_k"] = ms(jax.jit(lambda z: selmod._topk_lax(z, k, k)), z)
