@@ -171,6 +171,7 @@ def _dequantise(t, name: str, cfg: ModelConfig) -> np.ndarray:
 def _direct_getter(path: str, cfg: ModelConfig):
     tensors = {t.name: t for t in _reader(path).tensors}
 
+    @functools.lru_cache(maxsize=None)  # a mesh asks once per shard
     def get(name):
         gname = _gguf_name(name)
         if gname not in tensors:

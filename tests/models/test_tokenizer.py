@@ -7,12 +7,11 @@ import importlib.metadata
 import os
 import random
 
-import numpy as np
 import pytest
 
 import sfi_jax
+from gguf_files import synthetic_tokenizer, write_gguf
 from sfi_jax.models import gguf_loader
-from sfi_jax.models import tokenizer as tk
 
 PIECES = [
     "Hello", " world", "  ", "\t", "\n", "\n\n", "   \n  ", "12345", "3.14159", "-42", "1,000,000",
@@ -94,67 +93,6 @@ def test_cached_tokenizer_equals_the_built_one(ours, tmp_path, monkeypatch):
     assert cached.special_tokens_map == built.special_tokens_map
     texts = sample_texts(40, seed=2)
     assert cached(texts)["input_ids"] == built(texts)["input_ids"]
-
-
-# ---- small synthetic GGUF files ----
-
-def _byte_vocab() -> list[str]:
-    spelling = tk.byte_spelling()
-    return [spelling[b] for b in range(256)]
-
-
-def write_gguf(path, *, tokenizer: dict | None, tensors: bool = True) -> str:
-    """A tiny llama GGUF; `tokenizer` maps tokenizer.ggml.<key> (and chat_template) to values."""
-    gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(16)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    if tokenizer:
-        for key, value in tokenizer.items():
-            if key == "chat_template":
-                w.add_chat_template(value)
-            elif key == "model":
-                w.add_tokenizer_model(value)
-            elif key == "pre":
-                w.add_tokenizer_pre(value)
-            elif key == "tokens":
-                w.add_token_list(value)
-            elif key == "merges":
-                w.add_token_merges(value)
-            elif key == "token_type":
-                w.add_token_types(value)
-            elif key.endswith("_token_id"):
-                w.add_uint32(f"tokenizer.ggml.{key}", value)
-            else:
-                w.add_bool(f"tokenizer.ggml.{key}", value)
-    if tensors:
-        w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
-def synthetic_tokenizer(pre: str) -> dict:
-    """Byte-level BPE: 256 byte tokens, a few merges, control and user-defined tokens."""
-    tokens = _byte_vocab()
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "1 2", "12 3", "Ġ Ġ"]
-    for m in merges:
-        tokens.append(m.replace(" ", ""))
-    types = [1] * len(tokens)
-    # <|endoftext|> too: transformers' GGUF path appends it to a vocabulary that lacks it
-    tokens += ["<|endoftext|>", "<|begin|>", "<|end|>", "<think>"]
-    types += [3, 3, 3, 4]
-    return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "token_type": types,
-            "bos_token_id": len(tokens) - 3, "eos_token_id": len(tokens) - 2,
-            "add_bos_token": False,
-            "chat_template": "{% for m in messages %}<|begin|>{{ m['content'] }}<|end|>"
-                             "{% endfor %}{% if add_generation_prompt %}<|begin|>{% endif %}"}
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm"])
