@@ -216,7 +216,8 @@ def _write_safetensors(dest: str, names: list[str], shapes: list[tuple], produce
     header, offset = {}, 0
     for name, shape in zip(names, shapes):
         nbytes = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": "F32", "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)

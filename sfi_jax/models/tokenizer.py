@@ -73,7 +73,8 @@ def _respell(token: str, spelling: dict[int, str], alphabet: set[str]) -> str:
 
 def build_backend(meta: dict, source: str = "GGUF"):
     """A `tokenizers.Tokenizer` (byte-level BPE) from GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
+                            processors)
 
     kind = meta.get("model")
     if kind != "gpt2":
