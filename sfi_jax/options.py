@@ -26,6 +26,7 @@ def on_gpu() -> bool:
 
 
 ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
 SELECTOR_ADJUST = ("xla", "kernel")
@@ -34,7 +35,8 @@ HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 
-CHOICES = {"attention": ATTENTION, "selector_scores": SELECTOR_SCORES,
+CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
+           "selector_scores": SELECTOR_SCORES,
            "selector_topk": SELECTOR_TOPK, "selector_adjust": SELECTOR_ADJUST, "moe": MOE,
            "heads": HEADS, "repack": REPACK, "refresh": REFRESH}
 
@@ -45,6 +47,9 @@ class EngineOptions:
 
     attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "pallas_tpu"
         (Mosaic); a Pallas kernel off its platform runs in interpret mode.
+    prefill_attention: prefill attention (`kernels.prefill_attention`): "cudnn" (cuDNN's fused
+        attention; half precision and head dim <= 128, other inputs take "pallas_gpu"),
+        "pallas_gpu" (Triton), "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
     selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
         lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix
@@ -59,11 +64,12 @@ class EngineOptions:
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
-    "auto": attention per platform; scores and top-k the GPU kernels on a GPU; moe, heads,
+    "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and top-k the GPU kernels on a GPU; moe, heads,
     repack and refresh the GPU variants when attention is "pallas_gpu".
     """
 
     attention: str = "auto"
+    prefill_attention: str = "auto"
     selector_scores: str = "auto"
     selector_topk: str = "auto"
     selector_adjust: str = "xla"
@@ -100,6 +106,8 @@ class EngineOptions:
 
         return dataclasses.replace(
             self, attention=attention,
+            prefill_attention=pick(self.prefill_attention, {"gpu": "cudnn", "tpu": "pallas_tpu"}
+                                   .get(p, "xla")),
             selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu else "xla"),
             selector_topk=pick(self.selector_topk, "radix_kernel" if gpu else "lax"),
             moe=pick(self.moe, "tokens" if gpu_kernels else "xla"),

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.models.modeling import Model, output_logits, unfuse_qkv_weights
+from sfi_jax.models.modeling import Model, unfuse_qkv_weights
 from sfi_jax.options import EngineOptions
-from sfi_jax.runtime import decode, prefill, selection
+from sfi_jax.runtime import decode, exact, prefill, programs, selection
 from sfi_jax.runtime import mesh as mesh_lib
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
@@ -32,10 +32,6 @@ class GenerateResult:
     tokens: list[list[int]]
     text: list[str] | None
     stats: dict
-
-
-def _round_up(n, m):
-    return (n + m - 1) // m * m
 
 
 def _available_device_bytes(device) -> int | None:
@@ -88,6 +84,7 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
 
 
 _COMPILED: dict = {}
+MODES = ("sfi", "dense", "exact")
 
 
 def _compiled_decode(args, statics):
@@ -148,6 +145,7 @@ class _Run:
     sizes: dict
     forced_tokens: np.ndarray | None
     trigger_ids: np.ndarray | None
+    window: int = 0  # prompt queries kept per row for the initial selection
 
     @property
     def batch(self) -> int:
@@ -163,7 +161,7 @@ class _Run:
 
 def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, top_k,
               tokenizer, chunk_steps, options, impl, forced_tokens, trigger_ids, max_len,
-              diagnostics, mesh) -> _Run:
+              diagnostics, mesh, prefill_chunk=None) -> _Run:
     """Check every argument, size the cache and the prefill chunks, place the parameters."""
     cfg = model.config
     options = EngineOptions() if options is None else options
@@ -172,8 +170,8 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     if impl is not None:
         options = dataclasses.replace(options, attention=impl)
     options = options.resolved()
-    if mode not in ("sfi", "dense"):
-        raise ValueError(f"mode must be 'sfi' or 'dense', got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if diagnostics and mode != "sfi":
@@ -182,7 +180,7 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     if chunk_steps < 1:
         raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
-    if mode == "sfi":
+    if mode in ("sfi", "exact"):
         sfi = sfi if sfi is not None else SFIConfig()
         if not isinstance(sfi, SFIConfig):
             raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
@@ -196,19 +194,7 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         if bad:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
-    need = int(lens.max()) + max_new_tokens
-    if need > cfg.max_position_embeddings:
-        raise ValueError(f"longest prompt ({int(lens.max())} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) = {need} exceeds the model's context "
-                         f"({cfg.max_position_embeddings})")
-    S = max_len or min(_round_up(need, 128), cfg.max_position_embeddings)
-    chunk = prefill.prefill_chunk_size(cfg, B, S, int(lens.max()))
-    T = _round_up(int(lens.max()), chunk)
-    if max_len is None:
-        S = max(S, T)  # the last prefill chunk writes whole chunks into the cache
-    if S < max(need, T):
-        raise ValueError(f"max_len {S} is shorter than prompt + max_new_tokens = {need} (or "
-                         f"the padded prompt, {T})")
+    T, S, max_chunk = _lengths(cfg, lens, max_new_tokens, max_len, prefill_chunk)
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
@@ -220,19 +206,17 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
                                 for w in params["layers"]]
         params = jax.device_put(params, mesh_lib.param_shardings(
             cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
+    if mode == "exact":
+        _check_exact(plan, sfi, forced_tokens)
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
         raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
                          "single device only; use evidence_window=1 on a mesh")
-    sizes = state_bytes(cfg, B, S, jnp.dtype(model.dtype).itemsize, sfi)
-    split = plan.shard_factor if plan is not None else 1
-    device = jax.local_devices()[0] if plan is None else \
-        next(d for d in plan.mesh.devices.flat if d.process_index == jax.process_index())
-    avail = _available_device_bytes(device)
-    if avail is not None and sum(sizes.values()) / split > avail:
-        raise MemoryError(f"KV cache + SFI state need {sum(sizes.values()) / split / 2**30:.2f} "
-                          f"GiB per device ({B} rows x {S} positions, split {split} ways) but the "
-                          f"device has {avail / 2**30:.2f} GiB free; reduce the batch, the prompt "
-                          "length or max_new_tokens" + _memory_fraction_hint(device))
+    window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
+    if options.prefill_attention == "cudnn" and plan is None and \
+            jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        raise ValueError(f"EngineOptions.prefill_attention='cudnn' needs a GPU (this is "
+                         f"{jax.default_backend()}); use 'auto', 'xla' or a Pallas kernel")
+    sizes, chunk = _fit_memory(cfg, model.dtype, B, S, T, max_chunk, sfi, window, plan)
     if forced_tokens is not None:
         forced_tokens = np.asarray(forced_tokens, np.int32)
         if forced_tokens.shape != (B, max_new_tokens):
@@ -246,7 +230,57 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
                              f"[0, {cfg.vocab_size})")
     return _Run(cfg=cfg, sfi=sfi, sampling=sampling, options=options, ids=ids, lens=lens, S=S,
                 chunk=chunk, T=T, plan=plan, params=params, sizes=sizes,
-                forced_tokens=forced_tokens, trigger_ids=trigger_ids)
+                forced_tokens=forced_tokens, trigger_ids=trigger_ids, window=window)
+
+
+def _lengths(cfg, lens, max_new_tokens, max_len, prefill_chunk):
+    """The padded prompt length T and the cache length S, both bucketed
+    (`prefill.bucket`: powers of two from 256 to the chunk size, then multiples of it) so that
+    prompts of other lengths reuse the compiled programs; and the largest chunk."""
+    max_chunk = prefill.check_max_chunk(prefill.MAX_CHUNK if prefill_chunk is None
+                                        else prefill_chunk)
+    longest = int(lens.max())
+    need = longest + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) = {need} exceeds the model's context "
+                         f"({cfg.max_position_embeddings})")
+    T = prefill.bucket(longest, max_chunk)
+    if max_len is not None:
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < need:
+            raise ValueError(f"max_len {max_len!r} is shorter than prompt + max_new_tokens = "
+                             f"{need}")
+        # the last prefill chunk writes whole chunks into the cache
+        return T, max(max_len, T), max_chunk
+    return T, max(prefill.bucket(need, max_chunk), T), max_chunk
+
+
+def _fit_memory(cfg, dtype, B, S, T, max_chunk, sfi, window, plan):
+    """The cache + state sizes, and the largest chunk (<= max_chunk, halved down to 256
+    tokens) whose activations fit beside them on the device; MemoryError naming the sizes
+    when nothing fits. Returns (sizes, chunk)."""
+    db = jnp.dtype(dtype).itemsize
+    sizes = state_bytes(cfg, B, S, db, sfi)
+    split = plan.shard_factor if plan is not None else 1
+    device = jax.local_devices()[0] if plan is None else \
+        next(d for d in plan.mesh.devices.flat if d.process_index == jax.process_index())
+    avail = _available_device_bytes(device)
+    chunk = prefill.prefill_chunk_size(T, max_chunk)
+    act = prefill.activation_bytes(cfg, B, chunk, S, db, window)
+    if avail is None:
+        return sizes, chunk
+    while sum(sizes.values()) + sum(act.values()) > avail * split and chunk > 256:
+        chunk //= 2
+        act = prefill.activation_bytes(cfg, B, chunk, S, db, window)
+    state, work = sum(sizes.values()) / split, sum(act.values()) / split
+    if state + work > avail:
+        gib = 2 ** 30
+        raise MemoryError(f"KV cache + SFI state need {state / gib:.2f} GiB per device ({B} rows "
+                          f"x {S} positions, split {split} ways) and the prefill's activations "
+                          f"{work / gib:.2f} GiB more (chunks of {chunk} tokens), {(state + work) / gib:.2f} "
+                          f"GiB in all, but the device has {avail / gib:.2f} GiB free; reduce the "
+                          "batch, the prompt length or max_new_tokens" + _memory_fraction_hint(device))
+    return sizes, chunk
 
 
 def _allocate(run: _Run, dtype):
@@ -264,47 +298,81 @@ def _allocate(run: _Run, dtype):
     return k, v, sfi_state
 
 
-def _prefill(run: _Run, k, v, sfi_state, dtype):
-    """Run the prompts through the model in chunks, filling the cache (and the key norms).
-    Returns k, v, the key norms and each row's last-position residual."""
+@dataclasses.dataclass
+class _Prefilled:
+    """The prefill's outputs and timings (seconds; compile_s counts the programs compiled for
+    this request: the chunk, the initial selection and the first-token logits)."""
+
+    k: jax.Array
+    v: jax.Array
+    key_norms: jax.Array
+    carry: prefill.PrefillCarry
+    compile_s: float = 0.0
+    run_s: float = 0.0  # the chunks, device work only (compile excluded)
+
+
+def _prefill(run: _Run, k, v, sfi_state, dtype, progress=None) -> _Prefilled:
+    """Run the prompts through the model in chunks of run.chunk tokens, filling the cache (and
+    the key norms), keeping the last residual and the initial selection's window queries.
+    progress(chunks_done, chunks, tokens_done) is called after each chunk (tokens counted
+    over the real prompt positions)."""
     cfg, B, T, chunk, put = run.cfg, run.batch, run.T, run.chunk, run.put
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(run.ids):
         tokens[i, :len(p)] = p
     key_norms = sfi_state.key_norms if run.sfi is not None else put(np.zeros((0,), np.float32))
-    last_hidden = put(np.zeros((B, cfg.hidden_size), jnp.dtype(dtype)))
+    carry = prefill.empty_carry(cfg, B, run.window, jnp.dtype(dtype))
+    if run.plan is not None:
+        carry = jax.device_put(carry, run.plan.replicated)
     lengths = put(run.lens)
-    for start in range(0, T, chunk):
+    kw = dict(cfg=cfg, with_norms=run.sfi is not None, options=run.options, plan=run.plan)
+    out = _Prefilled(k, v, key_norms, carry)
+    out.compile_s = prefill.compile_chunk(run.params, k, v, key_norms, put(tokens[:, :chunk]),
+                                          put(np.int32(0)), lengths, carry, **kw)
+    t0 = time.perf_counter()
+    n = T // chunk
+    for i, start in enumerate(range(0, T, chunk)):
         # looked up on the module at each call (eval.prefill_cache replaces it)
-        k, v, key_norms, last_hidden = prefill.prefill_chunk(
-            run.params, k, v, key_norms, put(tokens[:, start:start + chunk]),
-            put(np.int32(start)), lengths, last_hidden, cfg=cfg, with_norms=run.sfi is not None,
-            plan=run.plan)
-    return k, v, key_norms, last_hidden
+        out.k, out.v, out.key_norms, out.carry = prefill.prefill_chunk(
+            run.params, out.k, out.v, out.key_norms, put(tokens[:, start:start + chunk]),
+            put(np.int32(start)), lengths, out.carry, **kw)
+        if progress is not None:
+            jax.block_until_ready(out.carry.last_hidden)
+            progress(i + 1, n, int(np.minimum(run.lens, start + chunk).sum()))
+    jax.block_until_ready(out.carry.last_hidden)
+    out.run_s = time.perf_counter() - t0
+    return out
 
 
-def _initial_selection(run: _Run, sfi_state, k, v, key_norms):
+def _aot(pre: _Prefilled, fn, args, statics):
+    """fn's compiled program for args, its compile time added to the prefill's."""
+    program, seconds = programs.compiled(fn, args, statics)
+    pre.compile_s += seconds
+    return program
+
+
+def _initial_selection(run: _Run, pre: _Prefilled, sfi_state):
     """The compact buffers decode starts from: the sink alone (streaming) or the selection from
-    the last prefill_window prompt positions (SFI_METHOD.md §5)."""
+    the prefill's queries at the last prefill_window prompt positions (SFI_METHOD.md §5)."""
     sfi, lengths = run.sfi, run.put(run.lens)
-    sfi_state = sfi_state._replace(key_norms=key_norms)
+    sfi_state = sfi_state._replace(key_norms=pre.key_norms)
     if sfi.sink_only:
-        return selection.sink_only_selection(sfi_state, k, v, lengths, cfg=run.cfg, sfi=sfi,
-                                             plan=run.plan)
-    W = sfi.prefill_window
-    win = np.zeros((run.batch, W), np.int32)
-    for i, p in enumerate(run.ids):
-        tail = p[-W:]
-        win[i, W - len(tail):] = tail
-    return selection.prefill_selection(run.params, sfi_state, k, v, run.put(win), lengths,
-                                       cfg=run.cfg, sfi=sfi, options=run.options, plan=run.plan)
+        args = (sfi_state, pre.k, pre.v, lengths)
+        statics = dict(cfg=run.cfg, sfi=sfi, plan=run.plan)
+        fn = selection.sink_only_selection
+    else:
+        args = (sfi_state, pre.k, pre.v, pre.carry.window_q, lengths)
+        statics = dict(sfi=sfi, options=run.options, plan=run.plan)
+        fn = selection.prefill_selection
+    return _aot(pre, fn, args, statics)(*args)
 
 
-def _first_token(run: _Run, last_hidden, seed):
+def _first_token(run: _Run, pre: _Prefilled, seed):
     """The first new token of each row, from the prefill's last residual. Returns the tokens
     (host), their logits and the PRNG key decode continues from."""
     plan = run.plan
-    first_logits = output_logits(run.params, run.cfg, last_hidden[:, None])[:, 0]
+    args = (run.params, pre.carry.last_hidden)
+    first_logits = _aot(pre, prefill.first_logits, args, dict(cfg=run.cfg))(*args)
     if plan is not None:  # readable by the host on every process
         first_logits = jax.device_put(first_logits, plan.replicated)
     if not bool(jnp.all(jnp.isfinite(first_logits))):
@@ -317,6 +385,20 @@ def _first_token(run: _Run, last_hidden, seed):
     if run.forced_tokens is not None:
         first = jnp.where(run.forced_tokens[:, 0] >= 0, run.forced_tokens[:, 0], first)
     return np.asarray(jax.block_until_ready(first)), first_logits, key
+
+
+def _prefill_stats(run: _Run, pre: _Prefilled, t_request: float, t_first: float) -> dict:
+    """Time to first token from the request's start (t_request) to the first token on the host
+    (t_first), with and without the compiles it waited for; prefill throughput over the real
+    prompt tokens; the chunking."""
+    ttft_compiled = t_first - t_request
+    ttft = ttft_compiled - pre.compile_s
+    return {"ttft_s": ttft, "ttft_with_compile_s": ttft_compiled,
+            "prefill_compile_s": pre.compile_s,
+            "prefill_tokens_per_s": float(run.lens.sum()) / pre.run_s if pre.run_s > 0
+            else float("nan"),
+            "prefill_chunk": run.chunk, "prefill_chunks": run.T // run.chunk,
+            "padded_prompt": run.T}
 
 
 def _token_masks(run: _Run, tokenizer, stop_at_eos):
@@ -347,6 +429,7 @@ class _Decoded:
     steps: int
     decode_s: float
     compile_s: float
+    counts: exact.ExactCounts | None = None  # exact mode's per-row bookkeeping
 
 
 def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, trig, *,
@@ -398,6 +481,75 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
                     compile_s)
 
 
+def _check_exact(plan, sfi, forced_tokens):
+    """What exact mode does not do (yet), refused before any device work."""
+    if plan is not None:
+        raise ValueError("mode='exact' runs on one device; use mode='sfi' on a mesh")
+    if sfi.evidence_window > 1:
+        raise ValueError(f"mode='exact' selects from the verify step's own queries; "
+                         f"SFIConfig.evidence_window={sfi.evidence_window} needs mode='sfi'")
+    if forced_tokens is not None:
+        raise ValueError("forced_tokens needs mode 'sfi' or 'dense' (exact mode emits only "
+                         "verified tokens)")
+
+
+def _check_exact_call(mode, return_logits, accept_rate):
+    if accept_rate is not None:
+        if mode != "exact":
+            raise ValueError(f"accept_rate is for mode='exact' only (mode is {mode!r})")
+        if isinstance(accept_rate, bool) or not 0.0 <= float(accept_rate) <= 1.0:
+            raise ValueError(f"accept_rate must be a number in [0, 1], got {accept_rate!r}")
+    if mode == "exact" and return_logits:
+        raise ValueError("return_logits needs mode 'sfi' or 'dense'")
+
+
+def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, trig, *,
+                  max_new_tokens, chunk_steps, on_tokens, accept_rate=None, **_):
+    """Exact mode (`runtime.exact`): jitted chunks of chunk_steps // (draft_len + 1) draft +
+    verify rounds until every row ended or emitted max_new_tokens."""
+    B, put, sfi = run.batch, run.put, run.sfi
+    generated = [[int(t)] for t in first]
+    if on_tokens:
+        on_tokens([[int(t)] for t in first])
+    done = eos_mask[first] | (max_new_tokens <= 1)
+    counts = exact.initial_counts(B, np.where(done, 0, max_new_tokens - 1))
+    state = state._replace(done=put(done))
+    n_rounds = max(1, chunk_steps // (sfi.draft_len + 1))
+    eos_j, trig_j = put(eos_mask), put(trig)
+    rounds, compile_s = 0, 0.0
+    t1 = time.perf_counter()
+    while not bool(np.all(done)):
+        args = (run.params, state, counts, eos_j, trig_j)
+        statics = dict(cfg=run.cfg, sfi=sfi, sampling=run.sampling, n_rounds=n_rounds,
+                       options=run.options, accept_rate=accept_rate)
+        fn, seconds = exact.compiled_chunk(args, statics)
+        compile_s += seconds
+        state, counts, toks, n_out, taken = fn(*args)
+        toks, n_out = np.asarray(toks), np.asarray(n_out)
+        new = [toks[b, :n_out[b]].tolist() for b in range(B)]
+        for g, nw in zip(generated, new):
+            g.extend(nw)
+        done = np.asarray(state.done)
+        rounds += int(taken)
+        if on_tokens:
+            on_tokens(new)
+    jax.block_until_ready(state.lengths)
+    decode_s = time.perf_counter() - t1 - compile_s
+    return _Decoded(generated, state, None, [], [], rounds, decode_s, compile_s, counts=counts)
+
+
+def _exact_stats(counts: exact.ExactCounts) -> dict:
+    """Per row: drafted = accepted + rejected draft tokens, verify steps (rounds), accepted
+    draft tokens per verify step and per drafted token."""
+    drafted, accepted, verify = (np.asarray(x) for x in counts[1:])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"drafted": drafted.tolist(), "accepted": accepted.tolist(),
+                "rejected": (drafted - accepted).tolist(), "verify_steps": verify.tolist(),
+                "mean_accepted_length": np.where(verify > 0, accepted / verify, 0.0).tolist(),
+                "acceptance_rate": np.where(drafted > 0, accepted / drafted,
+                                            float("nan")).tolist()}
+
+
 def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics) -> dict:
     """Timings, per-row slow/fast step counts and the optional logits and diagnostics."""
     B, cfg = run.batch, run.cfg
@@ -438,8 +590,16 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              impl: str | None = None, trigger_ids=None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
              forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
-             diagnostics: bool = False, mesh=None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt; mode "sfi" (default) or "dense".
+             diagnostics: bool = False, mesh=None, prefill_chunk: int | None = None,
+             progress: Callable[[int, int, int], None] | None = None,
+             accept_rate: float | None = None) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt; mode "sfi" (default), "dense" or "exact".
+
+    mode "exact": SFI fast steps draft `sfi.draft_len` tokens, one dense step verifies them
+    (the tokens are dense decoding's; greedy identical, sampled with the same distribution);
+    stats add per-row drafted, accepted, rejected, verify_steps, mean_accepted_length and
+    acceptance_rate. accept_rate (benchmarks only, exact mode): accept each draft token with
+    this probability instead of verifying it; the tokens are then not dense decoding's.
 
     prompts: strings (needs tokenizer) or lists of token ids, of different lengths. The first
     new token comes from the prefill logits; each further token is one decode step.
@@ -454,20 +614,31 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     are sharded over (`load_model(..., mesh=...)`), or one device when they are not.
     options: how the engine runs (`EngineOptions`; default: the platform's defaults).
     impl: a shortcut for options.attention (kept for old callers).
+    max_len: the cache length at least (default: bucketed prompt + max_new_tokens).
+    prefill_chunk: the most tokens per prefill chunk, a power of two (default 8192; smaller
+    when the activations would not fit). progress(chunks_done, chunks, prompt_tokens_done) is
+    called after each prefill chunk (for a progress bar).
+    stats: timings in seconds (compiles apart: prefill_compile_s, decode_compile_s,
+    compile_s), ttft_s (time to first token, compiles excluded) and ttft_with_compile_s,
+    prefill_tokens_per_s, decode_tokens_per_s, per-row slow/fast step counts, memory_bytes.
     """
+    t_request = time.perf_counter()
+    _check_exact_call(mode, return_logits, accept_rate)
     run = _validate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, sfi=sfi,
                     temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer,
                     chunk_steps=chunk_steps, options=options, impl=impl,
                     forced_tokens=forced_tokens, trigger_ids=trigger_ids, max_len=max_len,
-                    diagnostics=diagnostics, mesh=mesh)
+                    diagnostics=diagnostics, mesh=mesh, prefill_chunk=prefill_chunk)
     cfg, sfi, plan, B, S, dtype = run.cfg, run.sfi, run.plan, run.batch, run.S, model.dtype
     t0 = time.perf_counter()
     k, v, sfi_state = _allocate(run, dtype)
-    k, v, key_norms, last_hidden = _prefill(run, k, v, sfi_state, dtype)
+    pre = _prefill(run, k, v, sfi_state, dtype, progress)
+    k, v = pre.k, pre.v
     if sfi is not None:
-        sfi_state = _initial_selection(run, sfi_state, k, v, key_norms)
-    first, first_logits, key = _first_token(run, last_hidden, seed)
-    prefill_s = time.perf_counter() - t0
+        sfi_state = _initial_selection(run, pre, sfi_state)
+    first, first_logits, key = _first_token(run, pre, seed)
+    t_first = time.perf_counter()
+    prefill_s = t_first - t0 - pre.compile_s
 
     eos_ids, eos_mask, trig = _token_masks(run, tokenizer, stop_at_eos)
     state = DecodeState(k=k, v=v, lengths=run.put(run.lens), token=run.put(first),
@@ -480,11 +651,17 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         if sfi is not None and sfi.evidence_window > 1 else None)
     if plan is not None:
         state = jax.device_put(state, mesh_lib.decode_state_shardings(plan, state))
-    out = _decode_chunks(run, state, first, first_logits, eos_mask, trig,
-                         max_new_tokens=max_new_tokens, chunk_steps=chunk_steps,
-                         return_logits=return_logits, diagnostics=diagnostics,
-                         on_tokens=on_tokens)
+    rate = None if accept_rate is None else float(accept_rate)
+    decode_fn = _decode_chunks if mode != "exact" else \
+        functools.partial(_exact_chunks, accept_rate=rate)
+    out = decode_fn(run, state, first, first_logits, eos_mask, trig,
+                    max_new_tokens=max_new_tokens, chunk_steps=chunk_steps,
+                    return_logits=return_logits, diagnostics=diagnostics, on_tokens=on_tokens)
     stats = _stats(run, out, mode, prefill_s, return_logits, diagnostics)
+    if out.counts is not None:
+        stats.update(_exact_stats(out.counts))
+    stats.update(_prefill_stats(run, pre, t_request, t_first))
+    stats["compile_s"] = stats["prefill_compile_s"] + stats["decode_compile_s"]
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)

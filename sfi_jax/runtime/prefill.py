@@ -1,48 +1,110 @@
-"""Dense prefill, in chunks: each chunk of prompt positions runs through all layers and writes
-the KV cache (and, for SFI, every key's L2 norm). The chunk size bounds the float32 attention
-scores a chunk holds."""
+"""Dense prefill in chunks of tokens: each chunk of prompt positions runs through all layers,
+writes the KV cache (and, for SFI, every key's L2 norm) and attends by the prefill attention
+kernels (`kernels.prefill_attention`: the chunk over the filled prefix and causally over
+itself, no materialised scores). For SFI it also keeps each layer's queries of each row's last
+W prompt positions, from which `selection.prefill_selection` makes the initial selection.
+
+Lengths are bucketed so that a new prompt length reuses compiled programs: a padded prompt of
+n tokens takes `bucket(n)` positions (powers of two from 256 up to the chunk size, then
+multiples of the chunk size); the chunk program takes its start position as a traced scalar,
+so every chunk of every prompt runs one program.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from sfi_jax.kernels.prefill_attention import XLA_BLOCK_K, XLA_BLOCK_Q, prefill_attention
+from sfi_jax.kernels.prefill_attention_cudnn import supported as cudnn_supported
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, run_layers
-from sfi_jax.runtime import mesh
+from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, \
+    output_logits, run_layers
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime import mesh, programs
+
+MAX_CHUNK = 8192  # tokens per prefill chunk (default)
+MIN_BUCKET = 256
 
 
-def prefill_chunk_size(cfg: ModelConfig, batch: int, max_len: int, longest_prompt: int,
-                       budget_bytes: int = 1 << 30) -> int:
-    """Largest power-of-2 chunk (16..1024) whose float32 attention scores fit `budget_bytes`."""
-    chunk = 1024
-    while chunk > 16 and batch * cfg.num_q_heads * chunk * max_len * 4 > budget_bytes:
-        chunk //= 2
-    while chunk > 16 and chunk // 2 >= longest_prompt:
-        chunk //= 2
-    return chunk
+def check_max_chunk(max_chunk) -> int:
+    if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 16 \
+            or max_chunk & (max_chunk - 1):
+        raise ValueError(f"prefill_chunk={max_chunk!r}: expected a power of two >= 16")
+    return max_chunk
 
 
-def cache_attention(q, k_cache, v_cache, q_pos, kv_len):
-    """Attention of queries at positions q_pos [B, T] over cache [B, Hkv, S, D] positions
-    <= q_pos and < kv_len[b]. Returns out [B, T, Hq, D] and f32 logits [B, Hkv, G, T, S]."""
-    B, T, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    s = s / np.sqrt(D)
-    pos = jnp.arange(S)
-    mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < kv_len[:, None, None])
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_cache.dtype), v_cache,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(B, T, Hq, D).astype(q.dtype), s
+def bucket(n: int, max_chunk: int = MAX_CHUNK) -> int:
+    """The padded length for n positions: the smallest power of two >= n from
+    min(256, max_chunk) up to max_chunk, above that the smallest multiple of max_chunk."""
+    if n > max_chunk:
+        return -(-n // max_chunk) * max_chunk
+    b = min(MIN_BUCKET, max_chunk)
+    while b < n:
+        b *= 2
+    return b
+
+
+def prefill_chunk_size(padded_prompt: int, max_chunk: int = MAX_CHUNK) -> int:
+    """Tokens per chunk: the whole (bucketed) prompt when it fits in max_chunk."""
+    return min(padded_prompt, max_chunk)
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, chunk: int, max_len: int, dtype_bytes: int,
+                     window: int = 0) -> dict[str, int]:
+    """An estimate of the prefill's working memory beside the cache (the largest live values
+    of one layer of one chunk, the last position's logits, and for SFI the window queries and
+    one layer's window logits for the initial selection)."""
+    n, db = batch * chunk, dtype_bytes
+    hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    out = {
+        "prefill_hidden": n * cfg.hidden_size * (3 * db + 4),
+        "prefill_qkv": n * (hq + 2 * hkv) * d * (db + 4) + n * hkv * 4,
+        "prefill_attention": n * hq * d * (db + 4) + batch * hq * XLA_BLOCK_Q * XLA_BLOCK_K * 12,
+        "prefill_logits": batch * cfg.vocab_size * 4,
+    }
+    if cfg.is_moe:
+        k = cfg.num_experts_per_tok
+        out["prefill_mlp"] = n * k * (cfg.hidden_size * db + cfg.moe_intermediate_size
+                                      * (3 * db + 4)) + n * cfg.num_experts * 8
+    else:
+        out["prefill_mlp"] = n * cfg.intermediate_size * (3 * db + 4)
+    if window:
+        out["prefill_window_queries"] = cfg.num_layers * batch * window * hq * d * db
+        out["prefill_selection_logits"] = 3 * batch * hq * window * max_len * 4
+    return out
+
+
+class PrefillCarry(NamedTuple):
+    """What a chunk hands the next: each row's residual at its last prompt position, and (SFI)
+    each layer's post-RoPE queries of the row's last W prompt positions (zeros where the
+    prompt is shorter than W)."""
+
+    last_hidden: jax.Array  # [B, H]
+    window_q: jax.Array | None  # [L, B, W, Hq, D]
+
+
+def empty_carry(cfg: ModelConfig, batch: int, window: int, dtype) -> PrefillCarry:
+    wq = jnp.zeros((cfg.num_layers, batch, window, cfg.num_q_heads, cfg.head_dim), dtype) \
+        if window else None
+    return PrefillCarry(jnp.zeros((batch, cfg.hidden_size), dtype), wq)
+
+
+def attention_impl(options: EngineOptions, plan, dtype, head_dim: int) -> str:
+    """The prefill attention implementation a chunk uses: the resolved option, except "cudnn"
+    for inputs cuDNN does not take (then the Triton kernel) and "xla" on a mesh (the
+    blockwise jnp path partitions under GSPMD; the kernels are not wrapped in shard_map)."""
+    impl = options.prefill_attention
+    if plan is not None:
+        return "xla"
+    if impl == "cudnn":
+        probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
+        if not cudnn_supported(probe, probe):
+            return "pallas_gpu"
+    return impl
 
 
 def _write_rows(cache, layer, new, start):
@@ -52,22 +114,22 @@ def _write_rows(cache, layer, new, start):
     return cache.at[layer].set(upd(cache[layer], new, start))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "with_norms", "plan"),
+@functools.partial(jax.jit, static_argnames=("cfg", "with_norms", "impl", "plan"),
                    donate_argnames=("k", "v", "key_norms"))
-def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, *,
-                  cfg: ModelConfig, with_norms: bool, plan=None):
-    """Run tokens [B, C] at positions start + [0, C) through all layers, writing the cache.
-
-    Rows are right-padded: positions >= lengths[b] are written but never attended later
-    (decode overwrites them). Returns the residual at each row's last prompt position.
-    On a mesh (plan), the cache keeps its row/head split (GSPMD partitions the rest).
-    """
+def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, *,
+           cfg: ModelConfig, with_norms: bool, impl: str, plan=None):
     B, C = tokens.shape
+    start = start.astype(jnp.int32)
     pos = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
     starts = jnp.full((B,), start, jnp.int32)
+    # padding queries (positions >= lengths[b]) see the row's prompt: finite, never used
+    kv_len = jnp.minimum(lengths, start + C)
+    W = 0 if carry.window_q is None else carry.window_q.shape[2]
+    rel = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :] - start  # [B, W]
+    in_chunk = (rel >= 0) & (rel < C) & (rel + start >= 0)
 
-    def layer(carry, xs):
-        x, k, v, kn = carry
+    def layer(c, xs):
+        x, k, v, kn, wq = c
         w, l = xs
         q, kk, vv = attention_inputs(w, cfg, x, pos)
         k = _write_rows(k, l, kk, starts)
@@ -76,12 +138,16 @@ def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, 
             norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, C, Hkv]
             kn = kn.at[l].set(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(
                 c, n, s, axis=1))(kn[l], jnp.swapaxes(norms, 1, 2), starts))
-        attn, _ = cache_attention(q, k[l], v[l], pos, pos[:, -1] + 1)
-        return (attention_output_and_mlp(w, cfg, x, attn), k, v, kn), None
+        attn = prefill_attention(q, k, v, starts, kv_len, layer=l, impl=impl)
+        if W:
+            picked = jnp.take_along_axis(q, jnp.clip(rel, 0, C - 1)[:, :, None, None], axis=1)
+            wq = wq.at[l].set(jnp.where(in_chunk[:, :, None, None], picked.astype(wq.dtype),
+                                        wq[l]))
+        return (attention_output_and_mlp(w, cfg, x, attn), k, v, kn, wq), None
 
     x = embed_tokens(params, tokens)
-    (x, k, v, key_norms), _ = run_layers(layer, (x, k, v, key_norms), params["layers"],
-                                         cfg.num_layers)
+    (x, k, v, key_norms, wq), _ = run_layers(layer, (x, k, v, key_norms, carry.window_q),
+                                             params["layers"], cfg.num_layers)
     last = jnp.clip(lengths - 1 - start, 0, C - 1)
     here = (lengths - 1 >= start) & (lengths - 1 < start + C)
     picked = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -89,4 +155,43 @@ def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, last_hidden, 
         k, v = mesh.constrain((k, v), (mesh.cache_sharding(plan),) * 2)
         if with_norms:
             key_norms = mesh.constrain(key_norms, mesh.sfi_state_shardings(plan).key_norms)
-    return k, v, key_norms, jnp.where(here[:, None], picked, last_hidden)
+    return k, v, key_norms, PrefillCarry(jnp.where(here[:, None], picked, carry.last_hidden), wq)
+
+
+def _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg, with_norms,
+                options, plan):
+    options = (options or EngineOptions()).resolved()
+    impl = attention_impl(options, plan, k.dtype, cfg.head_dim)
+    args = (params, k, v, key_norms, tokens, start, lengths, carry)
+    return args, dict(cfg=cfg, with_norms=with_norms, impl=impl, plan=plan)
+
+
+def compile_chunk(params, k, v, key_norms, tokens, start, lengths, carry, *, cfg: ModelConfig,
+                  with_norms: bool, options: EngineOptions | None = None, plan=None) -> float:
+    """Compile the chunk program for these arguments ahead of time (nothing runs); returns
+    the seconds spent compiling (0.0 when it was compiled before)."""
+    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg,
+                                with_norms, options, plan)
+    return programs.compiled(_chunk, args, statics)[1]
+
+
+def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, *,
+                  cfg: ModelConfig, with_norms: bool, options: EngineOptions | None = None,
+                  plan=None):
+    """Run tokens [B, C] at positions start + [0, C) through all layers, writing the cache
+    (k, v, key_norms are donated). start: an int32 device scalar (one program for every
+    chunk). Needs start + C <= the cache length.
+
+    Rows are right-padded: positions >= lengths[b] are written but never attended later
+    (decode overwrites them). Returns k, v, key_norms and the next `PrefillCarry`.
+    On a mesh (plan), the cache keeps its row/head split (GSPMD partitions the rest).
+    """
+    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg,
+                                with_norms, options, plan)
+    return programs.compiled(_chunk, args, statics)[0](*args)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def first_logits(params, last_hidden, *, cfg: ModelConfig):
+    """float32 logits [B, vocab] of each row's last prompt position."""
+    return output_logits(params, cfg, last_hidden[:, None])[:, 0]

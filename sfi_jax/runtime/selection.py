@@ -9,14 +9,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels.attention import repack
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, run_layers
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import mesh
-from sfi_jax.runtime.prefill import cache_attention
 from sfi_jax.runtime.state import SFIState
 from sfi_jax.selector.select import selector_scores, selector_scores_at, topk_positions
 
@@ -58,40 +57,48 @@ def select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi,
     return compact(k_layer, v_layer, sel, lengths, sfi)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "options", "plan"),
-                   donate_argnames=("state",))
-def prefill_selection(params, state: SFIState, k, v, tokens_window, lengths, *,
-                      cfg: ModelConfig, sfi: SFIConfig, options: EngineOptions = EngineOptions(),
-                      plan=None) -> SFIState:
-    """Initial selection (SFI_METHOD.md §5): re-run the last W prompt positions through the
-    layers, and select per layer from their logits over the prompt (under shard_map on a
-    mesh, with the cross-head term reduced over the devices holding the KV heads)."""
-    B, W = tokens_window.shape
-    q_pos = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
-    valid_q = q_pos >= 0
-    q_pos_c = jnp.maximum(q_pos, 0)
-    lo, hi = allowed_range(lengths, sfi)
+def window_logits(window_q, k_layer, lengths):
+    """Scaled logits of each row's last W prompt queries over its cache, for the selector:
+    window_q [B, W, Hq, D] (query w at position lengths[b] - W + w), k_layer [B, Hkv, S, D].
+    Returns float32 [B, Hkv, G * W, S] (rows g-major), -inf where a key is after the query
+    or past the prompt, and for whole rows whose position is < 0 (prompt shorter than W)."""
+    B, W, Hq, D = window_q.shape
+    Hkv, S = k_layer.shape[1], k_layer.shape[2]
+    qg = window_q.reshape(B, W, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("bwkgd,bksd->bkgws", qg, k_layer, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(D)
+    q_pos = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]  # [B, W]
+    key = jnp.arange(S)[None, None, :]
+    mask = (key <= q_pos[:, :, None]) & (key < lengths[:, None, None]) & \
+        (q_pos >= 0)[:, :, None]  # [B, W, S]
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    return s.reshape(B, Hkv, (Hq // Hkv) * W, S)
 
-    def layer(carry, xs):
-        x, st = carry
-        w, l = xs
-        q, _, _ = attention_inputs(w, cfg, x, q_pos_c)
-        attn, logits = cache_attention(q, k[l], v[l], q_pos_c, lengths)
-        # invalid window rows (prompt shorter than W) carry no evidence
-        logits = jnp.where(valid_q[:, None, None, :, None], logits, -jnp.inf)
-        Hkv, G = logits.shape[1], logits.shape[2]
-        args = (logits.reshape(B, Hkv, G * W, -1), st.key_norms[l], k[l], v[l], lo, hi, lengths)
-        fn = functools.partial(select_compact, sfi=sfi, options=options.resolved())
+
+@functools.partial(jax.jit, static_argnames=("sfi", "options", "plan"),
+                   donate_argnames=("state",))
+def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfig,
+                      options: EngineOptions, plan=None) -> SFIState:
+    """Initial selection (SFI_METHOD.md §5): per layer, select from the logits of the prefill's
+    own queries at each row's last W prompt positions (window_q [L, B, W, Hq, D], kept by
+    `prefill.prefill_chunk`) over the prompt; no pass through the layers. On a mesh, under
+    shard_map with the cross-head term reduced over the devices holding the KV heads.
+    `options` must be resolved."""
+    lo, hi = allowed_range(lengths, sfi)
+    fn = functools.partial(select_compact, sfi=sfi, options=options)
+
+    def layer(st, l):
+        logits = window_logits(window_q[l], k[l], lengths)
+        args = (logits, st.key_norms[l], k[l], v[l], lo, hi, lengths)
         if plan is None:
             ck, cv, c_len, pos = fn(*args)
         else:
             ck, cv, c_len, pos = mesh.select_and_compact(plan, fn, *args)
         st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
                          c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
-        return (attention_output_and_mlp(w, cfg, x, attn), st), None
+        return st, None
 
-    x = embed_tokens(params, jnp.where(valid_q, tokens_window, 0))
-    (_, state), _ = run_layers(layer, (x, state), params["layers"], cfg.num_layers)
+    state, _ = jax.lax.scan(layer, state, jnp.arange(window_q.shape[0], dtype=jnp.int32))
     if plan is not None:
         state = mesh.constrain(state, mesh.sfi_state_shardings(plan))
     return state
