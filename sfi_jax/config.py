@@ -78,6 +78,9 @@ class SFIConfig:
     # (minus 1e-3 per step) to its next `successor_radius` positions, so a selected position's
     # successors are kept too — what copying text (a pass key, a quoted name) reads next.
     successor_radius: int = 0
+    # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
+    # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
+    draft_len: int = 3
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)
@@ -88,6 +91,10 @@ class SFIConfig:
         _int_field(self, "prefill_window", 1)
         _int_field(self, "evidence_window", 1)
         _int_field(self, "successor_radius", 0)
+        _int_field(self, "draft_len", 1)
+        if self.draft_len > 15:
+            raise ValueError(f"SFIConfig.draft_len must be in [1, 15] (the verify step takes "
+                             f"draft_len + 1 <= 16 queries), got {self.draft_len}")
         _float_field(self, "power_alpha", 0.0, 1.0, lo_open=True)
         _float_field(self, "lam_clip", 0.0, 1.0)
         _float_field(self, "alpha_soft", 0.0)

@@ -1,0 +1,304 @@
+"""Exact mode: SFI's fast steps draft, one dense step verifies (self-speculative decoding).
+
+A round, per row and in lock-step over the batch inside one jitted `lax.while_loop`
+iteration: up to draft_len fast steps (sink + selected + recent, their K/V written to the
+cache as usual) draft d1..dm; one verify step feeds [token, d1..dm] at positions
+[len, len + m] through every layer with dense multi-query attention (causal among them),
+overwriting their K/V with dense values; the longest prefix dense decoding would have produced
+is accepted (greedy: the argmax matches; sampling: the speculative rejection rule, so tokens
+are distributed as dense sampling's), and one more token comes from the verify's logits. A
+row rolls back by its length alone (K/V past it are stale and overwritten later).
+
+The verify step is also SFI's slow step: rows whose refresh is due select from the verify's
+attention logits at their last accepted query. A trigger token, EOS or t_max ends a row's
+draft early; its later draft slots are not verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.kernels.multi_query_decode import multi_query_decode
+from sfi_jax.models.config import ModelConfig
+from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
+                                     output_logits, run_layers)
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime.decode import layer_step
+from sfi_jax.runtime.sampling import SamplingConfig
+from sfi_jax.runtime.selection import select_all_layers
+from sfi_jax.runtime.slots import refresh_slots
+from sfi_jax.runtime.state import DecodeState
+
+
+class ExactCounts(NamedTuple):
+    """Per-row bookkeeping of exact mode (all int32 [B])."""
+
+    remaining: jax.Array  # tokens the row may still emit
+    drafted: jax.Array  # draft tokens sent to verification
+    accepted: jax.Array  # of those, accepted
+    verify_steps: jax.Array  # rounds (one verify step each)
+
+
+def initial_counts(batch: int, remaining) -> ExactCounts:
+    def zeros():  # distinct buffers: the chunk donates each
+        return jnp.zeros((batch,), jnp.int32)
+
+    return ExactCounts(jnp.asarray(remaining, jnp.int32), zeros(), zeros(), zeros())
+
+
+def sampling_logits(logits, cfg: SamplingConfig):
+    """The logits `sampling.sample` draws from (temperature, then top-k, then top-p), -inf
+    where excluded: speculative acceptance must compare the distributions dense sampling uses."""
+    logits = logits / cfg.temperature
+    if cfg.top_k:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if cfg.top_p < 1:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def draft_config(sfi: SFIConfig) -> SFIConfig:
+    """The policy the fast steps run under: the refreshing policies read their compact buffers
+    as they stand (the verify step refreshes them); the baselines run as they are."""
+    return dataclasses.replace(sfi, policy="prefill_only") if sfi.refreshes else sfi
+
+
+def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
+    """One fast (draft) step for the whole batch: logits [B, V] and the updated cache/state."""
+    B = token.shape[0]
+    dsfi = draft_config(sfi)
+    slots = jnp.arange(B, dtype=jnp.int32) if dsfi.selects_every_step else \
+        jnp.full((1,), B, jnp.int32)
+    body = functools.partial(layer_step, cfg=cfg, sfi=dsfi, options=options, slots=slots,
+                             pos=pos, dense_rows=pos + 1 <= sfi.budget)
+    x = embed_tokens(params, token[:, None])
+    (x, k, v, st, _, _, _), _ = run_layers(body, (x, k, v, st, None, None, None),
+                                           params["layers"], cfg.num_layers, options.unroll)
+    return output_logits(params, cfg, x[:, 0]), k, v, st
+
+
+def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, options):
+    """The dense verify step: tokens [B, T] at positions q_start + [0, T) through every layer,
+    their K/V (and key norms) written, attention by `multi_query_decode` over kv_len. The
+    refresh slots' attention logits go to buf [L, n_slots, Hq, T, S]. Returns logits
+    [B, T, V], k, v, key_norms, buf."""
+    B, T = tokens.shape
+    S = k.shape[3]
+    wpos = jnp.minimum(q_start[:, None] + jnp.arange(T, dtype=jnp.int32), S - 1)
+    rows = jnp.arange(B)[:, None]
+    safe = jnp.minimum(slots, B - 1) if slots is not None else None
+
+    def layer(carry, xs):
+        x, k, v, norms, buf = carry
+        w, l = xs
+        q, kk, vv = attention_inputs(w, cfg, x, wpos, heads="xla")
+        at = (l, rows, slice(None), wpos)  # [B, T] positions -> values [B, T, Hkv, D]
+        k = k.at[at].set(kk.astype(k.dtype))
+        v = v.at[at].set(vv.astype(v.dtype))
+        norms = norms.at[at].set(jnp.linalg.norm(kk.astype(jnp.float32), axis=-1))
+        attend = functools.partial(multi_query_decode, q, k, v, q_start, kv_len, layer=l,
+                                   impl=options.attention)
+        if buf is None:
+            attn = attend()
+        else:
+            def with_logits(buf):
+                out, logits, _ = attend(return_logits=True)
+                return buf.at[l].set(logits[safe]), out
+
+            buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
+                                     lambda buf: (buf, attend()), buf)
+        x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe)
+        return (x, k, v, norms, buf), None
+
+    x = embed_tokens(params, tokens)
+    (x, k, v, key_norms, buf), _ = run_layers(layer, (x, k, v, key_norms, buf), params["layers"],
+                                              cfg.num_layers, options.unroll)
+    return output_logits(params, cfg, x), k, v, key_norms, buf
+
+
+def _leading(ok):
+    """Length of the all-True prefix of ok [B, k]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _accept(logits_v, drafts, q_logits, m, key, sampling, accept_rate):
+    """Accepted count n [B] and the token after them [B] (greedy argmax / rejection rule)."""
+    B, T, _ = logits_v.shape
+    k = T - 1
+    valid = jnp.arange(k)[None, :] < m[:, None]
+    k_acc, k_next, k_force = jax.random.split(key, 3)
+    if sampling.greedy:
+        target = jnp.argmax(logits_v, axis=-1).astype(jnp.int32)  # [B, T]
+        ok = (drafts == target[:, :k]) & valid
+    else:
+        p = jax.nn.softmax(sampling_logits(logits_v, sampling), axis=-1)  # [B, T, V]
+        q = jax.nn.softmax(q_logits, axis=-1)  # [B, k, V]
+        pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        u = jax.random.uniform(k_acc, (B, k))
+        ok = (u * qd < pd) & valid  # probability min(1, p/q)
+    if accept_rate is not None:  # benchmarks only: acceptance drawn, not verified
+        ok = (jax.random.uniform(k_force, (B, k)) < accept_rate) & valid
+    n = _leading(ok)
+    if sampling.greedy:
+        nxt = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
+        return n, nxt
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_n - q_n, 0.0)
+    # after a rejection: norm(max(0, p - q)); after all m accepted: p itself
+    use = (n < m)[:, None] & (jnp.sum(resid, axis=-1, keepdims=True) > 0)
+    dist = jnp.where(use, resid, p_n)
+    nxt = jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32)
+    return n, nxt
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_rounds", "options",
+                                             "accept_rate"),
+                   donate_argnames=("state", "counts"))
+def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigger_mask, *,
+                cfg: ModelConfig, sfi: SFIConfig, sampling: SamplingConfig, n_rounds: int,
+                options: EngineOptions = EngineOptions(), accept_rate: float | None = None):
+    """Up to n_rounds draft + verify rounds on device; stops early when every row is done.
+
+    Returns the new state and counts, tokens [B, n_rounds * (draft_len + 1)] (each row's
+    emitted tokens first, -1 after), their count per row [B] and the rounds taken.
+    accept_rate (benchmarks only): accept each draft token with this probability instead of
+    verifying it (the tokens are then not dense decoding's)."""
+    options = options.resolved()
+    B = state.token.shape[0]
+    k_len, T = sfi.draft_len, sfi.draft_len + 1
+    L, S = cfg.num_layers, state.k.shape[3]
+    n_slots = B if sfi.refresh_rows is None else min(sfi.refresh_rows, B)
+    width = n_rounds * T
+    out = jnp.full((B, width), -1, jnp.int32)
+
+    def one_round(carry):
+        state, counts, i, out, n_out, buf = carry
+        st, live, len0 = state.sfi, ~state.done, state.lengths
+        key, k_draft, k_acc = jax.random.split(state.key, 3)
+        draft_keys = jax.random.split(k_draft, k_len)
+
+        def draft_step(j, c):
+            kc, vc, st, tok, drafts, q_logits, active, m = c
+            pos = jnp.minimum(len0 + j, S - 1)
+            logits, kc, vc, st = _fast_step(params, kc, vc, st, tok, pos, cfg=cfg, sfi=sfi,
+                                            options=options)
+            if sampling.greedy:
+                d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:
+                ql = sampling_logits(logits, sampling)
+                d = jax.random.categorical(draft_keys[j], ql, axis=-1).astype(jnp.int32)
+                q_logits = q_logits.at[:, j].set(ql)
+            drafts = drafts.at[:, j].set(d)
+            m = m + active
+            stop = eos_mask[d] | (m >= counts.remaining - 1)
+            if sfi.uses_triggers:
+                stop = stop | trigger_mask[d]
+            if sfi.refreshes:
+                stop = stop | (st.since_slow + m + 1 >= sfi.t_max)
+            return kc, vc, st, d, drafts, q_logits, active & ~stop, m
+
+        V = cfg.vocab_size
+        q_logits = jnp.zeros((B, k_len, V) if not sampling.greedy else (B, k_len, 0),
+                             jnp.float32)
+        active = live & (counts.remaining >= 2)
+        if sfi.refreshes:
+            active = active & (st.since_slow + 1 < sfi.t_max)
+        init = (state.k, state.v, st, state.token, jnp.zeros((B, k_len), jnp.int32), q_logits,
+                active, jnp.zeros((B,), jnp.int32))
+        kc, vc, st, _, drafts, q_logits, _, m = jax.lax.fori_loop(0, k_len, draft_step, init)
+
+        # the rows whose selection this verify refreshes (decided before it, from everything
+        # the verify may accept, so only their logits are kept)
+        if sfi.refreshes:
+            want = st.pending | (st.since_slow + m + 1 >= sfi.t_max) | \
+                ((len0 <= sfi.budget) & (len0 + m + 1 >= sfi.budget))
+            if sfi.uses_triggers:
+                fed = jnp.concatenate([state.token[:, None], drafts], axis=1)
+                want = want | jnp.any(trigger_mask[fed] & (jnp.arange(T) <= m[:, None]), axis=1)
+            slots = refresh_slots(want, state.done, n_slots)
+        else:
+            want, slots = None, None
+        tokens_v = jnp.concatenate([state.token[:, None], drafts], axis=1)
+        kv_len = jnp.where(live, len0 + m + 1, len0)
+        logits_v, kc, vc, norms, buf = _verify(params, kc, vc, st.key_norms, tokens_v, len0,
+                                               kv_len, slots, buf, cfg=cfg, options=options)
+        st = st._replace(key_norms=norms)
+        n, nxt = _accept(logits_v, drafts, q_logits, m, k_acc, sampling, accept_rate)
+
+        # emitted: d1..dn, then the next token; EOS ends the row where it stands
+        t = jnp.arange(T)[None, :]
+        toks = jnp.where(t < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
+        eos_at = eos_mask[toks] & (t <= n[:, None])
+        n_emit = jnp.where(jnp.any(eos_at, axis=1), jnp.argmax(eos_at, axis=1) + 1, n + 1)
+        n_emit = jnp.where(live, n_emit, 0).astype(jnp.int32)
+        col = jnp.where(t < n_emit[:, None], n_out[:, None] + t, width)
+        out = out.at[jnp.arange(B)[:, None], col].set(toks, mode="drop")
+
+        refreshed = jnp.zeros((B,), bool)
+        if sfi.refreshes:
+            # select from the verify's logits at each refreshed row's last accepted query
+            safe = jnp.minimum(slots, B - 1)
+            pick = n[safe][None, :, None, None, None]  # [1, n_slots, 1, 1, 1]
+            sel = jnp.take_along_axis(buf, pick, axis=3)[:, :, :, 0]  # [L, n_slots, Hq, S]
+            sel = sel.reshape(L, n_slots, cfg.num_kv_heads, -1, S)
+            st = jax.lax.cond(
+                jnp.any(slots < B),
+                functools.partial(select_all_layers, sfi=sfi, options=options),
+                lambda st, *_: st, st, sel, kc, vc, len0 + n, slots)
+            refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+            st = st._replace(since_slow=jnp.where(refreshed, 0, st.since_slow + n + 1),
+                             pending=(st.pending | want) & ~refreshed)
+        st = st._replace(slow_steps=st.slow_steps + (refreshed & live),
+                         fast_steps=st.fast_steps + jnp.where(live, m, 0))
+        remaining = counts.remaining - n_emit
+        done = state.done | jnp.any(eos_at, axis=1) | (remaining <= 0)
+        counts = ExactCounts(remaining=remaining,
+                             drafted=counts.drafted + jnp.where(live, m, 0),
+                             accepted=counts.accepted + jnp.where(live, n, 0),
+                             verify_steps=counts.verify_steps + live)
+        state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, len0 + n + 1, len0),
+                            token=jnp.where(live, nxt, state.token), done=done,
+                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None)
+        return state, counts, i + 1, out, n_out + n_emit, buf
+
+    def cond(carry):
+        return (carry[2] < n_rounds) & ~jnp.all(carry[0].done)
+
+    # the refresh slots' verify logits [L, n_slots, Hq, T, S]: written whole by every verify
+    # that refreshes a row, read only then
+    buf = jnp.zeros((L, n_slots, cfg.num_q_heads, T, S), jnp.float32) if sfi.refreshes else None
+    state, counts, taken, out, n_out, _ = jax.lax.while_loop(
+        cond, one_round, (state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
+    return state, counts, out, n_out, taken
+
+
+_COMPILED: dict = {}
+
+
+def compiled_chunk(args, statics):
+    """`exact_chunk` compiled ahead of time for these arguments, cached (compile time stays
+    out of the decode timing). Returns (program, compile seconds: 0 when cached)."""
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), args)
+    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)),
+           tuple(sorted(statics.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    t0 = time.perf_counter()
+    if len(_COMPILED) > 16:
+        _COMPILED.clear()
+    _COMPILED[key] = exact_chunk.lower(*args, **statics).compile()
+    return _COMPILED[key], time.perf_counter() - t0
