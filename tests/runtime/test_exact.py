@@ -1,0 +1,188 @@
+"""Exact mode: SFI fast steps draft, a dense verify step accepts. Greedy tokens equal dense
+decoding's (random Qwen3 / Qwen3-MoE, SmolLM2 real weights at several budgets), sampled tokens
+follow dense sampling's distribution, and the acceptance bookkeeping adds up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sfi_jax
+from conftest import TINY_EOS, assert_same_greedy, make_hf_checkpoint, near_tie
+from sfi_jax.runtime.exact import sampling_logits
+from sfi_jax.runtime.sampling import SamplingConfig, sample
+
+NEW = 20
+TRIGGER = 7
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY_EOS, n).tolist() for n in lengths]
+
+
+def _same_as_dense(model, exact, prompts, what, **kw):
+    """Exact mode's tokens against dense greedy decoding; returns the number of divergences
+    at a near-tie of dense's logits (the only ones allowed)."""
+    dense = sfi_jax.generate(model, prompts, mode="dense", return_logits=True, **kw)
+    ties = 0
+    for b, (got, want) in enumerate(zip(exact.tokens, dense.tokens)):
+        if got != want:
+            i = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
+            ties += near_tie(dense.stats["logits"][b][i])
+        assert_same_greedy(got, want, dense.stats["logits"][b], what=f"{what} row {b}")
+    return ties
+
+
+def _check_counts(stats, tokens):
+    drafted, accepted = np.array(stats["drafted"]), np.array(stats["accepted"])
+    verify, rejected = np.array(stats["verify_steps"]), np.array(stats["rejected"])
+    np.testing.assert_array_equal(drafted, accepted + rejected)
+    assert np.all(accepted <= drafted) and np.all(rejected >= 0)
+    # each verify step emits the accepted drafts and one more token (EOS can cut the last)
+    emitted = np.array([len(t) - 1 for t in tokens])
+    assert np.all(emitted <= accepted + verify) and np.all(emitted >= accepted + verify - 1)
+    np.testing.assert_array_equal(stats["fast_steps"], drafted)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
+    """Ragged batch, a budget far below the context (drafts often rejected), triggers and
+    t_max ending drafts early: the tokens are dense decoding's."""
+    model = tiny_qwen3.model if kind == "qwen3" else \
+        sfi_jax.load_model(make_hf_checkpoint(tmp_path, kind, seed=3)[1], dtype="float32")
+    prompts = _prompts([40, 66, 13, 90], seed=1)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    ex = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER], **kw)
+    assert _same_as_dense(model, ex, prompts, kind, **kw) == 0
+    _check_counts(ex.stats, ex.tokens)
+    s = ex.stats
+    assert sum(s["rejected"]) > 0 and sum(s["accepted"]) > 0, s
+    # every row refreshed at its first verify and again within t_max tokens
+    assert all(n >= 2 for n in s["slow_steps"]), s["slow_steps"]
+
+
+def test_greedy_equals_dense_smollm2_budgets(smol_model, smol_tokenizer):
+    """SmolLM2 real weights, 32 short prompts (ragged), budgets from one covering the context
+    to a tiny one; one batched call per budget."""
+    base = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time,",
+            "The quick brown fox", "In 1969, the first", "import numpy as np\n",
+            "Water boils at", "My favourite colour is", "The sun rises in the",
+            "Dear Sir or Madam,", "To make a cake you need", "The meaning of life is",
+            "for i in range(10):\n", "The Eiffel Tower is located in", "Roses are red,",
+            "Q: What is 2 + 2?\nA:"]
+    prompts = base + [p + " and" for p in base]
+    ids = [smol_tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    kw = dict(max_new_tokens=12, stop_at_eos=False)
+    dense = sfi_jax.generate(smol_model, ids, mode="dense", return_logits=True, **kw)
+    rates = {}
+    for k_select, n_recent in ((64, 32), (4, 4), (1, 2)):
+        cfg = sfi_jax.SFIConfig(n_sink=2, k_select=k_select, n_recent=n_recent, draft_len=3)
+        ex = sfi_jax.generate(smol_model, ids, mode="exact", sfi=cfg,
+                              tokenizer=smol_tokenizer, **kw)
+        for b, (got, want) in enumerate(zip(ex.tokens, dense.tokens)):
+            assert_same_greedy(got, want, dense.stats["logits"][b], what=f"k={k_select} row {b}")
+        _check_counts(ex.stats, ex.tokens)
+        rates[k_select] = sum(ex.stats["accepted"]) / max(1, sum(ex.stats["drafted"]))
+    assert rates[64] > 0.95, rates  # the budget covers every context: drafts are dense
+    assert rates[1] < rates[64], rates
+
+
+def test_forced_reject_and_accept_step_counts(tiny_qwen3):
+    """accept_rate=0 rejects every draft: one token per verify step, still dense's tokens; a
+    budget covering the context accepts every draft: draft_len + 1 tokens per verify."""
+    model, prompts = tiny_qwen3.model, _prompts([30, 45], seed=4)
+    NEW = 12
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, trigger_ids=[])
+    k = 3
+    small = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k)
+    rej = sfi_jax.generate(model, prompts, mode="exact", sfi=small, accept_rate=0.0, **kw)
+    assert _same_as_dense(model, rej, prompts, "all-reject", **kw) == 0
+    s = rej.stats
+    assert s["verify_steps"] == [NEW - 1] * 2 and s["accepted"] == [0, 0]
+    # each round drafts min(k, tokens left - 1)
+    assert s["drafted"] == [sum(min(k, NEW - 1 - r - 1) for r in range(NEW - 1))] * 2
+
+    full = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k)
+    acc = sfi_jax.generate(model, prompts, mode="exact", sfi=full, **kw)
+    assert acc.tokens == rej.tokens
+    s = acc.stats
+    rounds = -(-(NEW - 1) // (k + 1))
+    assert s["verify_steps"] == [rounds] * 2 and s["rejected"] == [0, 0]
+    assert s["accepted"] == [NEW - 1 - rounds] * 2 and s["acceptance_rate"] == [1.0, 1.0]
+    assert s["mean_accepted_length"] == [(NEW - 1 - rounds) / rounds] * 2
+
+
+def test_sampling_transform_is_the_dense_one():
+    """Speculative acceptance compares the distributions `sample` draws from."""
+    import jax
+
+    logits = jax.random.normal(jax.random.key(0), (64, 50)) * 3
+    for cfg in (SamplingConfig(0.7, 0.9, 0), SamplingConfig(1.3, 1.0, 5),
+                SamplingConfig(0.5, 0.6, 7)):
+        for s in range(3):
+            key = jax.random.key(s)
+            got = jax.random.categorical(key, sampling_logits(logits, cfg), axis=-1)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(sample(logits, key, cfg)))
+
+
+def test_sampled_tokens_follow_dense_distribution(tiny_qwen3):
+    """Temperature 0.7 with top-p 0.9: the first two verified tokens of 3000 rows against the
+    dense joint distribution of (token 1, token 2) computed by forward passes (chi-square)."""
+    import jax
+
+    model = tiny_qwen3.model
+    prompt = _prompts([24], seed=11)[0]
+    n = 3000
+    samp = SamplingConfig(temperature=0.7, top_p=0.9)
+    cfg = sfi_jax.SFIConfig(n_sink=1, k_select=2, n_recent=2, draft_len=2, refresh_rows=1,
+                            policy="tmax")
+    ex = sfi_jax.generate(model, [prompt] * n, mode="exact", sfi=cfg, max_new_tokens=3,
+                          temperature=0.7, top_p=0.9, stop_at_eos=False, seed=5)
+    toks = np.array([t[:3] for t in ex.tokens])
+    assert sum(ex.stats["rejected"]) > 0.05 * n, ex.stats["rejected"][:10]
+
+    def probs(logits):
+        return np.asarray(jax.nn.softmax(sampling_logits(jax.numpy.asarray(logits), samp), -1),
+                          np.float64)
+
+    p1 = probs(np.asarray(sfi_jax.forward(model, np.array([prompt])))[:, -1])[0]
+    firsts = np.nonzero(p1)[0]
+    seq = np.array([prompt + [int(a)] for a in firsts])
+    p2 = probs(np.asarray(sfi_jax.forward(model, seq))[:, -1])  # [len(firsts), V]
+    # token 2 given token 1 (the first verified token: accepted draft or resampled)
+    joint = p1[firsts, None] * p2
+    counts = np.zeros_like(joint)
+    idx = {int(a): i for i, a in enumerate(firsts)}
+    for a, b in toks[:, :2]:
+        counts[idx[int(a)], b] += 1
+    exp = n * joint
+    assert counts[exp == 0].sum() == 0
+    big = exp >= 5  # pool the small cells into one
+    obs = np.append(counts[big], counts[~big].sum())
+    ex_ = np.append(exp[big], exp[~big].sum())
+    chi2 = float(np.sum((obs - ex_) ** 2 / ex_))
+    dof = len(obs) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(forced_tokens=np.zeros((1, 4), np.int32)), "forced_tokens"),
+    (dict(return_logits=True), "return_logits"),
+    (dict(accept_rate=1.5), "accept_rate"),
+    (dict(sfi=sfi_jax.SFIConfig(evidence_window=2)), "evidence_window"),
+])
+def test_exact_mode_bad_input(tiny_qwen3, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sfi_jax.generate(tiny_qwen3.model, [[1, 2, 3]], max_new_tokens=4, mode="exact", **kw)
+
+
+def test_draft_len_bounds(tiny_qwen3):
+    with pytest.raises(ValueError, match="draft_len"):
+        sfi_jax.SFIConfig(draft_len=16)
+    with pytest.raises(ValueError, match="draft_len"):
+        sfi_jax.SFIConfig(draft_len=0)
+    with pytest.raises(ValueError, match="accept_rate"):
+        sfi_jax.generate(tiny_qwen3.model, [[1]], max_new_tokens=2, mode="dense",
+                         accept_rate=0.5)
