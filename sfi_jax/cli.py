@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt with the tokenizer's chat template (default: on for "
                         "the built-in example prompt, off otherwise)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--mode", choices=("sfi", "dense"), default="sfi", help="decoding mode")
+    p.add_argument("--mode", choices=("sfi", "dense", "exact"), default="sfi",
+                   help="decoding mode (exact: SFI fast steps draft, a dense step verifies; "
+                   "the tokens are dense decoding's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--t-max", type=int, default=64, help="max steps between slow steps")
     g.add_argument("--policy", choices=POLICIES, default="sfi",
                    help="refresh policy (sfi; or a baseline: tmax, streaming, prefill_only, oracle)")
+    g.add_argument("--draft-len", type=int, default=3,
+                   help="exact mode: fast steps drafted per dense verify step (1..15)")
     g.add_argument("--successor-radius", type=int, default=0,
                    help="extension: also keep the next N positions after strong ones (helps "
                         "copying, e.g. pass keys; 0 = the method as specified)")
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
         sfi = SFIConfig(n_sink=args.n_sink, n_recent=args.n_recent, k_select=args.k_select,
                         t_max=args.t_max, policy=args.policy, refresh_rows=args.refresh_rows,
                         successor_radius=args.successor_radius,
-                        evidence_window=args.evidence_window)
+                        evidence_window=args.evidence_window, draft_len=args.draft_len)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     mesh = None
@@ -193,5 +197,8 @@ def main(argv=None) -> int:
             f"in {s['decode_s']:.2f} s = {s['decode_tokens_per_s']:.1f} tokens/s")
     if args.mode == "sfi":
         line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
+    if args.mode == "exact":
+        line += (f" | verify steps per row {s['verify_steps']}, accepted/drafted "
+                 f"{sum(s['accepted'])}/{sum(s['drafted'])}")
     print(line, file=sys.stderr)
     return 0
