@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,7 +24,7 @@ def _replay(real, params, pending, lengths, cfg, kw):
     """Run the recorded chunks. A chunk at [s, s + C) only needs cache positions < s + C, so it
     runs on the cache's prefix of that length (causal: the rest is masked anyway), which halves
     the attention work of a long prompt; the prefix is then written into the full cache."""
-    k, v, _, lh = pending[0]
+    k, v, _, carry = pending[0]
     L, B, Hkv, S, D = k.shape
     kk = vv = jnp.zeros((L, B, Hkv, 0, D), k.dtype)
     kn = jnp.zeros((L, B, Hkv, 0), jnp.float32)
@@ -33,54 +34,61 @@ def _replay(real, params, pending, lengths, cfg, kw):
         kk = jnp.pad(kk, ((0, 0),) * 3 + ((0, grow), (0, 0)))
         vv = jnp.pad(vv, ((0, 0),) * 3 + ((0, grow), (0, 0)))
         kn = jnp.pad(kn, ((0, 0),) * 3 + ((0, grow),))
-        kk, vv, kn, lh = real(params, kk, vv, kn, jnp.asarray(toks), jnp.int32(s), lengths, lh,
-                              cfg=cfg, with_norms=True, **kw)
+        kk, vv, kn, carry = real(params, kk, vv, kn, jnp.asarray(toks), jnp.int32(s), lengths,
+                                 carry, cfg=cfg, with_norms=True, **kw)
     rest = S - kk.shape[3]
     return (jnp.pad(kk, ((0, 0),) * 3 + ((0, rest), (0, 0))),
             jnp.pad(vv, ((0, 0),) * 3 + ((0, rest), (0, 0))),
-            jnp.pad(kn, ((0, 0),) * 3 + ((0, rest),)), lh)
+            jnp.pad(kn, ((0, 0),) * 3 + ((0, rest),)), carry)
 
 
 @contextlib.contextmanager
 def shared_prefill(max_entries: int = 2):
     """Context manager; yields a dict with hit/miss counters.
 
-    Key norms are always computed (an SFI call needs them; a dense call just does not get them),
-    so one prefill serves both modes.
+    Key norms are always computed (an SFI call needs them; a dense call just does not get them).
+    An SFI prefill also keeps the window queries of the initial selection, so it serves later
+    dense calls too; a dense prefill cannot serve an SFI call (it is replayed and replaced).
     """
     real = prefill.prefill_chunk
     store: dict = {}
     pending: list = []
     counts = {"hits": 0, "misses": 0}
 
-    def cached(params, k, v, key_norms, tokens, start, lengths, last_hidden, *, cfg, with_norms,
+    def cached(params, k, v, key_norms, tokens, start, lengths, carry, *, cfg, with_norms,
                **kw):
         start = int(start)
         if start == 0:
             pending.clear()
-            pending.append((k, v, key_norms, last_hidden))
+            pending.append((k, v, key_norms, carry))
         pending.append((np.asarray(tokens), start))
         if start + tokens.shape[1] < int(np.max(np.asarray(lengths))):
-            return k, v, key_norms, last_hidden  # not the last chunk: defer
+            return k, v, key_norms, carry  # not the last chunk: defer
         h = hashlib.sha1(np.asarray(lengths).tobytes())
         for toks, s in pending[1:]:
             h.update(toks.tobytes() + str((toks.shape, s)).encode())
         key = (h.hexdigest(), k.shape, str(k.dtype), cfg)
         hit = store.get(key)
+        wants_window = carry.window_q is not None
+        if hit is not None and wants_window and (hit[3].window_q is None or
+                                                 hit[3].window_q.shape != carry.window_q.shape):
+            hit = None  # an SFI call needs the window queries a dense prefill did not keep
         if hit is not None:
             counts["hits"] += 1
-            kk, vv, kn, lh = hit
+            kk, vv, kn, out_carry = hit
             out_kn = jnp.copy(kn) if with_norms else pending[0][2]
             pending.clear()
-            return jnp.copy(kk), jnp.copy(vv), out_kn, lh
+            if not wants_window:
+                out_carry = out_carry._replace(window_q=None)
+            return jnp.copy(kk), jnp.copy(vv), out_kn, jax.tree.map(jnp.copy, out_carry)
         counts["misses"] += 1
-        kk, vv, kn, lh = _replay(real, params, pending, lengths, cfg, kw)
+        kk, vv, kn, out_carry = _replay(real, params, pending, lengths, cfg, kw)
         if len(store) >= max_entries:
             store.pop(next(iter(store)))
-        store[key] = (jnp.copy(kk), jnp.copy(vv), jnp.copy(kn), lh)
+        store[key] = (jnp.copy(kk), jnp.copy(vv), jnp.copy(kn), jax.tree.map(jnp.copy, out_carry))
         out_kn = kn if with_norms else pending[0][2]
         pending.clear()
-        return kk, vv, out_kn, lh
+        return kk, vv, out_kn, out_carry
 
     prefill.prefill_chunk = cached
     try:
