@@ -64,8 +64,9 @@ class EngineOptions:
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
-    "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and top-k the GPU kernels on a GPU; moe, heads,
-    repack and refresh the GPU variants when attention is "pallas_gpu".
+    "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
+    top-k the GPU kernels on a GPU; moe, heads, repack and refresh the GPU variants when
+    attention is "pallas_gpu".
     """
 
     attention: str = "auto"

@@ -26,16 +26,19 @@ def test_bad_values_name_field_and_allowed(field, value):
 
 def test_resolved_per_platform():
     gpu = EngineOptions().resolved(platform="gpu")
-    assert gpu == EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
+    assert gpu == EngineOptions(attention="pallas_gpu", prefill_attention="cudnn",
+                                selector_scores="pallas_gpu",
                                 selector_topk="radix_kernel", selector_adjust="xla",
                                 moe="tokens", heads="kernel", repack="kernel",
                                 refresh="unconditional", layer_unroll=6)
     cpu = EngineOptions().resolved(platform="cpu")
-    assert cpu == EngineOptions(attention="xla", selector_scores="xla", selector_topk="lax",
+    assert cpu == EngineOptions(attention="xla", prefill_attention="xla", selector_scores="xla",
+                                selector_topk="lax",
                                 moe="xla", heads="xla", repack="xla", refresh="cond",
                                 layer_unroll=1)
     tpu = EngineOptions().resolved(platform="tpu")
-    assert tpu.attention == "pallas_tpu" and tpu.moe == "xla" and tpu.refresh == "cond"
+    assert tpu.attention == tpu.prefill_attention == "pallas_tpu"
+    assert tpu.moe == "xla" and tpu.refresh == "cond"
     # the GPU variants follow the attention kernels, asked for anywhere
     forced = EngineOptions(attention="pallas_gpu").resolved(platform="cpu")
     assert (forced.moe, forced.heads, forced.repack, forced.refresh) == \
