@@ -41,7 +41,7 @@ import sfi_jax  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
-from sfi_jax.runtime import engine  # noqa: E402
+from sfi_jax.runtime import engine, exact  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
 from sfi_jax.options import EngineOptions  # noqa: E402
@@ -243,7 +243,58 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     rec.update(bytes_model(cfg, B, ctx, sfi, slow_share, bw))
     rec["dense_of_floor"] = rec["pred_dense_step_s"] / dense_step
     rec["sfi_of_floor"] = rec["pred_sfi_step_s"] / sfi_step
+    if args.mode == "exact":
+        rec.update(exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw))
+        rec["exact_speedup"] = rec["exact_tokens_per_s"] / rec["dense_tokens_per_s"]
+        rec["pred_exact_speedup"] = rec["pred_exact_tokens_per_s"] * rec["pred_dense_step_s"] / B
     return rec
+
+
+def expected_tokens_per_round(a, d):
+    """Tokens a round emits when each draft token is accepted with probability a (independent):
+    1 + a + ... + a^d (the accepted prefix and the verify's own token)."""
+    return float(sum(a ** i for i in range(d + 1)))
+
+
+def exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
+    """Exact mode's rounds (draft_len fast steps + one dense verify of draft_len + 1 queries)
+    with acceptance drawn at --accept-rate per draft token (random weights accept nothing
+    useful); tokens/s counts the tokens the rounds emit. Beside it the bytes model: a round
+    reads the weights and the sparse KV draft_len times, then the weights and the whole KV once
+    (plus the refreshed rows' logits)."""
+    d = args.draft_len
+    esfi = dataclasses.replace(sfi, draft_len=d)
+    rounds = max(1, n // (d + 1))
+    trig = np.zeros((cfg.vocab_size,), bool)
+    trig[TRIGGER_ID] = True
+    trig, eos = jnp.asarray(trig), jnp.zeros((cfg.vocab_size,), bool)
+    state = make_state(cfg, B, S, ctx, esfi)
+    counts = exact.initial_counts(B, np.full((B,), S - ctx - 2 * (d + 1), np.int32))
+    kw = dict(cfg=cfg, sfi=esfi, sampling=SamplingConfig(), n_rounds=rounds, options=options,
+              accept_rate=float(args.accept_rate))
+    fn = exact.exact_chunk.lower(params, state, counts, eos, trig, **kw).compile()
+    times, emitted, taken_rounds = [], [], []
+    for c in range(chunks + 1):
+        t = time.perf_counter()
+        state, counts, toks, n_out, taken = fn(params, state, counts, eos, trig)
+        jax.block_until_ready(toks)
+        if c:
+            times.append(time.perf_counter() - t)
+            emitted.append(int(np.asarray(n_out).sum()))
+            taken_rounds.append(int(taken))
+    slow = float(np.asarray(state.sfi.slow_steps).sum() / max(1, np.asarray(
+        counts.verify_steps).sum()))
+    tok_s = sum(emitted) / sum(times)
+    m = bytes_model(cfg, B, ctx, esfi, 0.0, bw)
+    slow_extra = m["pred_slow_step_s"] - m["pred_fast_step_s"] - m["dense_kv_bytes"] / bw
+    t_verify = (m["weights_bytes"] + m["dense_kv_bytes"]) / bw + slow * slow_extra
+    t_round = d * m["pred_fast_step_s"] + t_verify
+    e_tok = expected_tokens_per_round(args.accept_rate, d)
+    return dict(exact_draft_len=d, exact_accept_rate=args.accept_rate,
+                exact_tokens_per_s=tok_s, exact_round_s=statistics.median(times) / rounds,
+                exact_tokens_per_round=sum(emitted) / (B * sum(taken_rounds)),
+                exact_refresh_share=slow, pred_exact_round_s=t_round,
+                pred_exact_tokens_per_s=B * e_tok / t_round)
 
 
 class OutOfMemory(Exception):
@@ -419,6 +470,23 @@ def write_outputs(records, meta, out, notes=None):
             f"{_ms(r.get('repack_row_s'))} | "
             f"{r['dense_attention_share']:.2f} | "
             f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
+    ex = [r for r in records if "exact_tokens_per_s" in r]
+    if ex:
+        lines += ["", "Exact mode (SFI fast steps draft, one dense multi-query step verifies): "
+                  "acceptance drawn per draft token at the stated rate (random weights accept "
+                  "nothing useful); model = bytes model with i.i.d. acceptance.", "",
+                  "| model | ctx | batch | draft_len | accept rate | tokens/round | dense tok/s | "
+                  "exact tok/s | exact vs dense | model tok/s | model vs dense | round ms | "
+                  "model round ms | refresh share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ex:
+            lines.append(
+                f"| {r['model']} | {r['context']} | {r['batch']} | {r['exact_draft_len']} | "
+                f"{r['exact_accept_rate']:.2f} | {r['exact_tokens_per_round']:.2f} | "
+                f"{r['dense_tokens_per_s']:.0f} | {r['exact_tokens_per_s']:.0f} | "
+                f"{r['exact_speedup']:.2f}x | {r['pred_exact_tokens_per_s']:.0f} | "
+                f"{r['pred_exact_speedup']:.2f}x | {r['exact_round_s'] * 1e3:.2f} | "
+                f"{r['pred_exact_round_s'] * 1e3:.2f} | {r['exact_refresh_share']:.2f} |")
     if meta.get("out_of_memory"):
         lines += ["", "No row (out of memory at every batch tried): " + "; ".join(
             f"{o['model']} {o['context']} (batches {', '.join(map(str, o['batches']))})"
@@ -509,6 +577,12 @@ def main(argv=None):
     p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
                    help="an engine option (sfi_jax.EngineOptions field), e.g. "
                         "selector_topk=radix or repack=xla; repeat for several")
+    p.add_argument("--mode", choices=("sfi", "exact"), default="sfi",
+                   help="exact: also time exact mode (SFI drafts, dense verify)")
+    p.add_argument("--draft-len", type=int, default=3, help="exact mode's draft length")
+    p.add_argument("--accept-rate", type=float, default=0.85,
+                   help="exact mode: probability each draft token is accepted (random weights "
+                   "accept nothing useful; take it from benchmarks/acceptance.md)")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")
