@@ -114,6 +114,35 @@ def _compile_cache(args) -> None:
         enable_compilation_cache(directory)
 
 
+class _PrefillBar:
+    """A tqdm bar on stderr while a prompt prefills in more than one chunk (chunks done,
+    prompt tokens per second); `generate(progress=...)` calls it after each chunk."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.t0, self.tokens0 = enabled, None, None, 0
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        import time
+
+        if not self.enabled or total < 2:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prefill", unit="chunk", leave=False,
+                            file=sys.stderr)
+            self.t0, self.tokens0 = time.perf_counter(), tokens  # after the first chunk
+        self.bar.update(done - self.bar.n)
+        if done > 1:
+            rate = (tokens - self.tokens0) / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{rate:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _compile_cache(args)  # before anything is compiled
@@ -171,14 +200,17 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             printed[0] = text
 
+    bar = _PrefillBar(enabled=jax.process_index() == 0 and not args.json)
     try:
         result = sfi_jax.generate(
             model, prompts, max_new_tokens=args.max_new_tokens, mode=args.mode, sfi=sfi,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             stop_at_eos=args.stop_at_eos, tokenizer=tokenizer, chunk_steps=args.chunk_steps,
-            impl=args.impl, on_tokens=on_tokens)
+            impl=args.impl, on_tokens=on_tokens, progress=bar)
     except (ValueError, MemoryError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}")
+    finally:
+        bar.close()
     if jax.process_index() != 0:
         return 0
     s = result.stats
@@ -193,8 +225,10 @@ def main(argv=None) -> int:
     else:
         for i, text in enumerate(result.text):
             print(f"--- [{i}] {text}")
-    line = (f"[{args.mode}] prefill {s['prefill_s']:.2f} s | compile {s['decode_compile_s']:.1f} s | decode {s['decode_tokens']} tokens "
-            f"in {s['decode_s']:.2f} s = {s['decode_tokens_per_s']:.1f} tokens/s")
+    line = (f"[{args.mode}] prefill {s['prefill_s']:.2f} s | compile {s['compile_s']:.1f} s | "
+            f"decode {s['decode_tokens']} tokens in {s['decode_s']:.2f} s = "
+            f"{s['decode_tokens_per_s']:.1f} tokens/s | first token {s['ttft_s']:.2f} s "
+            f"({s['prefill_tokens_per_s']:.0f} prompt tokens/s)")
     if args.mode == "sfi":
         line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
     if args.mode == "exact":

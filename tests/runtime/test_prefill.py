@@ -264,3 +264,19 @@ def test_activation_estimate_grows_with_the_chunk():
     w = prefill.activation_bytes(c, 4, 8192, 131072, 2, window=16)
     assert w["prefill_selection_logits"] == 3 * 4 * 32 * 16 * 131072 * 4
     assert w["prefill_mlp"] == 4 * 8192 * c.intermediate_size * 10  # gate, up, product + an f32 result
+
+
+def test_cli_prefill_bar(capsys):
+    """The CLI's bar appears for a prefill of several chunks only, with a token rate."""
+    from sfi_jax.cli import _PrefillBar
+
+    one = _PrefillBar(enabled=True)
+    one(1, 1, 300)
+    assert one.bar is None
+    bar = _PrefillBar(enabled=True)
+    for done in (1, 2, 3):
+        bar(done, 3, 4096 * done)
+    assert bar.bar.n == 3
+    bar.close()
+    err = capsys.readouterr().err
+    assert "prefill" in err and "3/3" in err and "tokens/s" in err
