@@ -63,6 +63,7 @@ def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
     assert all(n >= 2 for n in s["slow_steps"]), s["slow_steps"]
 
 
+@pytest.mark.slow  # four compiles of a 30-layer model and 32 rows: minutes on a CPU
 def test_greedy_equals_dense_smollm2_budgets(smol_model, smol_tokenizer):
     """SmolLM2 real weights, 32 short prompts (ragged), budgets from one covering the context
     to a tiny one; one batched call per budget."""
