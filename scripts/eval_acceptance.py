@@ -63,14 +63,12 @@ def configs(args):
             out.append(("draft_len", "sfi", args.ref_retention,
                         dataclasses.replace(ref, draft_len=d)))
     if args.successor_radius:
-        for r in args.retention:
-            cfg = budget_config("sfi", r, args.context, args.t_max)
-            out.append(("successor_radius", "sfi", r, dataclasses.replace(
-                cfg, draft_len=args.draft_len, successor_radius=args.successor_radius)))
+        out.append(("successor_radius", "sfi", args.ref_retention, dataclasses.replace(
+            ref, draft_len=args.draft_len, successor_radius=args.successor_radius)))
     return out
 
 
-def run_context(model, tok, text, args, context, log):
+def run_context(model, tok, text, args, context, log, save):
     import sfi_jax
 
     args.context = context
@@ -81,6 +79,8 @@ def run_context(model, tok, text, args, context, log):
     kw = dict(max_new_tokens=args.new_tokens, stop_at_eos=False, tokenizer=tok)
     dense = sfi_jax.generate(model, prompts, mode="dense", **kw)
     rows = []
+    out = {"prompt_tokens": P, "new_tokens": args.new_tokens, "rows": len(prompts),
+           "results": rows}
     for sweep, pol, r, cfg in configs(args):
         t0 = time.perf_counter()
         res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, **kw)
@@ -102,8 +102,8 @@ def run_context(model, tok, text, args, context, log):
             f"succ={cfg.successor_radius}: accept {row['acceptance_rate']:.3f}, "
             f"len {row['mean_accepted_length']:.2f}, equal {same}/{len(prompts)} "
             f"({row['wall_s']:.0f}s)")
-    return {"prompt_tokens": P, "new_tokens": args.new_tokens, "rows": len(prompts),
-            "results": rows}
+        save(out)  # partial results survive an interruption
+    return out
 
 
 def speedup_model(a, d, cost_fast=3.7 / 29.3, cost_verify=1.0):
@@ -180,15 +180,19 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": _machine(), "model": "SmolLM2-135M-Instruct (embedded GGUF)",
         "dtype": "float32", "args": vars(args), "text": source.name}, "contexts": {}}
-    for ctx in args.contexts:
-        res["contexts"][str(ctx)] = run_context(model, tok, text, args, ctx, log)
-    res["meta"]["wall_s"] = time.perf_counter() - t_start
-    res["meta"]["args"] = {k: v for k, v in vars(args).items() if k != "context"}
     os.makedirs(args.out, exist_ok=True)
     name = "acceptance_smoke" if args.smoke else "acceptance"
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(res, f, indent=1)
-    write_markdown(res, os.path.join(args.out, name + ".md"))
+
+    def save(ctx_result):
+        res["contexts"][str(ctx)] = ctx_result
+        res["meta"]["wall_s"] = time.perf_counter() - t_start
+        res["meta"]["args"] = {k: v for k, v in vars(args).items() if k != "context"}
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump(res, f, indent=1)
+        write_markdown(res, os.path.join(args.out, name + ".md"))
+
+    for ctx in args.contexts:
+        save(run_context(model, tok, text, args, ctx, log, save))
     return res
 
 
