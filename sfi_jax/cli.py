@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --distributed with {jax.process_count()} processes needs "
                          f"--mesh DxM covering all {jax.device_count()} devices")
     if args.mesh:
-        from sfi_jax.runtime.sharding import make_mesh
+        from sfi_jax.models.sharding import make_mesh
 
         try:
             mesh = make_mesh(args.mesh)
