@@ -9,16 +9,13 @@ own platform runs in interpret mode, so both can be tested on a CPU.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from sfi_jax.kernels.common import interpret_for
+from sfi_jax.options import platform
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 MAX_QUERIES = 16
-
-
-def _platform():
-    p = jax.default_backend()
-    return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
 def resolve_impl(impl) -> str:
@@ -26,7 +23,7 @@ def resolve_impl(impl) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform(), "xla")
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform(), "xla")
     return impl
 
 
@@ -86,13 +83,9 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
 
         return gpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
                                       return_logits=return_logits,
-                                      interpret=_platform() != "gpu")
+                                      interpret=interpret_for("pallas_gpu"))
     from sfi_jax.kernels import multi_query_decode_tpu as tpu
 
-    interpret = None
-    if _platform() != "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        interpret = pltpu.InterpretParams()
     return tpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
-                                  return_logits=return_logits, interpret=interpret)
+                                  return_logits=return_logits,
+                                  interpret=interpret_for("pallas_tpu"))

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.backend import platform as _platform
+from sfi_jax.kernels.common import interpret_for
+from sfi_jax.options import platform
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
@@ -34,7 +35,7 @@ def resolve_impl(impl, q=None, k=None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        impl = {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(_platform(), "xla")
+        impl = {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform(), "xla")
         if impl == "cudnn" and q is not None:
             from sfi_jax.kernels import prefill_attention_cudnn
 
@@ -117,24 +118,17 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
     if impl == "cudnn":
         from sfi_jax.kernels import prefill_attention_cudnn
 
-        if _platform() != "gpu" or not prefill_attention_cudnn.supported(q, k):
+        if platform() != "gpu" or not prefill_attention_cudnn.supported(q, k):
             raise ValueError(f"impl='cudnn' needs a GPU and bfloat16/float16 inputs with head dim "
-                             f"<= 128 (got {_platform()}, {q.dtype}, D={q.shape[-1]})")
+                             f"<= 128 (got {platform()}, {q.dtype}, D={q.shape[-1]})")
         return prefill_attention_cudnn.prefill_attention(q, k, v, q_start, kv_len, layer)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import prefill_attention_gpu as mod
 
-        interpret = _platform() != "gpu"
     else:
         from sfi_jax.kernels import prefill_attention_tpu as mod
-
-        interpret = None
-        if _platform() != "tpu":
-            from jax.experimental.pallas import tpu as pltpu
-
-            interpret = pltpu.InterpretParams()
     return mod.prefill_attention(q, k, v, q_start, kv_len, layer, block_q=block_q,
-                                 block_k=block_k, interpret=interpret)
+                                 block_k=block_k, interpret=interpret_for(impl))
 
 
 def _stack(x, layer):

@@ -9,11 +9,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-from sfi_jax.backend import on_gpu
 from sfi_jax.models import gguf_loader
 from sfi_jax.models.config import PRESETS, ModelConfig
 from sfi_jax.models.modeling import Model, param_shapes, stack_layers
 from sfi_jax.models.params import params_from_getter, random_params, safetensors_getter
+from sfi_jax.options import on_gpu
 
 EMBEDDED_DEFAULT = "smollm2-135m"
 ORBAX_CONFIG = "sfi_jax_model_config.json"
