@@ -3,7 +3,7 @@
     python scripts/bench/bench_e2e.py --out benchmarks        # on the GPU (random bf16 weights)
     python scripts/bench/bench_e2e.py --smoke --out /tmp/e2e  # tiny config on CPU
 
-Both arms run the same jitted decode loop (`sfi_jax.runtime.engine.decode_chunk`) on random
+Both arms run the same jitted decode loop (`sfi_jax.runtime.decode.decode_chunk`) on random
 bf16 weights created on the device. The KV cache is filled with random values instead of a
 prefill (`--fill random`, the default, so 128K contexts fit the time budget). Random weights
 never emit punctuation, so the trigger is driven at a stated rate through teacher-forced
@@ -41,7 +41,7 @@ import sfi_jax  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
-from sfi_jax.runtime import engine, exact  # noqa: E402
+from sfi_jax.runtime import decode, exact  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
 from sfi_jax.options import EngineOptions  # noqa: E402
@@ -72,7 +72,7 @@ def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, tri
     slow shares). profile: a dict that receives the kernel breakdown of one more chunk (GPU)."""
     eos = jnp.zeros((cfg.vocab_size,), bool)
     kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, options=options)
-    fn = engine.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
+    fn = decode.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
                                    **kw).compile()
     times, slow = [], []
     for c in range(chunks + 1):
@@ -216,7 +216,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     eos = jnp.zeros((cfg.vocab_size,), bool)
     kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, options=options)
     all_trig = jnp.full((B, n), TRIGGER_ID, jnp.int32)
-    fn = engine.decode_chunk.lower(params, state, eos, trig, all_trig, **kw).compile()
+    fn = decode.decode_chunk.lower(params, state, eos, trig, all_trig, **kw).compile()
     state = state._replace(sfi=state.sfi._replace(pending=jnp.ones((B,), bool)))
     t = time.perf_counter()
     state, toks, *_ = fn(params, state, eos, trig, all_trig)

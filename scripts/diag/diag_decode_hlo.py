@@ -21,7 +21,7 @@ from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
 from sfi_jax.options import EngineOptions  # noqa: E402
-from sfi_jax.runtime import engine  # noqa: E402
+from sfi_jax.runtime import decode  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main(argv=None):
     for sfi in (None, SFIConfig()):
         st = make_state(cfg, B, S, a.ctx, sfi)
         forced = jnp.zeros((B, n), jnp.int32) + 200
-        fn = engine.decode_chunk.lower(params, st, eos, eos, forced, cfg=cfg, sfi=sfi,
+        fn = decode.decode_chunk.lower(params, st, eos, eos, forced, cfg=cfg, sfi=sfi,
                                        sampling=SamplingConfig(), n_steps=n,
                                        options=EngineOptions().resolved()).compile()
         txt = fn.as_text()

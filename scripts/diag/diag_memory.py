@@ -1,4 +1,4 @@
-"""Where a decode chunk's device memory goes: compile `engine.decode_chunk` from shapes alone
+"""Where a decode chunk's device memory goes: compile `runtime.decode.decode_chunk` from shapes
 (nothing allocated) for each (model, context, batch, arm) and print XLA's memory analysis
 (arguments, outputs, aliased, temporaries) beside the KV cache size, plus the largest
 temporary buffers of the buffer assignment. For finding why a row runs out of memory when
@@ -35,7 +35,7 @@ from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.modeling import fuse_qkv_weights, split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
 from sfi_jax.options import EngineOptions  # noqa: E402
-from sfi_jax.runtime import engine  # noqa: E402
+from sfi_jax.runtime import decode  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 
 GIB = 1 << 30
@@ -124,7 +124,7 @@ def main(argv=None):
         rec = dict(model=name, context=ctx, batch=B, arm=arm,
                    kv_cache_gib=cfg.kv_cache_bytes(B, S, 2) / GIB)
         try:
-            compiled = engine.decode_chunk.lower(params, state, vocab, vocab, forced,
+            compiled = decode.decode_chunk.lower(params, state, vocab, vocab, forced,
                                                  **kw).compile()
             m = compiled.memory_analysis()
             rec.update({k: getattr(m, k) / GIB for k in (

@@ -38,7 +38,7 @@ from sfi_jax.models.config import PRESETS  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.models.params import random_params  # noqa: E402
 from sfi_jax.options import EngineOptions  # noqa: E402
-from sfi_jax.runtime import engine  # noqa: E402
+from sfi_jax.runtime import decode  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.runtime.state import DecodeState  # noqa: E402
 selmod = importlib.import_module("sfi_jax.selector.select")
@@ -165,7 +165,7 @@ def main(argv=None):
         kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n,
                   options=EngineOptions(selector_topk=topk).resolved())
         t0 = time.perf_counter()
-        fn = engine.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
+        fn = decode.decode_chunk.lower(params, st, eos, trig, jnp.asarray(plain), **kw).compile()
         compile_s = time.perf_counter() - t0
         hlo = fn.as_text()  # once per program: the copy check and every schedule's sources
         copies = big_copies(hlo, shapes)
@@ -185,7 +185,7 @@ def main(argv=None):
     del st
     kw = dict(cfg=cfg, sfi=None, sampling=SamplingConfig(), n_steps=n,
               options=EngineOptions().resolved())
-    fn = engine.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
+    fn = decode.decode_chunk.lower(params, dst, eos, trig, jnp.asarray(plain), **kw).compile()
     _, step_ms, _, prof = time_and_profile(fn, params, dst, eos, trig, jnp.asarray(plain), n,
                                            a.top)
     runs.append({"arm": "dense", "schedule": "-", "step_ms": step_ms, "profile": prof})

@@ -47,7 +47,7 @@ def one(args):
     from sfi_jax.models.config import PRESETS
     from sfi_jax.models.modeling import split_layers
     from sfi_jax.models.params import random_params
-    from sfi_jax.runtime import engine
+    from sfi_jax.runtime import decode
     from sfi_jax.options import EngineOptions
     from sfi_jax.runtime.sampling import SamplingConfig
 
@@ -69,7 +69,7 @@ def one(args):
         forced = [jnp.asarray(forced_schedule(B, n, c * n, every, cfg.vocab_size))
                   for c in range(6)]
         t0 = time.perf_counter()
-        fn = engine.decode_chunk.lower(params, st, eos, trig, forced[0], cfg=cfg, sfi=sfi,
+        fn = decode.decode_chunk.lower(params, st, eos, trig, forced[0], cfg=cfg, sfi=sfi,
                                        sampling=SamplingConfig(), n_steps=n,
                                        options=options).compile()
         compile_s = time.perf_counter() - t0
