@@ -39,6 +39,13 @@ def _available_device_bytes(device) -> int | None:
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
+        try:  # MemAvailable counts the page cache the kernel can drop; MemFree does not
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
@@ -275,11 +282,12 @@ def _fit_memory(cfg, dtype, B, S, T, max_chunk, sfi, window, plan):
     state, work = sum(sizes.values()) / split, sum(act.values()) / split
     if state + work > avail:
         gib = 2 ** 30
-        raise MemoryError(f"KV cache + SFI state need {state / gib:.2f} GiB per device ({B} rows "
-                          f"x {S} positions, split {split} ways) and the prefill's activations "
-                          f"{work / gib:.2f} GiB more (chunks of {chunk} tokens), {(state + work) / gib:.2f} "
-                          f"GiB in all, but the device has {avail / gib:.2f} GiB free; reduce the "
-                          "batch, the prompt length or max_new_tokens" + _memory_fraction_hint(device))
+        raise MemoryError(
+            f"KV cache + SFI state need {state / gib:.2f} GiB per device ({B} rows x {S} "
+            f"positions, split {split} ways) and the prefill's activations {work / gib:.2f} GiB "
+            f"more (chunks of {chunk} tokens), {(state + work) / gib:.2f} GiB in all, but the "
+            f"device has {avail / gib:.2f} GiB free; reduce the batch, the prompt length or "
+            "max_new_tokens" + _memory_fraction_hint(device))
     return sizes, chunk
 
 

@@ -63,7 +63,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, chunk: int, max_len: int, dty
     out = {
         "prefill_hidden": n * cfg.hidden_size * (3 * db + 4),
         "prefill_qkv": n * (hq + 2 * hkv) * d * (db + 4) + n * hkv * 4,
-        "prefill_attention": n * hq * d * (db + 4) + batch * hq * XLA_BLOCK_Q * XLA_BLOCK_K * 12,
+        "prefill_attention": n * hq * d * (db + 4) + batch * hq * min(chunk, XLA_BLOCK_Q)
+        * min(max_len, XLA_BLOCK_K) * 12,  # the blockwise path's f32 scores of a block
         "prefill_logits": batch * cfg.vocab_size * 4,
     }
     if cfg.is_moe:
