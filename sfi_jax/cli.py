@@ -39,8 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas_gpu", "pallas_tpu"),
-                   help="attention kernels")
+    p.add_argument("--impl", default=None, choices=("auto", "xla", "pallas_gpu", "pallas_tpu"),
+                   help="attention kernels (a shortcut for --opt attention=IMPL)")
+    p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an engine option (a field of sfi_jax.EngineOptions, e.g. moe=xla or "
+                        "layer_unroll=all); repeat the flag for several")
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="keep generating after the end-of-sequence token")
     p.add_argument("--chunk-steps", type=int, default=32,
@@ -143,8 +146,22 @@ class _PrefillBar:
             self.bar = None
 
 
+def engine_options(parser, args):
+    """The `EngineOptions` of --impl and the --opt flags (a later flag wins); a bad one is the
+    parser's error."""
+    from sfi_jax.options import EngineOptions
+
+    items = ([f"attention={args.impl}"] if args.impl else []) + list(args.opt)
+    try:
+        return EngineOptions.from_strings(items)
+    except ValueError as e:
+        parser.error(f"--opt: {e}")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = engine_options(parser, args)
     _compile_cache(args)  # before anything is compiled
     if args.distributed:
         import jax
@@ -206,7 +223,7 @@ def main(argv=None) -> int:
             model, prompts, max_new_tokens=args.max_new_tokens, mode=args.mode, sfi=sfi,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             stop_at_eos=args.stop_at_eos, tokenizer=tokenizer, chunk_steps=args.chunk_steps,
-            impl=args.impl, on_tokens=on_tokens, progress=bar)
+            options=options, on_tokens=on_tokens, progress=bar)
     except (ValueError, MemoryError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}")
     finally:

@@ -1,5 +1,5 @@
-"""The quickstart on a machine without torch, the CLI's compilation cache flags, and the CLI's
-errors for a missing model package or a corrupt GGUF file."""
+"""The quickstart on a machine without torch, the CLI's compilation cache and --opt flags, and
+the CLI's errors for a missing model package or a corrupt GGUF file."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_quickstart_runs_without_torch(tmp_path):
 
         tok = sfi_jax.load_tokenizer("smollm2-135m")
         assert tok("Hello world")["input_ids"] == [19556, 905], tok("Hello world")
-        rc = main(["--max-new-tokens", "4", "--mode", "dense",
+        rc = main(["--max-new-tokens", "4", "--mode", "dense", "--opt", "moe=xla",
                    "--compile-cache", {str(jax_cache)!r}])
         loaded = [m for m, v in sys.modules.items() if m.split(".")[0] == "torch" and v]
         print("TORCH_MODULES", loaded)
@@ -87,3 +87,34 @@ def test_compile_cache_flags(monkeypatch, tmp_path):
     for off in ("off", "", "0"):
         monkeypatch.setenv("SFI_JAX_CACHE_DIR", off)
         assert cache.cache_root() is None and cache.default_compilation_cache_dir() is None
+
+
+def test_opt_flags_reach_generate(tiny_qwen3, monkeypatch):
+    """--impl and repeated --opt become one EngineOptions passed to generate (a later flag
+    wins over --impl)."""
+    import sfi_jax
+    from sfi_jax import EngineOptions
+
+    seen = {}
+
+    def fake_generate(model, prompts, **kw):
+        seen.update(kw)
+        raise ValueError("stopped before decoding")
+
+    monkeypatch.setattr(sfi_jax, "generate", fake_generate)
+    with pytest.raises(SystemExit, match="stopped before decoding"):
+        main(["--model", tiny_qwen3.dir, "--tokenizer", "smollm2-135m", "--no-compile-cache",
+              "--impl", "pallas_gpu", "--opt", "moe=xla", "--opt", "layer_unroll=all",
+              "--opt", "attention=xla"])
+    assert seen["options"] == EngineOptions(attention="xla", moe="xla", layer_unroll="all")
+    assert "impl" not in seen
+
+
+@pytest.mark.parametrize("flag, named", [("moe=fast", "moe='fast'"), ("speed=1", "speed=1"),
+                                         ("layer_unroll=0", "layer_unroll=0")])
+def test_bad_opt_is_a_usage_error(flag, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--opt", flag, "--no-compile-cache"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--opt" in err and named in err
