@@ -48,7 +48,8 @@ class EngineOptions:
     attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "pallas_tpu"
         (Mosaic); a Pallas kernel off its platform runs in interpret mode.
     prefill_attention: prefill attention (`kernels.prefill_attention`): "cudnn" (cuDNN's fused
-        attention; half precision and head dim <= 128, other inputs take "pallas_gpu"),
+        attention; half precision and head dim <= 128, other inputs and other platforms take
+        "pallas_gpu"),
         "pallas_gpu" (Triton), "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
     selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by

@@ -219,10 +219,6 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
                          "single device only; use evidence_window=1 on a mesh")
     window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
-    if options.prefill_attention == "cudnn" and plan is None and \
-            jax.default_backend() not in ("gpu", "cuda", "rocm"):
-        raise ValueError(f"EngineOptions.prefill_attention='cudnn' needs a GPU (this is "
-                         f"{jax.default_backend()}); use 'auto', 'xla' or a Pallas kernel")
     sizes, chunk = _fit_memory(cfg, model.dtype, B, S, T, max_chunk, sfi, window, plan)
     if forced_tokens is not None:
         forced_tokens = np.asarray(forced_tokens, np.int32)

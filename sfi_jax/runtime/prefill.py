@@ -23,7 +23,7 @@ from sfi_jax.kernels.prefill_attention_cudnn import supported as cudnn_supported
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, \
     output_logits, run_layers
-from sfi_jax.options import EngineOptions
+from sfi_jax.options import EngineOptions, platform
 from sfi_jax.runtime import mesh, programs
 
 MAX_CHUNK = 8192  # tokens per prefill chunk (default)
@@ -96,14 +96,15 @@ def empty_carry(cfg: ModelConfig, batch: int, window: int, dtype) -> PrefillCarr
 
 def attention_impl(options: EngineOptions, plan, dtype, head_dim: int) -> str:
     """The prefill attention implementation a chunk uses: the resolved option, except "cudnn"
-    for inputs cuDNN does not take (then the Triton kernel) and "xla" on a mesh (the
-    blockwise jnp path partitions under GSPMD; the kernels are not wrapped in shard_map)."""
+    for inputs cuDNN does not take or off a GPU (then the Triton kernel, in interpret mode off
+    a GPU, as the GPU defaults are tested on a CPU) and "xla" on a mesh (the blockwise jnp
+    path partitions under GSPMD; the kernels are not wrapped in shard_map)."""
     impl = options.prefill_attention
     if plan is not None:
         return "xla"
     if impl == "cudnn":
         probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
-        if not cudnn_supported(probe, probe):
+        if platform() != "gpu" or not cudnn_supported(probe, probe):
             return "pallas_gpu"
     return impl
 

@@ -41,6 +41,20 @@ def gqa_models(tmp_path_factory):
     return out
 
 
+def test_prefill_attention_choice():
+    """"cudnn" where cuDNN takes the inputs, else the Triton kernel; "xla" on a mesh."""
+    gpu = EngineOptions().resolved(platform="gpu")
+    assert gpu.prefill_attention == "cudnn"
+    assert EngineOptions().resolved(platform="tpu").prefill_attention == "pallas_tpu"
+    assert EngineOptions().resolved(platform="cpu").prefill_attention == "xla"
+    on_gpu = jax.default_backend() == "gpu"
+    assert prefill.attention_impl(gpu, None, jnp.bfloat16, 128) == \
+        ("cudnn" if on_gpu else "pallas_gpu")
+    assert prefill.attention_impl(gpu, None, jnp.float32, 128) == "pallas_gpu"
+    assert prefill.attention_impl(gpu, None, jnp.bfloat16, 256) == "pallas_gpu"
+    assert prefill.attention_impl(gpu, object(), jnp.bfloat16, 128) == "xla"
+
+
 def test_buckets():
     assert [prefill.bucket(n) for n in (1, 256, 257, 8191, 8192, 8193, 20000)] == \
         [256, 256, 512, 8192, 8192, 16384, 24576]
@@ -236,9 +250,6 @@ def test_bad_prefill_input(tiny_qwen3, monkeypatch):
     model = tiny_qwen3.model
     with pytest.raises(ValueError, match=r"prefill_chunk=100.*power of two"):
         sfi_jax.generate(model, [[1, 2, 3]], max_new_tokens=2, prefill_chunk=100)
-    with pytest.raises(ValueError, match=r"prefill_attention='cudnn' needs a GPU"):
-        sfi_jax.generate(model, [[1, 2, 3]], max_new_tokens=2,
-                         options=EngineOptions(prefill_attention="cudnn"))
     with pytest.raises(ValueError, match="prefill_attention='flash'"):
         EngineOptions(prefill_attention="flash")
     with pytest.raises(ValueError, match=r"max_len 20 .* 23"):
