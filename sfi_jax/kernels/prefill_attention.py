@@ -2,9 +2,9 @@
 
 `prefill_attention` checks shapes and picks an implementation: "cudnn" (cuDNN's fused
 attention, two calls merged by their log-sum-exp; GPU, half precision), "pallas_gpu"
-(Triton-lowered flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp below) or "auto"
-(the current platform's fastest: "cudnn" on GPU where it applies, else "pallas_gpu";
-"pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off its platform
+(Triton-lowered flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp
+below) or "auto" (the current platform's fastest: "cudnn" on GPU where it applies, else
+"pallas_gpu"; "pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off its platform
 runs in interpret mode, so every implementation can be tested on a CPU.
 
 All of them walk key blocks only up to the causal edge of a query block and the filled

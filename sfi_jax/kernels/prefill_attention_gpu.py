@@ -39,7 +39,7 @@ class Config:
     num_stages: int = 3
 
 
-# Starting points for Hopper (tune with scripts/bench_prefill_kernel.py).
+# Starting points for Hopper (tune with scripts/bench/bench_prefill_kernel.py).
 DEFAULT = {64: Config(rows=128, block_k=64, num_warps=4, num_stages=3),
            128: Config(rows=128, block_k=64, num_warps=8, num_stages=3)}
 

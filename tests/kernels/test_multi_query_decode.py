@@ -279,13 +279,13 @@ def test_tpu_kernel_lowers_for_tpu(shape):
 
 
 def test_bench_script_smoke(tmp_path):
-    """scripts/bench_multi_query_kernel.py --smoke: tiny shapes on the CPU, checked against
+    """scripts/bench/bench_multi_query_kernel.py --smoke: tiny shapes on the CPU, checked against
     the reference by the script itself (it exits non-zero when a case is off)."""
     import importlib.util
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).parents[2] / "scripts" / "bench_multi_query_kernel.py"
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "bench" / "bench_multi_query_kernel.py"
     spec = importlib.util.spec_from_file_location("bench_multi_query_kernel", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -170,9 +170,9 @@ def test_gpu_kernel_exports_for_cuda(shape, monkeypatch):
 
 
 def test_bench_script_smoke(tmp_path):
-    """scripts/bench_prefill_kernel.py --smoke runs tiny shapes on the xla path, checks them
+    """scripts/bench/bench_prefill_kernel.py --smoke runs tiny shapes on the xla path, checks them
     against the reference and writes its JSON."""
-    path = os.path.join(ROOT, "scripts", "bench_prefill_kernel.py")
+    path = os.path.join(ROOT, "scripts", "bench", "bench_prefill_kernel.py")
     spec = importlib.util.spec_from_file_location("bench_prefill_kernel", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -183,7 +183,7 @@ def test_bench_script_smoke(tmp_path):
 
 
 def test_cudnn_impl_needs_a_gpu():
-    """The cuDNN path is GPU-only (checked on the GPU by scripts/bench_prefill_kernel.py):
+    """The cuDNN path is GPU-only (checked on the GPU by scripts/bench/bench_prefill_kernel.py):
     asking for it elsewhere is a clear error, and "auto" never picks it off a GPU."""
     mod = importlib.import_module("sfi_jax.kernels.prefill_attention")
 

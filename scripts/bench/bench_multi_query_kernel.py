@@ -17,29 +17,33 @@ on every case.
 
 --smoke: tiny shapes on the CPU (the Pallas GPU kernel in interpret mode; no cuDNN).
 
-  python scripts/bench_multi_query_kernel.py --out benchmarks/multi_query_kernel.json
-  python scripts/bench_multi_query_kernel.py --sweep --batches 6 --contexts 131072 \
+  python scripts/bench/bench_multi_query_kernel.py --out benchmarks/multi_query_kernel.json
+  python scripts/bench/bench_multi_query_kernel.py --sweep --batches 6 --contexts 131072 \
       --out /tmp/mq_sweep.json
-  python scripts/bench_multi_query_kernel.py --smoke --out /tmp/mq_smoke.json
+  python scripts/bench/bench_multi_query_kernel.py --smoke --out /tmp/mq_smoke.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (also puts this checkout's package on the path)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from sfi_jax.kernels import dense_decode
-from sfi_jax.kernels import multi_query_decode_gpu as mq_gpu
-from sfi_jax.kernels.multi_query_decode_reference import multi_query_decode as reference
+from sfi_jax.kernels import dense_decode  # noqa: E402
+from sfi_jax.kernels import multi_query_decode_gpu as mq_gpu  # noqa: E402
+from sfi_jax.kernels.multi_query_decode_reference import (  # noqa: E402
+    multi_query_decode as reference)
 
 HQ, HKV, D = 32, 8, 128
 # block_k:num_warps:num_stages:programs per SM, tried by --sweep

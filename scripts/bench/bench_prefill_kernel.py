@@ -11,26 +11,27 @@ causal FLOPs: 4 * B * Hq * D * (query-key pairs that attend).
 
 --smoke: tiny shapes on the CPU through the xla path, checked against the dense reference.
 
-  python scripts/bench_prefill_kernel.py --out benchmarks/prefill_kernel.json
-  python scripts/bench_prefill_kernel.py --smoke --out /tmp/prefill_kernel.json
+  python scripts/bench/bench_prefill_kernel.py --out benchmarks/prefill_kernel.json
+  python scripts/bench/bench_prefill_kernel.py --smoke --out /tmp/prefill_kernel.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (also puts this checkout's package on the path)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from sfi_jax.kernels import prefill_attention_gpu
-from sfi_jax.kernels.prefill_attention import prefill_attention
-from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
+from sfi_jax.kernels import prefill_attention_gpu  # noqa: E402
+from sfi_jax.kernels.prefill_attention import prefill_attention  # noqa: E402
+from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference  # noqa: E402
 
 
 def causal_pairs(t, offset):
@@ -57,16 +58,7 @@ class Results:
 
 def time_fn(fn, args, reps, repeats=3):
     """Median seconds per call of `reps` back-to-back calls (after a warm-up)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return _common.timeit(fn, *args, iters=reps, repeats=repeats) / 1e6
 
 
 def rel_err(a, b):
@@ -277,7 +269,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.smoke and jax.default_backend() not in ("gpu", "cuda"):
         sys.exit(f"no GPU (backend {jax.default_backend()!r}); use --smoke on a CPU")
-    meta = dict(command=" ".join(["python", "scripts/bench_prefill_kernel.py", *argv]),
+    meta = dict(command=" ".join(["python", "scripts/bench/bench_prefill_kernel.py", *argv]),
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 python=platform.python_version(), smoke=args.smoke,
                 shapes="smoke: Hq 4 Hkv 2 D 16 f32 B 2" if args.smoke else
