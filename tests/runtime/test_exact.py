@@ -129,20 +129,25 @@ def test_sampling_transform_is_the_dense_one():
 
 
 def test_sampled_tokens_follow_dense_distribution(tiny_qwen3):
-    """Temperature 0.7 with top-p 0.9: the first two verified tokens of 3000 rows against the
-    dense joint distribution of (token 1, token 2) computed by forward passes (chi-square)."""
+    """Temperature 0.7 with top-p 0.9: the first verified token (the second new one) of 2000
+    rows against its dense distribution, summed over the first token from forward passes
+    (chi-square)."""
     import jax
 
     model = tiny_qwen3.model
     prompt = _prompts([24], seed=11)[0]
-    n = 3000
+    n = 2000
     samp = SamplingConfig(temperature=0.7, top_p=0.9)
     cfg = sfi_jax.SFIConfig(n_sink=1, k_select=2, n_recent=2, draft_len=2, refresh_rows=1,
                             policy="tmax")
-    ex = sfi_jax.generate(model, [prompt] * n, mode="exact", sfi=cfg, max_new_tokens=3,
-                          temperature=0.7, top_p=0.9, stop_at_eos=False, seed=5)
-    toks = np.array([t[:3] for t in ex.tokens])
-    assert sum(ex.stats["rejected"]) > 0.05 * n, ex.stats["rejected"][:10]
+    toks, rejected = [], 0
+    for seed in range(n // 100):  # batches of 100 rows keep the prefill's memory small
+        ex = sfi_jax.generate(model, [prompt] * 100, mode="exact", sfi=cfg, max_new_tokens=3,
+                              temperature=0.7, top_p=0.9, stop_at_eos=False, seed=seed)
+        toks += [t[:3] for t in ex.tokens]
+        rejected += sum(ex.stats["rejected"])
+    toks = np.array(toks)
+    assert rejected > 0.05 * n, rejected  # the rejection path is exercised
 
     def probs(logits):
         return np.asarray(jax.nn.softmax(sampling_logits(jax.numpy.asarray(logits), samp), -1),
@@ -152,17 +157,16 @@ def test_sampled_tokens_follow_dense_distribution(tiny_qwen3):
     firsts = np.nonzero(p1)[0]
     seq = np.array([prompt + [int(a)] for a in firsts])
     p2 = probs(np.asarray(sfi_jax.forward(model, seq))[:, -1])  # [len(firsts), V]
-    # token 2 given token 1 (the first verified token: accepted draft or resampled)
-    joint = p1[firsts, None] * p2
-    counts = np.zeros_like(joint)
-    idx = {int(a): i for i, a in enumerate(firsts)}
-    for a, b in toks[:, :2]:
-        counts[idx[int(a)], b] += 1
-    exp = n * joint
+    # the marginal of token 2 (the first verified one: an accepted draft or a resampled token)
+    p_tok2 = (p1[firsts, None] * p2).sum(axis=0)
+    counts = np.bincount(toks[:, 1], minlength=p_tok2.shape[0]).astype(np.float64)
+    exp = n * p_tok2
     assert counts[exp == 0].sum() == 0
     big = exp >= 5  # pool the small cells into one
-    obs = np.append(counts[big], counts[~big].sum())
-    ex_ = np.append(exp[big], exp[~big].sum())
+    obs, ex_ = counts[big], exp[big]
+    if exp[~big].sum() > 0:
+        obs, ex_ = np.append(obs, counts[~big].sum()), np.append(ex_, exp[~big].sum())
+    assert big.sum() >= 20, big.sum()
     chi2 = float(np.sum((obs - ex_) ** 2 / ex_))
     dof = len(obs) - 1
     assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
