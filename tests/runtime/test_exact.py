@@ -90,29 +90,37 @@ def test_greedy_equals_dense_smollm2_budgets(smol_model, smol_tokenizer):
     assert rates[1] < rates[64], rates
 
 
-def test_forced_reject_and_accept_step_counts(tiny_qwen3):
-    """accept_rate=0 rejects every draft: one token per verify step, still dense's tokens; a
-    budget covering the context accepts every draft: draft_len + 1 tokens per verify."""
-    model, prompts = tiny_qwen3.model, _prompts([30, 45], seed=4)
-    NEW = 12
-    kw = dict(max_new_tokens=NEW, stop_at_eos=False, trigger_ids=[])
-    k = 3
-    small = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k)
-    rej = sfi_jax.generate(model, prompts, mode="exact", sfi=small, accept_rate=0.0, **kw)
-    assert _same_as_dense(model, rej, prompts, "all-reject", **kw) == 0
-    s = rej.stats
-    assert s["verify_steps"] == [NEW - 1] * 2 and s["accepted"] == [0, 0]
-    # each round drafts min(k, tokens left - 1)
-    assert s["drafted"] == [sum(min(k, NEW - 1 - r - 1) for r in range(NEW - 1))] * 2
+FORCED_NEW, FORCED_K = 12, 3
 
-    full = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k)
-    acc = sfi_jax.generate(model, prompts, mode="exact", sfi=full, **kw)
-    assert acc.tokens == rej.tokens
-    s = acc.stats
-    rounds = -(-(NEW - 1) // (k + 1))
+
+def _forced_run(tiny_qwen3, cfg, **extra):
+    model, prompts = tiny_qwen3.model, _prompts([30, 45], seed=4)
+    kw = dict(max_new_tokens=FORCED_NEW, stop_at_eos=False, trigger_ids=[])
+    res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, **extra, **kw)
+    assert _same_as_dense(model, res, prompts, "forced", **kw) == 0
+    _check_counts(res.stats, res.tokens)
+    return res.stats
+
+
+def test_forced_reject_step_counts(tiny_qwen3):
+    """accept_rate=0 rejects every draft: one token per verify step, still dense's tokens."""
+    n, k = FORCED_NEW, FORCED_K
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k)
+    s = _forced_run(tiny_qwen3, cfg, accept_rate=0.0)
+    assert s["verify_steps"] == [n - 1] * 2 and s["accepted"] == [0, 0]
+    # each round drafts min(k, tokens left - 1)
+    assert s["drafted"] == [sum(min(k, n - 1 - r - 1) for r in range(n - 1))] * 2
+
+
+def test_forced_accept_step_counts(tiny_qwen3):
+    """A budget covering the context accepts every draft: draft_len + 1 tokens per verify."""
+    n, k = FORCED_NEW, FORCED_K
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k)
+    s = _forced_run(tiny_qwen3, cfg)
+    rounds = -(-(n - 1) // (k + 1))
     assert s["verify_steps"] == [rounds] * 2 and s["rejected"] == [0, 0]
-    assert s["accepted"] == [NEW - 1 - rounds] * 2 and s["acceptance_rate"] == [1.0, 1.0]
-    assert s["mean_accepted_length"] == [(NEW - 1 - rounds) / rounds] * 2
+    assert s["accepted"] == [n - 1 - rounds] * 2 and s["acceptance_rate"] == [1.0, 1.0]
+    assert s["mean_accepted_length"] == [(n - 1 - rounds) / rounds] * 2
 
 
 def test_sampling_transform_is_the_dense_one():
