@@ -38,7 +38,8 @@ if "sfi_jax" not in sys.modules:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from sfi_jax.kernels import gpu, reference  # noqa: E402
+from sfi_jax.kernels import attention_gpu as gpu  # noqa: E402
+from sfi_jax.kernels import attention_reference as reference  # noqa: E402
 
 RETENTION = [1.5625, 6.25, 12.5, 25.0, 37.5, 50.0, 75.0, 98.4375, 100.0]
 UPSTREAM = {1.5625: 10.67, 6.25: 9.56, 12.5: 7.15, 25.0: 3.96, 37.5: 2.75, 50.0: 2.10,

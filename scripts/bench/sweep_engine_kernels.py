@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from sfi_jax.kernels import gpu  # noqa: E402
+from sfi_jax.kernels import attention_gpu as gpu  # noqa: E402
 
 HQ, HKV, D, C_SIZE, WINDOW = 32, 8, 128, 2052, 257
 DENSE_GRID = list(itertools.product((64, 128), (4, 8), (2, 3), (0.5, 1, 2, 4)))
