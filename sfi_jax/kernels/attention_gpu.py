@@ -41,8 +41,8 @@ class Config:
     per_row: bool = False  # programs aimed for per query row instead of per call
 
 
-# Chosen by the sweep in scripts/bench_kernels.py on an H200 (benchmarks/kernels.json);
-# neighbouring configurations were within a few percent.
+# Chosen by the sweep of scripts/bench/bench_kernels.py; neighbouring configurations were
+# within a few percent.
 DENSE = Config(block_k=128, num_warps=8, num_stages=2, programs=8 * _NUM_SMS)
 DENSE_LOGITS = Config(block_k=128, num_warps=4, num_stages=2, programs=16 * _NUM_SMS)
 # The engine's refresh call (logits written in place): its slots are mostly empty, and an
@@ -303,8 +303,7 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
                                n_out=n_out, into=into, all_valid=all_valid)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
-    # the refreshed rows of a slow step: 128 splits at 128K) need more warps (17 us -> see
-    # benchmarks/diag_slow_step.json)
+    # the refreshed rows of a slow step: 128 splits at 128K) need more warps
     warps = 1 if nsp * dp <= 4096 else 4
     args = [out_rows.astype(jnp.int32), o, m, l, out_into] if into else [o, m, l]
     if not all_valid:

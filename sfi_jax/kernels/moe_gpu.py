@@ -26,10 +26,10 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
-BLOCK_N = 64  # the smallest weight tile (columns x inner dim); scripts/diag_moe_kernel.py sweeps them
-BLOCK_K = 64
-# Tiles the models use, fastest first: 128 x 64 measured fastest for both layouts at
-# Qwen3-30B-A3B's expert shapes on an H200 (benchmarks/moe_kernel_diag.json).
+BLOCK_N = 64  # the smallest weight tile (columns x inner dim); scripts/diag/diag_moe_kernel.py
+BLOCK_K = 64  # sweeps them
+# Tiles the models use, fastest first (128 x 64 for both layouts at Qwen3-30B-A3B's expert
+# shapes: docs/findings.md).
 TILES = ((128, 64), (BLOCK_N, BLOCK_K))
 
 

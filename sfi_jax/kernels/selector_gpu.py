@@ -216,7 +216,7 @@ def base_scores(logits, key_norms, lo, hi, slot, row, *, cfg, interpret=False, p
     `row`); lo, hi int32 [N], already clipped to [0, S]. cfg: an SFIConfig. pad > 0 (a power
     of two): z comes as [N, H, S + 2 pad] with -inf pads on both sides (`adjust_scores`' input).
     num_warps, tile (logits per block), chunk_blocks (blocks per program): tuning knobs
-    (scripts/bench_selector_kernels.py times a few).
+    (scripts/bench/bench_selector_kernels.py times a few).
     """
     n_sets, _, hkv, r, s_len = logits.shape
     if key_norms.shape[0] != n_sets or key_norms.shape[2:] != (hkv, s_len):
@@ -319,8 +319,8 @@ def adjust_pad(cfg) -> int:
 def adjust_scores(z_padded, lo, hi, *, cfg, interpret=False, block=512, num_warps=4):
     """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6), all KV heads local, in
     one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(cfg))` -> [N, H, S].
-    block (positions per program, a power of two) and num_warps: tuning knobs (512 and 4 the
-    fastest of scripts/bench_selector_kernels.py's on the H200)."""
+    block (positions per program, a power of two) and num_warps: tuning knobs (the defaults
+    the fastest that scripts/bench/bench_selector_kernels.py found)."""
     if not adjust_supported(cfg):
         raise ValueError(f"nms_radius {cfg.nms_radius} > {ADJUST_MAX_RADIUS}: use the jnp steps")
     radius = adjust_pad(cfg)

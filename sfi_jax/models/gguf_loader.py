@@ -54,7 +54,7 @@ def embedded_gguf_path() -> str:
 def _plain_reader():
     """`gguf.GGUFReader` over a plain ndarray view of its memory map: the reader slices the
     map once per metadata string, and each `np.memmap` slice costs far more than an ndarray
-    one (a 49K-token vocabulary parses 3-4x faster)."""
+    one."""
     import gguf
 
     class Reader(gguf.GGUFReader):

@@ -2,8 +2,8 @@
 
 Layer weights come in one of two layouts: stacked along a leading layer axis (the layers run
 under `lax.scan`, compile time does not grow with depth) or split, one dict per layer (a Python
-loop: no per-layer slice of stacked weights, which XLA on GPU copies at every step: 3.6 ms of a
-9.4 ms Qwen3-4B decode step on the H200). `run_layers` runs either.
+loop: no per-layer slice of stacked weights, which XLA on GPU copies at every step). `run_layers`
+runs either.
 
 The layer is split in two halves around attention
 (`attention_inputs` and `attention_output_and_mlp`) so the runtime can put its own KV cache
@@ -133,11 +133,10 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
 
     via_host (None: when every weight sits whole on one device): each stacked tensor goes to
     host memory and is freed before its layers' parts come back, so they fill the space it
-    left. Split on the device instead, each freed tensor leaves a hole between the parts, and
-    on the H200 a 30 GiB KV cache beside Qwen3-30B-A3B's weights found no contiguous space;
-    through host memory it fits (largest free block 74.5 against 56.9 GiB,
-    benchmarks/diag_memory_30b_split.json). It costs one host round trip of the layer weights
-    at load. A mesh's sharded weights split on the devices."""
+    left. Split on the device instead, each freed tensor leaves a hole between the parts, and a
+    large KV cache allocated next may find no contiguous space beside the weights
+    (docs/findings.md). It costs one host round trip of the layer weights at load. A mesh's
+    sharded weights split on the devices."""
     if via_host is None:
         via_host = all(isinstance(a, jax.Array) and a.is_fully_addressable
                        and len(a.devices()) == 1 for a in stacked.values())

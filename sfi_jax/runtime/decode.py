@@ -147,7 +147,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
     # count (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA
-    # copy buffers at every step (10x slower fast steps on the H200).
+    # copy buffers at every step (docs/findings.md).
     if qh is not None:  # evidence_window > 1: remember this step's query
         qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
 
@@ -288,9 +288,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         deferred = sfi is not None and sfi.refreshes
         if deferred:  # dense rows read no compact buffer (see `_attend`); no layer writes c_len
             c_len = st.c_len
-            # the barrier materialises the mask once: the profile showed XLA re-running this
-            # fusion once per layer (36 launches, 47 us per step at qwen3-4b 128K on the H200);
-            # end to end within noise (benchmarks/e2e_ab_adjust_kernel_barrier.json)
+            # the barrier materialises the mask once: without it XLA re-runs this fusion once
+            # per layer (docs/findings.md)
             st = st._replace(c_len=jax.lax.optimization_barrier(
                 jnp.where(dense_rows[None, :, None], 0, c_len)))
 

@@ -92,7 +92,7 @@ def _prefilter_plan(size: int, k: int):
     """(stride, sample rank, candidate cap) for the sampled pre-filter, or None when the rows are
     too short for it to pay (the candidates would be a large share of the row)."""
     cap = 2 * k + 1024
-    # H200, k 2048, 36 layers x 8 heads: 128K 3.7 -> 2.2 ms per selection, 32K 0.90 -> 1.03
+    # below 8 caps per row the pre-filter no longer pays (docs/findings.md)
     if size < 8 * cap or k < 64:
         return None
     stride = max(1, size // PREFILTER_SAMPLE)
@@ -182,8 +182,7 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None 
     "radix" is "threshold" with no sort left: the sample's threshold and the candidates' k-th
     largest come from the radix search too. "radix_kernel" is "radix" with each radix search
     in one Triton-lowered Pallas kernel (interpret mode off the GPU; radix_bits 1, 2 or 4).
-    radix_bits: bits fixed per radix round (None: 2 for "radix_kernel", the fastest on the
-    H200 at 32K, else 4).
+    radix_bits: bits fixed per radix round (None: 2 for "radix_kernel", its fastest, else 4).
     Ties go to the lowest positions in every path. All return the same set.
     """
     impl = resolve("selector_topk", impl)
