@@ -580,7 +580,7 @@ def main(argv=None):
     p.add_argument("--mode", choices=("sfi", "exact"), default="sfi",
                    help="exact: also time exact mode (SFI drafts, dense verify)")
     p.add_argument("--draft-len", type=int, default=3, help="exact mode's draft length")
-    p.add_argument("--accept-rate", type=float, default=0.85,
+    p.add_argument("--accept-rate", type=float, default=0.78,
                    help="exact mode: probability each draft token is accepted (random weights "
                    "accept nothing useful; take it from benchmarks/acceptance.md)")
     p.add_argument("--out", default="benchmarks")
