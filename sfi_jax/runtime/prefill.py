@@ -110,10 +110,11 @@ def attention_impl(options: EngineOptions, plan, dtype, head_dim: int) -> str:
 
 
 def _write_rows(cache, layer, new, start):
-    """cache [L, B, Hkv, S, D] <- new [B, T, Hkv, D] at positions start[b] + t (in place)."""
-    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, D]
-    upd = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=1))
-    return cache.at[layer].set(upd(cache[layer], new, start))
+    """cache [L, B, Hkv, S, ...] <- new [B, T, Hkv, ...] at positions start + t of every row:
+    one in-place update of the chunk's slab (no copy of the layer)."""
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)[None]  # [1, B, Hkv, T, ...]
+    at = (layer, 0, 0, start) + (0,) * (cache.ndim - 4)
+    return jax.lax.dynamic_update_slice(cache, new, at)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "with_norms", "impl", "plan"),
@@ -134,12 +135,10 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
         x, k, v, kn, wq = c
         w, l = xs
         q, kk, vv = attention_inputs(w, cfg, x, pos)
-        k = _write_rows(k, l, kk, starts)
-        v = _write_rows(v, l, vv, starts)
+        k = _write_rows(k, l, kk, start)
+        v = _write_rows(v, l, vv, start)
         if with_norms:
-            norms = jnp.linalg.norm(kk.astype(jnp.float32), axis=-1)  # [B, C, Hkv]
-            kn = kn.at[l].set(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(
-                c, n, s, axis=1))(kn[l], jnp.swapaxes(norms, 1, 2), starts))
+            kn = _write_rows(kn, l, jnp.linalg.norm(kk.astype(jnp.float32), axis=-1), start)
         attn = prefill_attention(q, k, v, starts, kv_len, layer=l, impl=impl)
         if W:
             picked = jnp.take_along_axis(q, jnp.clip(rel, 0, C - 1)[:, :, None, None], axis=1)
