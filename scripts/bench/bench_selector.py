@@ -81,15 +81,15 @@ def main(argv=None):
                    same=bool(np.array_equal(got, want)))
     for size in [] if args.no_select else args.seq:
         # The whole selector for one refreshed sequence and one layer (B=1, all KV heads).
-        cfg = SFIConfig(k_select=args.k)
+        sfi = SFIConfig(k_select=args.k)
         logits = jnp.asarray(rng.standard_normal((1, args.heads, args.group, size)).astype(np.float32) * 3)
         norms = jnp.asarray(rng.uniform(0.5, 3.0, (1, args.heads, size)).astype(np.float32))
-        lo = jnp.array([cfg.n_sink], jnp.int32)
-        hi = jnp.array([size - cfg.n_recent], jnp.int32)
-        fn = jax.jit(lambda l, n, a, b: selector_scores(l, n, a, b, cfg))
+        lo = jnp.array([sfi.n_sink], jnp.int32)
+        hi = jnp.array([size - sfi.n_recent], jnp.int32)
+        fn = jax.jit(lambda l, n, a, b: selector_scores(l, n, a, b, sfi))
         record("scores", "-", args.heads, size, timeit(fn, logits, norms, lo, hi, iters=args.iters, repeats=args.repeats))
         for name, impl, bits in impls[:1] + [i for i in impls if i[2] == 4 and i[1] == "threshold"]:
-            fn = jax.jit(lambda l, n, a, b, impl=impl: select(l, n, a, b, cfg, topk_impl=impl))
+            fn = jax.jit(lambda l, n, a, b, impl=impl: select(l, n, a, b, sfi, topk_impl=impl))
             record("select", name, args.heads, size, timeit(fn, logits, norms, lo, hi, iters=args.iters, repeats=args.repeats))
 
     if args.json:

@@ -40,28 +40,28 @@ def main(argv=None):
     if a.smoke:
         a.layers, a.heads, a.seq = 2, 2, 4096
     interpret = jax.default_backend() != "gpu"
-    cfg = SFIConfig()
+    sfi = SFIConfig()
     N, H, R, S = a.layers, a.heads, a.rows, a.seq
     key = jax.random.key(0)
     logits = jax.random.normal(key, (N, 1, H, R, S), jnp.float32) * 3
     norms = jax.random.uniform(key, (N, 1, H, S), jnp.float32) + 0.5
-    lo = jnp.full((N,), cfg.n_sink, jnp.int32)
-    hi = jnp.full((N,), S - cfg.n_recent, jnp.int32)
+    lo = jnp.full((N,), sfi.n_sink, jnp.int32)
+    hi = jnp.full((N,), S - sfi.n_recent, jnp.int32)
     it = dict(iters=2 if a.smoke else 10, repeats=2 if a.smoke else 5)
-    plan = sg._Plan(cfg, R, S)
+    plan = sg._Plan(sfi, R, S)
     idx = jnp.zeros((2,), jnp.int32)
     kw = sg._call_kwargs(plan, N, H, 4, interpret)
     k1 = jax.jit(lambda lg: sg._row_lse(plan, kw, idx, lo, hi, lg))
     k12 = jax.jit(lambda lg, kn: sg._fusion(plan, kw, idx, lo, hi, lg, kn, k1(lg)))
-    base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, cfg=cfg,
+    base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, sfi=sfi,
                                                    interpret=interpret))
-    base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, cfg))
-    pad = sg.adjust_pad(cfg)
+    base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, sfi))
+    pad = sg.adjust_pad(sfi)
     z = jnp.pad(base_x(logits, norms), ((0, 0), (0, 0), (pad, pad)), constant_values=-jnp.inf)
-    adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, cfg=cfg, interpret=interpret))
-    adj_x = jax.jit(lambda z: selmod.adjust_scores(z, lo, hi, cfg))
+    adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, sfi=sfi, interpret=interpret))
+    adj_x = jax.jit(lambda z: selmod.adjust_scores(z, lo, hi, sfi))
     full = {impl: jax.jit(lambda lg, kn, i=impl: selmod.selector_scores_at(
-        lg, 0, kn, 0, lo, hi, cfg, impl=i)) for impl in ("xla", "pallas_gpu")}
+        lg, 0, kn, 0, lo, hi, sfi, impl=i)) for impl in ("xla", "pallas_gpu")}
     res = {"device": jax.devices()[0].device_kind, "shape": [N, H, R, S],
            "chunks": plan.n_chunks, "blk": plan.blk}
     parts = [("kernel pass 1 (row stats)", k1, (logits,)),
@@ -74,12 +74,12 @@ def main(argv=None):
              ("jnp steps 1-6", full["xla"], (logits, norms))]
     for warps, tile, chunk in ((8, 4096, 8), (4, 8192, 8), (4, 4096, 4), (4, 4096, 16)):
         fn = jax.jit(lambda lg, kn, w=warps, t=tile, c=chunk: sg.base_scores(
-            lg, kn, lo, hi, 0, 0, cfg=cfg, interpret=interpret, num_warps=w, tile=t,
+            lg, kn, lo, hi, 0, 0, sfi=sfi, interpret=interpret, num_warps=w, tile=t,
             chunk_blocks=c))
         parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
     for block, warps in ((128, 4), (512, 4), (512, 8), (1024, 8)):
         fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
-            z, lo, hi, cfg=cfg, interpret=interpret, block=b, num_warps=w))
+            z, lo, hi, sfi=sfi, interpret=interpret, block=b, num_warps=w))
         parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)

@@ -12,7 +12,7 @@ from sfi_jax.kernels.common import interpret_for, sortable_keys
 from sfi_jax.options import SELECTOR_ADJUST, resolve
 
 
-def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi: SFIConfig, *,
               cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """z_adj [N, H, S] of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S] (the kernels read them in place).
@@ -26,22 +26,22 @@ def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConf
     if resolve("selector_scores", impl) == "pallas_gpu":
         from sfi_jax.kernels import selector_gpu
 
-        kw = dict(cfg=cfg, interpret=interpret_for("pallas_gpu"))
+        kw = dict(sfi=sfi, interpret=interpret_for("pallas_gpu"))
         fused = (by_kernel and cross_head_reduce is None
-                 and selector_gpu.adjust_supported(cfg))
+                 and selector_gpu.adjust_supported(sfi))
         z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
-                                     pad=selector_gpu.adjust_pad(cfg) if fused else 0, **kw)
+                                     pad=selector_gpu.adjust_pad(sfi) if fused else 0, **kw)
         if fused:
             z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
-            if cfg.successor_radius > 0:
+            if sfi.successor_radius > 0:
                 z = reference.successor_spread(z, reference.allowed_mask(size, lo, hi),
-                                               cfg.successor_radius)
+                                               sfi.successor_radius)
             return z
     else:
         lg = lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
         kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
-        z = reference.base_scores(lg, kn, lo, hi, cfg)
-    return reference.adjust_scores(z, lo, hi, cfg, cross_head_reduce)
+        z = reference.base_scores(lg, kn, lo, hi, sfi)
+    return reference.adjust_scores(z, lo, hi, sfi, cross_head_reduce)
 
 
 def kth_largest(scores, k: int, radix_bits: int, kernel: bool):

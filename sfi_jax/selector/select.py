@@ -24,8 +24,8 @@ from sfi_jax.kernels.selector_reference import (  # noqa: F401 (the selector's p
 from sfi_jax.options import resolve
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cross_head_reduce", "impl", "adjust"))
-def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+@functools.partial(jax.jit, static_argnames=("sfi", "cross_head_reduce", "impl", "adjust"))
+def selector_scores(logits, key_norms, allowed_lo, allowed_hi, sfi: SFIConfig, *,
                     cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """z_adj [B, H, S] float32 of SFI_METHOD.md §4 steps 1-6; -inf outside J.
 
@@ -37,16 +37,16 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *
     ("kernel"; `EngineOptions.selector_adjust`).
     """
     return selector_scores_at(logits[:, None], 0, key_norms[:, None], 0, allowed_lo,
-                              allowed_hi, cfg, cross_head_reduce=cross_head_reduce, impl=impl,
+                              allowed_hi, sfi, cross_head_reduce=cross_head_reduce, impl=impl,
                               adjust=adjust)
 
 
-def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg: SFIConfig, *,
+def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi: SFIConfig, *,
                        cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """`selector_scores` of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S]: the kernel reads them in place (the
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
-    return selector_kernels.scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, cfg,
+    return selector_kernels.scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi,
                                       cross_head_reduce=cross_head_reduce, impl=impl,
                                       adjust=adjust)
 
@@ -199,14 +199,14 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None 
                              kernel=impl == "radix_kernel")
 
 
-def select(logits, key_norms, allowed_lo, allowed_hi, cfg: SFIConfig, *, topk_impl: str = "lax",
+def select(logits, key_norms, allowed_lo, allowed_hi, sfi: SFIConfig, *, topk_impl: str = "lax",
            cross_head_reduce=None, scores_impl: str = "xla"):
-    """Selected positions int32 [B, H, cfg.k_select]: the top-k of J by z_adj, in ascending
+    """Selected positions int32 [B, H, sfi.k_select]: the top-k of J by z_adj, in ascending
     position order, -1 in the slots beyond min(k_select, |J|).
 
     Both halves are jitted with static arguments, so this is cheap to call eagerly and
     inlines under an outer jit or shard_map.
     """
-    z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, cfg,
+    z = selector_scores(logits, key_norms, allowed_lo, allowed_hi, sfi,
                         cross_head_reduce=cross_head_reduce, impl=scores_impl)
-    return topk_positions(z, cfg.k_select, impl=topk_impl)
+    return topk_positions(z, sfi.k_select, impl=topk_impl)

@@ -130,15 +130,15 @@ def test_selector_scores_kernel_exports_for_cuda(r):
     args = (sds((L, 2, 8, r, 4096), jnp.float32), sds((L, B, 8, 4096), jnp.float32),
             sds((L,), jnp.int32), sds((L,), jnp.int32), sds((), jnp.int32), sds((), jnp.int32))
     for cfg in (SFIConfig(), SFIConfig(lam_clip=0.0)):
-        fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, cfg=c))
+        fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, sfi=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
     for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1)):  # steps 5-6
         pad = selector_gpu.adjust_pad(cfg)
-        fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, cfg=c, pad=p))
+        fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, sfi=c, pad=p))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
-        fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, cfg=c))
+        fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, sfi=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             sds((L, 8, 4096 + 2 * pad), jnp.float32), args[2], args[3])
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()

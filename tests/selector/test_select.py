@@ -442,7 +442,7 @@ def test_adjust_kernel_against_jnp(change):
     want = np.asarray(adjust_scores(z, lo, hi, cfg))
     pad = selector_gpu.adjust_pad(cfg)  # the kernel reads rows between -inf pads
     padded = np.pad(z, ((0, 0), (0, 0), (pad, pad)), constant_values=-np.inf)
-    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, cfg=cfg, interpret=True))
+    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, sfi=cfg, interpret=True))
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
@@ -458,4 +458,4 @@ def test_adjust_kernel_bounds_its_radius():
     assert selector_gpu.adjust_supported(dataclasses.replace(big, alpha_soft=0.0))
     z = np.zeros((1, 2, 300), np.float32)
     with pytest.raises(ValueError, match="nms_radius"):
-        selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), cfg=big, interpret=True)
+        selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), sfi=big, interpret=True)
