@@ -125,6 +125,21 @@ TTFT_KEYS = ("ttft_s", "ttft_with_compile_s", "prefill_compile_s", "prefill_toke
              "prefill_chunk", "prefill_chunks", "padded_prompt", "max_len")
 
 
+def _same_bucket_length(ctx, new_tokens):
+    """Another prompt length with the same padded prompt and cache buckets as ctx (so the
+    engine must compile nothing for it)."""
+    from sfi_jax.runtime.prefill import bucket
+
+    def key(n):
+        return bucket(n), max(bucket(n + new_tokens), bucket(n))
+
+    for d in (ctx // 64, 100, 10, 1):
+        for other in (ctx - d, ctx + d):
+            if other >= 1 and other != ctx and key(other) == key(ctx):
+                return other
+    return ctx
+
+
 def child_warm(args):
     import sfi_jax
 
@@ -136,7 +151,7 @@ def child_warm(args):
             kw = dict(max_new_tokens=1, mode="dense", stop_at_eos=False)
             cold = sfi_jax.generate(model, _prompts(batch, ctx, cfg.vocab_size, 0), **kw).stats
             warm = sfi_jax.generate(model, _prompts(batch, ctx, cfg.vocab_size, 1), **kw).stats
-            other = max(1, ctx - max(1, ctx // 16))  # same bucket, another length
+            other = _same_bucket_length(ctx, kw["max_new_tokens"])
             again = sfi_jax.generate(model, _prompts(batch, other, cfg.vocab_size, 2), **kw).stats
             floor = prefill_flops(cfg, batch, ctx) / PEAK_FLOPS
             rec = {"part": "warm", "model": args.model, "batch": batch, "prompt": ctx,
