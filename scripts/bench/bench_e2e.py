@@ -356,7 +356,14 @@ def attention_time(cfg, B, ctx, reps=5):
 
 def engine_check():
     """On this device: SFI with a budget covering the context equals dense token for token, and
-    with a small budget the platform kernels give the same tokens as the xla path."""
+    with a small budget the platform kernels give the same tokens as the xla path. Float32
+    matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
+    near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py)."""
+    with jax.default_matmul_precision("highest"):
+        return _engine_check()
+
+
+def _engine_check():
     cfg = ModelConfig(name="check", num_layers=2, hidden_size=256, intermediate_size=512,
                       num_q_heads=8, num_kv_heads=2, head_dim=128, vocab_size=512,
                       max_position_embeddings=4096)
