@@ -41,15 +41,20 @@ class Config:
 
 # Starting points for Hopper (tune with scripts/bench/bench_prefill_kernel.py).
 DEFAULT = {64: Config(rows=128, block_k=64, num_warps=4, num_stages=3),
-           128: Config(rows=128, block_k=64, num_warps=8, num_stages=3)}
+           128: Config(rows=128, block_k=128, num_warps=8, num_stages=3)}
 
 
 def _pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def default_config(d) -> Config:
-    return DEFAULT[64] if _pow2(d) <= 64 else DEFAULT[128]
+def default_config(d, dtype=jnp.bfloat16) -> Config:
+    """The tuned half-precision blocks; float32 keeps 64-key blocks (twice the bytes per key
+    block in shared memory)."""
+    cfg = DEFAULT[64] if _pow2(d) <= 64 else DEFAULT[128]
+    if jnp.dtype(dtype).itemsize > 2:
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, 64))
+    return cfg
 
 
 def _precision(dtype):
@@ -126,7 +131,7 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
     gp, dp = _pow2(group), max(_MIN_DOT, _pow2(d))
-    cfg = config or default_config(d)
+    cfg = config or default_config(d, q.dtype)
     bq = block_q or max(1, cfg.rows // gp)
     bq = max(min(bq, _pow2(t)), -(-_MIN_DOT // gp))  # no bigger than the chunk; M >= 16
     bk = max(_MIN_DOT, min(block_k or cfg.block_k, _pow2(s_len)))
