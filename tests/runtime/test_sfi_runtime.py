@@ -297,7 +297,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
         assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
 
 
-@pytest.mark.parametrize("moe", ["kernel", "tokens", "auto"])
+# "kernel" (not a default anywhere) is slow here; tests/kernels checks it against ragged_dot
+@pytest.mark.parametrize("moe", [pytest.param("kernel", marks=pytest.mark.slow), "tokens", "auto"])
 def test_moe_kernels_in_the_decode_loop(moe):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
     (interpret mode) and the expert kernels (moe="kernel": expert-sorted rows; "tokens":
