@@ -10,16 +10,13 @@ activation dtype, then the rotation in float32, rounded again.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+from sfi_jax.kernels.triton_lowering import plgpu_triton
 
 
 def supported(head_dim: int) -> bool:

@@ -14,16 +14,13 @@ rounded to the activation dtype, SiLU and the product in that dtype).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+from sfi_jax.kernels.triton_lowering import plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
 BLOCK_N = 64  # the smallest weight tile (columns x inner dim); scripts/diag/diag_moe_kernel.py

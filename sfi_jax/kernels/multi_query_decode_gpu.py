@@ -15,21 +15,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MAX_ROWS = 256  # G * T rows per program at most (register file)
-_M_INIT = -1e30  # finite, so exp(m_old - m_new) is never NaN
-_NUM_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,18 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
-_M_INIT = -1e30  # finite, so exp2(m_old - m_new) is never NaN
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # smallest M, N and K of tl.dot
 

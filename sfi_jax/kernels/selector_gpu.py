@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +26,8 @@ from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.common import sortable_keys  # the key order the jnp radix search uses
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
-_M_INIT = -1e30  # finite running-max start: exp(m_old - m_new) is never NaN
 _TILE = 4096  # logits per block (rows x positions), a few registers per thread
 _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 programs at 128K)
 # (both first guesses, not tuned on a GPU yet)
