@@ -1,0 +1,234 @@
+"""Decode-step weight matmuls on one GPU: our weight-streaming kernel against XLA and cuBLAS,
+written as JSON to --out.
+
+For each model's projections (fused q/k/v, o, gate+up, down, output head) and row count R it
+times a chain of L matmuls, each with its own weight (L = the model's layers, so the weights
+stream from HBM, not from L2), the next input depending on the previous output:
+- "xla": `jnp.matmul` (bf16 in, float32 accumulation), XLA's default gemm choice;
+- "xla_cublas": the same with XLA's Triton gemm off (`xla_gpu_enable_triton_gemm=False`, a
+  per-program compiler option): cuBLAS;
+- "kernel": `skinny_matmul_gpu` with its default Config (and each --sweep Config);
+- "torch": `torch.matmul` (cuBLAS) in a CUDA graph, when torch sees the GPU.
+The kernel's product is checked against a float32 reference on every case. Bytes: the weights
+(the input rows are negligible); the fraction is of the copy bandwidth measured in the run.
+
+  python scripts/bench/bench_skinny_matmul.py --out benchmarks/skinny_matmul.json
+  python scripts/bench/bench_skinny_matmul.py --sweep --out /tmp/skinny_sweep.json
+  python scripts/bench/bench_skinny_matmul.py --smoke --out /tmp/skinny.json   # CPU, interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (also puts this checkout's package on the path)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sfi_jax.kernels import skinny_matmul_gpu as sm  # noqa: E402
+from sfi_jax.models.config import PRESETS  # noqa: E402
+
+# block_n:block_k:num_warps:num_stages:programs per SM, tried by --sweep
+SWEEP = ["128:128:4:4:4", "64:128:4:4:4", "128:256:4:3:4", "256:64:4:4:4", "128:128:4:3:2",
+         "128:128:8:4:4", "64:256:4:3:4", "128:64:4:6:4", "128:128:4:4:8", "32:256:4:3:4",
+         "64:128:4:6:4", "256:128:8:3:4"]
+
+
+def parse_config(text):
+    bn, bk, w, s, p = (int(v) for v in text.split(":"))
+    return sm.Config(bn, bk, w, s, p * sm._NUM_SMS)
+
+
+def projections(cfg):
+    """(name, K, N, weights per call, transposed) of one decode step's matmuls."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_q_heads + 2 * cfg.num_kv_heads) * D
+    out = [("qkv", H, qkv, 1, False), ("o", cfg.num_q_heads * D, H, 1, False)]
+    if not cfg.is_moe:
+        out += [("gate_up", H, cfg.intermediate_size, 2, False),
+                ("down", cfg.intermediate_size, H, 1, False)]
+    out.append(("head", H, cfg.vocab_size, 1, cfg.tie_word_embeddings))
+    return out
+
+
+def chain(matmul, dtype):
+    """L matmuls back to back: x_{i+1} depends on every output column of step i."""
+    def run(x, weights):
+        for w in weights:
+            ys = matmul(x, w)
+            total = sum(jnp.sum(y, axis=-1, keepdims=True) for y in ys)
+            x = (x.astype(jnp.float32) + 1e-30 * total).astype(dtype)
+        return x
+    return run
+
+
+def xla_matmul(trans):
+    def f(x, w):
+        return tuple(jnp.matmul(x, wi.T if trans else wi, preferred_element_type=jnp.float32)
+                     for wi in w)
+    return f
+
+
+def kernel_matmul(trans, config, interpret):
+    def f(x, w):
+        parts = sm.skinny_matmul_partials(x, tuple(w), transpose_w=trans, config=config,
+                                          interpret=interpret)
+        return tuple(p.sum(0) for p in parts)
+    return f
+
+
+def time_jax(fn, x, weights, iters, compiler_options=None):
+    lowered = jax.jit(fn).lower(x, weights)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    return _common.timeit(compiled, x, weights, iters=iters, repeats=5)
+
+
+def time_torch(name, K, N, nw, trans, R, L, iters):
+    import torch
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    ws = [[torch.randn((N, K) if trans else (K, N), device=dev, generator=g,
+                       dtype=torch.bfloat16) * 0.02 for _ in range(nw)] for _ in range(L)]
+    x0 = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
+
+    def run(x):
+        for w in ws:
+            total = 0
+            for wi in w:
+                y = torch.matmul(x, wi.t() if trans else wi).float()
+                total = total + y.sum(-1, keepdim=True)
+            x = (x.float() + 1e-30 * total).to(torch.bfloat16)
+        return x
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(x0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(x0)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    del ws, graph
+    torch.cuda.empty_cache()
+    return float(np.median(times))
+
+
+def check(x, weights, trans, config, interpret):
+    """Max relative error of the kernel's product against float32 matmuls."""
+    got = kernel_matmul(trans, config, interpret)(x, weights)
+    err = 0.0
+    for g, w in zip(got, weights):
+        ref = jnp.matmul(x.astype(jnp.float32), (w.T if trans else w).astype(jnp.float32),
+                         precision="highest")
+        err = max(err, float(jnp.max(jnp.abs(g - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30)))
+    return err
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
+    ap.add_argument("--rows", default="1,6,16,24")
+    ap.add_argument("--sweep", action="store_true", help="also time every SWEEP config")
+    ap.add_argument("--configs", default="", help="comma-separated bn:bk:warps:stages:progs/SM")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    interpret = jax.default_backend() != "gpu"
+    bandwidth = None if interpret else _common.copy_bandwidth()
+    configs = [("default", None)]
+    extra = SWEEP if args.sweep else []
+    extra += [c for c in args.configs.split(",") if c]
+    configs += [(c, parse_config(c)) for c in extra]
+    torch_ok = False
+    if not (args.no_torch or interpret):
+        try:
+            import torch
+            torch_ok = torch.cuda.is_available()
+        except ImportError:
+            pass
+    meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, python=platform.python_version(),
+                copy_bandwidth=bandwidth, time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    rows_out = []
+    for model in args.models.split(","):
+        cfg = PRESETS[model]
+        L = cfg.num_layers
+        shapes = projections(cfg)
+        if args.smoke:
+            shapes, L = [("tiny", 96, 80, 1, False), ("tiny_pair", 64, 48, 2, False),
+                         ("tiny_head", 64, 200, 1, True)], 2
+        for name, K, N, nw, trans in shapes:
+            n_chain = min(L, 4) if name == "head" else L
+            key = jax.random.PRNGKey(K + N)
+            weights = [tuple(jax.random.normal(jax.random.fold_in(key, 10 * i + j),
+                                               (N, K) if trans else (K, N), jnp.bfloat16) * 0.02
+                             for j in range(nw)) for i in range(n_chain)]
+            n_bytes = K * N * 2 * nw
+            for R in (int(r) for r in args.rows.split(",")):
+                x = jax.random.normal(jax.random.PRNGKey(R), (R, K), jnp.bfloat16)
+                row = dict(model=model, proj=name, K=K, N=N, weights=nw, rows=R,
+                           weight_bytes=n_bytes, us={})
+                variants = [("xla", xla_matmul(trans), None)]
+                if not interpret:
+                    variants.append(("xla_cublas", xla_matmul(trans),
+                                     {"xla_gpu_enable_triton_gemm": False}))
+                for label, config in configs:
+                    variants.append((f"kernel:{label}", kernel_matmul(trans, config, interpret),
+                                     None))
+                for label, fn, opts in variants:
+                    try:
+                        if label.startswith("kernel"):
+                            cfg_ = dict(configs)[label.split(":", 1)[1]]
+                            row.setdefault("err", {})[label] = check(x, weights[0], trans, cfg_,
+                                                                     interpret)
+                        t = time_jax(chain(fn, jnp.bfloat16), x, weights, args.iters, opts)
+                        row["us"][label] = t / n_chain
+                    except Exception as e:  # noqa: BLE001  (a config that does not lower)
+                        row["us"][label] = None
+                        row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:300]
+                        traceback.print_exc()
+                if torch_ok:
+                    try:
+                        row["us"]["torch"] = time_torch(name, K, N, nw, trans, R, n_chain,
+                                                        args.iters) / n_chain
+                    except Exception as e:  # noqa: BLE001
+                        row["us"]["torch"] = None
+                        row.setdefault("errors", {})["torch"] = f"{type(e).__name__}: {e}"[:300]
+                if bandwidth:
+                    row["frac"] = {k: (n_bytes / (v / 1e6) / bandwidth if v else None)
+                                   for k, v in row["us"].items()}
+                rows_out.append(row)
+                with open(args.out, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows_out), f, indent=1)
+                best = min((v, k) for k, v in row["us"].items() if v)
+                print(f"{model:11s} {name:8s} R={R:2d} " + " ".join(
+                    f"{k}={v:.1f}" for k, v in row["us"].items() if v and
+                    (k in ("xla", "xla_cublas", "torch", "kernel:default") or v == best[0]))
+                    + f"  best {best[1]}", flush=True)
+            del weights
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
