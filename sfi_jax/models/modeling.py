@@ -19,6 +19,7 @@ from flax import nnx
 
 from sfi_jax.kernels import heads as heads_kernels
 from sfi_jax.kernels import moe as moe_kernels
+from sfi_jax.kernels.skinny_matmul import skinny_matmul
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
@@ -217,10 +218,6 @@ def rms_norm(x, weight, eps):
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _matmul(x, w):
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
 def rope_cos_sin(positions, cfg: ModelConfig):
     """cos, sin [B, T, D/2] float32 (the attention scale applied) for positions [B, T]."""
     inv_freq, mscale = rope_inv_freq_and_scale(cfg)
@@ -244,15 +241,29 @@ def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
     return heads == "kernel" and T == 1 and "wqkv" in w and heads_kernels.supported(cfg.head_dim)
 
 
-def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"):
+def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str):
+    """RMSNorm of x by `norm`, then each weight: rounded to x's dtype as `rms_norm` and
+    a float32-accumulated matmul round (the kernel takes the norm into its prologue)."""
+    return tuple(y.astype(x.dtype) for y in skinny_matmul(
+        x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul))
+
+
+def _proj(x, w, matmul: str):
+    return skinny_matmul(x, (w,), impl=matmul)[0].astype(x.dtype)
+
+
+def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
+                     matmul: str = "xla"):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x.
 
     heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
-    rotates its heads in one Triton launch (interpret mode off the GPU)."""
+    rotates its heads in one Triton launch (interpret mode off the GPU).
+    matmul: the projections' `kernels.skinny_matmul` impl, "xla" or "kernel" (the
+    weight-streaming kernel for a decode step's few rows, the RMSNorm in its prologue)."""
     B, T, _ = x.shape
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    norm = w["attn_norm"]
     if "wqkv" in w:
-        qkv = _matmul(h, w["wqkv"])
+        qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul)
         if _heads_kernel(heads, cfg, w, T):
             cos, sin = rope_cos_sin(positions, cfg)
             q, k, v = heads_kernels.norm_rope_heads(
@@ -263,7 +274,8 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
-        q, k, v = _matmul(h, w["wq"]), _matmul(h, w["wk"]), _matmul(h, w["wv"])
+        q, = _normed_matmuls(x, norm, (w["wq"],), cfg, matmul)
+        k, v = _normed_matmuls(x, norm, (w["wk"], w["wv"]), cfg, matmul)
     q = q.reshape(B, T, cfg.num_q_heads, cfg.head_dim)
     k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -273,15 +285,17 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
-def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla"):
+def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla",
+                             matmul: str = "xla"):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
-    moe: see `moe_mlp`."""
+    moe: see `moe_mlp`; matmul: see `attention_inputs`."""
     B, T = attn.shape[:2]
-    x = x + _matmul(attn.reshape(B, T, -1).astype(x.dtype), w["wo"])
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w["wo"], matmul)
     if cfg.is_moe:
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
-    return x + _matmul(jax.nn.silu(_matmul(h, w["w_gate"])) * _matmul(h, w["w_up"]), w["w_down"])
+    gate, up = _normed_matmuls(x, w["mlp_norm"], (w["w_gate"], w["w_up"]), cfg, matmul)
+    return x + _proj(jax.nn.silu(gate) * up, w["w_down"], matmul)
 
 
 MOE_IMPLS = moe_kernels.IMPLS
@@ -306,11 +320,13 @@ def embed_tokens(params: dict, tokens):
     return params["embed"][tokens]
 
 
-def output_logits(params: dict, cfg: ModelConfig, x):
-    """Final norm and LM head (tied to the embedding when the config says so); float32."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.matmul(h, head, preferred_element_type=jnp.float32)
+def output_logits(params: dict, cfg: ModelConfig, x, matmul: str = "xla"):
+    """Final norm and LM head (tied to the embedding when the config says so); float32.
+    matmul: see `attention_inputs`."""
+    tied = cfg.tie_word_embeddings
+    head = params["embed"] if tied else params["lm_head"]
+    return skinny_matmul(x, (head,), params["final_norm"], eps=cfg.rms_norm_eps,
+                         transpose_w=tied, impl=matmul)[0]
 
 
 def grouped_attention(q, k, v, mask):

@@ -41,6 +41,11 @@ def _moe_impl(options, plan):
     return "xla" if plan is not None else options.moe
 
 
+def matmul_impl(options, plan=None):
+    """The weight matmuls on a mesh are XLA's (as for the heads)."""
+    return "xla" if plan is not None else options.matmul
+
+
 def _per_query_head(buf, n_q_heads):
     """The logits scratch [L, slots, Hkv, G, S] viewed as [L, slots, Hq, S] (a free reshape), the
     layout the dense kernels write."""
@@ -182,7 +187,8 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     x, k, v, st, diag, buf, qh = carry
     w, l = xs
     B = x.shape[0]
-    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan))
+    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
+                                 matmul=matmul_impl(options, plan))
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
     if plan is None:  # the query history is single-device only (generate checks)
@@ -191,7 +197,8 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)
-    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan))
+    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
+                                 matmul=matmul_impl(options, plan))
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh), None
     lengths = pos + 1
@@ -302,7 +309,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
-        logits = output_logits(params, cfg, x[:, 0])
+        logits = output_logits(params, cfg, x[:, 0], matmul=matmul_impl(options, plan))
         key, sub = jax.random.split(state.key)
         token = sample(logits, sub, sampling)
         token = jnp.where(forced[:, i] >= 0, forced[:, i], token)

@@ -86,7 +86,7 @@ def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
     x = embed_tokens(params, token[:, None])
     (x, k, v, st, _, _, _), _ = run_layers(body, (x, k, v, st, None, None, None),
                                            params["layers"], cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x[:, 0]), k, v, st
+    return output_logits(params, cfg, x[:, 0], matmul=options.matmul), k, v, st
 
 
 def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, options):
@@ -103,7 +103,7 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
     def layer(carry, xs):
         x, k, v, norms, buf = carry
         w, l = xs
-        q, kk, vv = attention_inputs(w, cfg, x, wpos, heads="xla")
+        q, kk, vv = attention_inputs(w, cfg, x, wpos, heads="xla", matmul=options.matmul)
         at = (l, rows, slice(None), wpos)  # [B, T] positions -> values [B, T, Hkv, D]
         k = k.at[at].set(kk.astype(k.dtype))
         v = v.at[at].set(vv.astype(v.dtype))
@@ -119,13 +119,14 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
 
             buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
                                      lambda buf: (buf, attend()), buf)
-        x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe)
+        x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe,
+                                     matmul=options.matmul)
         return (x, k, v, norms, buf), None
 
     x = embed_tokens(params, tokens)
     (x, k, v, key_norms, buf), _ = run_layers(layer, (x, k, v, key_norms, buf), params["layers"],
                                               cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x), k, v, key_norms, buf
+    return output_logits(params, cfg, x, matmul=options.matmul), k, v, key_norms, buf
 
 
 def _leading(ok):

@@ -1,0 +1,36 @@
+"""A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
+`skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, or XLA ("xla",
+`skinny_matmul_reference`). Either way the input rows may be RMS-normed first, so the kernel
+takes the norm into its prologue and the norm costs no launch of its own."""
+
+from __future__ import annotations
+
+import math
+
+from sfi_jax.kernels import skinny_matmul_reference as reference
+from sfi_jax.kernels.common import interpret_for
+
+IMPLS = ("kernel", "xla")
+MAX_ROWS = 64
+
+
+def uses_kernel(impl: str, rows: int) -> bool:
+    """Whether `impl` runs the kernel for `rows` rows (more than MAX_ROWS take XLA's gemm)."""
+    if impl not in IMPLS:
+        raise ValueError(f"matmul impl must be one of {IMPLS}, got {impl!r}")
+    return impl == "kernel" and rows <= MAX_ROWS
+
+
+def skinny_matmul(x, weights, norm=None, *, eps=1e-6, transpose_w=False, impl: str = "xla"):
+    """x [..., K] (RMS-normed by `norm` [K] first, when given) times each of `weights` (one or
+    two of one shape, [K, N], or [N, K] with transpose_w) -> a tuple of float32 [..., N]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    if not uses_kernel(impl, rows):
+        return reference.skinny_matmul(x, weights, norm, eps=eps, transpose_w=transpose_w)
+    from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
+
+    parts = skinny_matmul_gpu.skinny_matmul_partials(
+        x.reshape(rows, k), tuple(weights), norm, eps=float(eps), transpose_w=transpose_w,
+        interpret=interpret_for("pallas_gpu"))
+    return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)

@@ -1,0 +1,21 @@
+"""A few rows times a weight in jnp: the optional RMSNorm of the rows (float32, rounded to their
+dtype, as `models.modeling.rms_norm`), then a float32-accumulated matmul. The reference of
+`skinny_matmul_gpu`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def skinny_matmul(x, weights, norm=None, *, eps=1e-6, transpose_w=False):
+    """x [R, K] -> one float32 [R, N] per weight [K, N] ([N, K] with transpose_w)."""
+    h = x if norm is None else rms_norm(x, norm, eps)
+    return tuple(jnp.matmul(h, w.T if transpose_w else w, preferred_element_type=jnp.float32)
+                 for w in weights)
