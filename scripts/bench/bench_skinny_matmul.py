@@ -1,15 +1,19 @@
 """Decode-step weight matmuls on one GPU: our weight-streaming kernel against XLA and cuBLAS,
 written as JSON to --out.
 
-For each model's projections (fused q/k/v, o, gate+up, down, output head) and row count R it
-times a chain of L matmuls, each with its own weight (L = the model's layers, so the weights
-stream from HBM, not from L2), the next input depending on the previous output:
-- "xla": `jnp.matmul` (bf16 in, float32 accumulation), XLA's default gemm choice;
+For each model's projections (fused q/k/v and gate+up with their RMSNorm, o, down; the output
+head for XLA and torch only) and row count R it times a chain of L matmuls, each with its own
+weight (L = the model's layers, so the weights stream from HBM, not from L2), the next input
+depending on the previous output:
+- "xla": `kernels.skinny_matmul` with impl "xla" (jnp RMSNorm, `jnp.matmul` with float32
+  accumulation): XLA's default gemm choice;
 - "xla_cublas": the same with XLA's Triton gemm off (`xla_gpu_enable_triton_gemm=False`, a
   per-program compiler option): cuBLAS;
-- "kernel": `skinny_matmul_gpu` with its default Config (and each --sweep Config);
-- "torch": `torch.matmul` (cuBLAS) in a CUDA graph, when torch sees the GPU.
-The kernel's product is checked against a float32 reference on every case. Bytes: the weights
+- "kernel": impl "kernel" with the default Config (and each --sweep Config);
+- "torch": `torch.matmul` (cuBLAS) in a CUDA graph, when torch sees the GPU (no norm).
+The kernel's product is checked against the float32 reference on every case. On the GPU each
+variant also runs under the profiler: `busy_us` is the GPU's kernel time per chain link (the
+matmul and the chain's small reduction, no launch gaps), `us` the wall time per link. Bytes: the weights
 (the input rows are negligible); the fraction is of the copy bandwidth measured in the run.
 
   python scripts/bench/bench_skinny_matmul.py --out benchmarks/skinny_matmul.json
@@ -25,6 +29,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 
@@ -35,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sfi_jax.kernels import skinny_matmul_gpu as sm  # noqa: E402
+from sfi_jax.kernels.skinny_matmul import skinny_matmul  # noqa: E402
 from sfi_jax.models.config import PRESETS  # noqa: E402
 
 # block_n:block_k:num_warps:num_stages:programs per SM, tried by --sweep
@@ -49,47 +55,48 @@ def parse_config(text):
 
 
 def projections(cfg):
-    """(name, K, N, weights per call, transposed) of one decode step's matmuls."""
+    """(name, K, N, weights per call, normed) of one decode step's matmuls."""
     H, D = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_q_heads + 2 * cfg.num_kv_heads) * D
-    out = [("qkv", H, qkv, 1, False), ("o", cfg.num_q_heads * D, H, 1, False)]
+    out = [("qkv", H, qkv, 1, True), ("o", cfg.num_q_heads * D, H, 1, False)]
     if not cfg.is_moe:
-        out += [("gate_up", H, cfg.intermediate_size, 2, False),
+        out += [("gate_up", H, cfg.intermediate_size, 2, True),
                 ("down", cfg.intermediate_size, H, 1, False)]
-    out.append(("head", H, cfg.vocab_size, 1, cfg.tie_word_embeddings))
+    out.append(("head", H, cfg.vocab_size, 1, True))
     return out
 
 
 def chain(matmul, dtype):
     """L matmuls back to back: x_{i+1} depends on every output column of step i."""
-    def run(x, weights):
+    def run(x, weights, norm):
         for w in weights:
-            ys = matmul(x, w)
+            ys = matmul(x, w, norm)
             total = sum(jnp.sum(y, axis=-1, keepdims=True) for y in ys)
             x = (x.astype(jnp.float32) + 1e-30 * total).astype(dtype)
         return x
     return run
 
 
-def xla_matmul(trans):
-    def f(x, w):
-        return tuple(jnp.matmul(x, wi.T if trans else wi, preferred_element_type=jnp.float32)
-                     for wi in w)
+def matmul_fn(impl, config=None):
+    def f(x, w, norm):
+        return skinny_matmul(x, tuple(w), norm, impl=impl, config=config)
     return f
 
 
-def kernel_matmul(trans, config, interpret):
-    def f(x, w):
-        parts = sm.skinny_matmul_partials(x, tuple(w), transpose_w=trans, config=config,
-                                          interpret=interpret)
-        return tuple(p.sum(0) for p in parts)
-    return f
-
-
-def time_jax(fn, x, weights, iters, compiler_options=None):
-    lowered = jax.jit(fn).lower(x, weights)
+def time_jax(fn, x, weights, norm, iters, compiler_options=None, busy=False):
+    """(wall us per chain, GPU busy us per chain from a profiler trace or None)."""
+    lowered = jax.jit(fn).lower(x, weights, norm)
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
-    return _common.timeit(compiled, x, weights, iters=iters, repeats=5)
+    wall = _common.timeit(compiled, x, weights, norm, iters=iters, repeats=5)
+    if not busy:
+        return wall, None
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(iters):
+                out = compiled(x, weights, norm)
+            jax.block_until_ready(out)
+        stats = _common.kernel_stats(d, iters)
+    return wall, stats["busy_ms_per_step"] * 1e3 if stats else None
 
 
 def time_torch(name, K, N, nw, trans, R, L, iters):
@@ -132,15 +139,14 @@ def time_torch(name, K, N, nw, trans, R, L, iters):
     return float(np.median(times))
 
 
-def check(x, weights, trans, config, interpret):
-    """Max relative error of the kernel's product against float32 matmuls."""
-    got = kernel_matmul(trans, config, interpret)(x, weights)
-    err = 0.0
-    for g, w in zip(got, weights):
-        ref = jnp.matmul(x.astype(jnp.float32), (w.T if trans else w).astype(jnp.float32),
-                         precision="highest")
-        err = max(err, float(jnp.max(jnp.abs(g - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30)))
-    return err
+def check(x, weights, norm, config):
+    """Max relative error of the kernel's product against the float32 reference."""
+    got = matmul_fn("kernel", config)(x, weights, norm)
+    f32 = (lambda a: None if a is None else a.astype(jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        want = skinny_matmul(f32(x), tuple(f32(w) for w in weights), f32(norm), impl="xla")
+    return max(float(jnp.max(jnp.abs(g - r)) / (jnp.max(jnp.abs(r)) + 1e-30))
+               for g, r in zip(got, want))
 
 
 def main():
@@ -176,41 +182,43 @@ def main():
         L = cfg.num_layers
         shapes = projections(cfg)
         if args.smoke:
-            shapes, L = [("tiny", 96, 80, 1, False), ("tiny_pair", 64, 48, 2, False),
-                         ("tiny_head", 64, 200, 1, True)], 2
-        for name, K, N, nw, trans in shapes:
+            shapes, L = [("tiny", 96, 80, 1, False), ("tiny_pair", 64, 48, 2, True)], 2
+        for name, K, N, nw, normed in shapes:
             n_chain = min(L, 4) if name == "head" else L
             key = jax.random.PRNGKey(K + N)
-            weights = [tuple(jax.random.normal(jax.random.fold_in(key, 10 * i + j),
-                                               (N, K) if trans else (K, N), jnp.bfloat16) * 0.02
+            weights = [tuple(jax.random.normal(jax.random.fold_in(key, 10 * i + j), (K, N),
+                                               jnp.bfloat16) * 0.02
                              for j in range(nw)) for i in range(n_chain)]
+            norm = (1 + 0.1 * jax.random.normal(key, (K,), jnp.bfloat16)) if normed else None
             n_bytes = K * N * 2 * nw
             for R in (int(r) for r in args.rows.split(",")):
                 x = jax.random.normal(jax.random.PRNGKey(R), (R, K), jnp.bfloat16)
-                row = dict(model=model, proj=name, K=K, N=N, weights=nw, rows=R,
+                row = dict(model=model, proj=name, K=K, N=N, weights=nw, rows=R, normed=normed,
                            weight_bytes=n_bytes, us={})
-                variants = [("xla", xla_matmul(trans), None)]
+                variants = [("xla", matmul_fn("xla"), None)]
                 if not interpret:
-                    variants.append(("xla_cublas", xla_matmul(trans),
+                    variants.append(("xla_cublas", matmul_fn("xla"),
                                      {"xla_gpu_enable_triton_gemm": False}))
-                for label, config in configs:
-                    variants.append((f"kernel:{label}", kernel_matmul(trans, config, interpret),
-                                     None))
+                if name != "head":  # the output head stays XLA's (models.modeling)
+                    variants += [(f"kernel:{label}", matmul_fn("kernel", config), None)
+                                 for label, config in configs]
                 for label, fn, opts in variants:
                     try:
                         if label.startswith("kernel"):
                             cfg_ = dict(configs)[label.split(":", 1)[1]]
-                            row.setdefault("err", {})[label] = check(x, weights[0], trans, cfg_,
-                                                                     interpret)
-                        t = time_jax(chain(fn, jnp.bfloat16), x, weights, args.iters, opts)
+                            row.setdefault("err", {})[label] = check(x, weights[0], norm, cfg_)
+                        t, busy = time_jax(chain(fn, jnp.bfloat16), x, weights, norm,
+                                           args.iters, opts, busy=not interpret)
                         row["us"][label] = t / n_chain
+                        if busy is not None:
+                            row.setdefault("busy_us", {})[label] = busy / n_chain
                     except Exception as e:  # noqa: BLE001  (a config that does not lower)
                         row["us"][label] = None
                         row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:300]
                         traceback.print_exc()
                 if torch_ok:
                     try:
-                        row["us"]["torch"] = time_torch(name, K, N, nw, trans, R, n_chain,
+                        row["us"]["torch"] = time_torch(name, K, N, nw, False, R, n_chain,
                                                         args.iters) / n_chain
                     except Exception as e:  # noqa: BLE001
                         row["us"]["torch"] = None
@@ -221,11 +229,13 @@ def main():
                 rows_out.append(row)
                 with open(args.out, "w") as f:
                     json.dump(dict(meta=meta, rows=rows_out), f, indent=1)
-                best = min((v, k) for k, v in row["us"].items() if v)
+                times = row.get("busy_us", row["us"])  # GPU busy time where profiled
+                best = min((v, k) for k, v in times.items() if v)
                 print(f"{model:11s} {name:8s} R={R:2d} " + " ".join(
-                    f"{k}={v:.1f}" for k, v in row["us"].items() if v and
-                    (k in ("xla", "xla_cublas", "torch", "kernel:default") or v == best[0]))
-                    + f"  best {best[1]}", flush=True)
+                    f"{k}={v:.1f}" for k, v in times.items() if v and
+                    (k in ("xla", "xla_cublas", "kernel:default") or v == best[0]))
+                    + (f" torch(wall)={row['us']['torch']:.1f}" if row["us"].get("torch")
+                       else "") + f"  best {best[1]}", flush=True)
             del weights
     print(f"wrote {args.out}")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 from sfi_jax.kernels import skinny_matmul_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
@@ -21,16 +23,24 @@ def uses_kernel(impl: str, rows: int) -> bool:
     return impl == "kernel" and rows <= MAX_ROWS
 
 
-def skinny_matmul(x, weights, norm=None, *, eps=1e-6, transpose_w=False, impl: str = "xla"):
+def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=None):
     """x [..., K] (RMS-normed by `norm` [K] first, when given) times each of `weights` (one or
-    two of one shape, [K, N], or [N, K] with transpose_w) -> a tuple of float32 [..., N]."""
+    two [K, N] of one shape) -> a tuple of float32 [..., N].
+
+    The kernel rounds the rows times the norm's weight to their dtype and scales the product
+    by the row factor after it; the reference rounds the normed rows (float rounding apart,
+    the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if not uses_kernel(impl, rows):
-        return reference.skinny_matmul(x, weights, norm, eps=eps, transpose_w=transpose_w)
+        return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
 
     parts = skinny_matmul_gpu.skinny_matmul_partials(
-        x.reshape(rows, k), tuple(weights), norm, eps=float(eps), transpose_w=transpose_w,
-        interpret=interpret_for("pallas_gpu"))
-    return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)
+        x.reshape(rows, k), tuple(weights), norm, interpret=interpret_for("pallas_gpu"), config=config)
+    if norm is None:
+        scale = 1.0
+    else:
+        parts, ss = parts[:-1], parts[-1]
+        scale = jax.lax.rsqrt(ss.sum(axis=0) / k + eps)[:, None]
+    return tuple((p.sum(axis=0) * scale).reshape(*lead, p.shape[-1]) for p in parts)

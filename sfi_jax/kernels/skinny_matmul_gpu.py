@@ -7,10 +7,11 @@ limit (benchmarks/profile_batch1.md). Here program (j, s) reads one column block
 over one K split, so the grid has enough programs to keep every SM's loads in flight; each
 split writes float32 partial sums that the caller's next elementwise fusion adds up.
 
-Optional prologue: the RMSNorm of the input rows (their float32 sum of squares over the whole
-row, then the normed block rounded to the input dtype as `models.modeling.rms_norm` rounds it),
-so the norm costs no launch of its own. Optional second weight of the same shape (gate and up
-projections): both read with one load of the input block.
+Optional RMSNorm of the input rows, so the norm costs no launch of its own: each block of the
+rows is multiplied by the norm's weight (rounded to the input dtype) on its way into the
+product, and each split also writes its part of the rows' sums of squares; the row scale
+applies to the summed product (a per-row factor commutes with the product). Optional second
+weight of the same shape (gate and up projections): both read with one load of the input block.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MAX_ROWS = 64
+_SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,69 +55,75 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, normed, eps,
-            trans, precision):
+def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, normed,
+            precision):
     w_refs, o_refs = refs[:n_w], refs[n_w:]
     j, s = pl.program_id(0), pl.program_id(1)
-    r = jnp.arange(rows)
-    rmask = r < n_rows
-    cols = j * bn + jnp.arange(bn)
-    cmask = cols < n
+    rmask = jnp.arange(rows) < n_rows
+    cmask = j * bn + jnp.arange(bn) < n
     idx = jnp.arange(bk)
-
-    def x_block(k0):
-        m = rmask[:, None] & (k0 + idx < k)[None, :]
-        return plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=m, other=0.0)
-
-    if normed:
-        def sum_squares(i, acc):
-            xb = x_block(i * bk).astype(jnp.float32)
-            return acc + jnp.sum(xb * xb, axis=1)
-
-        ss = lax.fori_loop(0, pl.cdiv(k, bk), sum_squares, jnp.zeros((rows,), jnp.float32))
-        inv = lax.rsqrt(ss / k + eps)
-
     start = s * k_split
     n_iter = pl.cdiv(jnp.minimum(k_split, k - start), bk)
 
-    def body(i, accs):
+    def body(i, carry):
+        accs, sq = carry
         k0 = start + i * bk
         kmask = k0 + idx < k
-        xb = x_block(k0)
-        if normed:
+        xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
+                               mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if normed:  # the norm's weight now, its row scale after the sum over splits
+            xf = xb.astype(jnp.float32)
+            sq = sq + xf * xf
             nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
-            xb = (xb.astype(jnp.float32) * inv[:, None]
-                  * nw.astype(jnp.float32)[None, :]).astype(x_ref.dtype)
+            xb = (xf * nw.astype(jnp.float32)[None, :]).astype(x_ref.dtype)
         xb = xb.astype(w_refs[0].dtype)
         out = []
         for w_ref, acc in zip(w_refs, accs):
-            if trans:  # weight [n, k]: the tied output head read from the embedding
-                wb = plgpu_triton.load(w_ref.at[pl.ds(j * bn, bn), pl.ds(k0, bk)],
-                                       mask=cmask[:, None] & kmask[None, :], other=0.0)
-                out.append(acc + plgpu_triton.dot(xb, wb, trans_b=True, precision=precision))
-            else:
-                wb = plgpu_triton.load(w_ref.at[pl.ds(k0, bk), pl.ds(j * bn, bn)],
-                                       mask=kmask[:, None] & cmask[None, :], other=0.0)
-                out.append(acc + plgpu_triton.dot(xb, wb, precision=precision))
-        return tuple(out)
+            wb = plgpu_triton.load(w_ref.at[pl.ds(k0, bk), pl.ds(j * bn, bn)],
+                                   mask=kmask[:, None] & cmask[None, :], other=0.0)
+            out.append(acc + plgpu_triton.dot(xb, wb, precision=precision))
+        return tuple(out), sq
 
-    accs = lax.fori_loop(0, n_iter, body,
-                         tuple(jnp.zeros((rows, bn), jnp.float32) for _ in w_refs))
-    for o_ref, acc in zip(o_refs, accs):
+    zeros = jnp.zeros((rows, bn), jnp.float32)
+    accs, sq = lax.fori_loop(0, n_iter, body, (tuple(zeros for _ in w_refs),
+                                               jnp.zeros((rows, bk) if normed else (1, 1),
+                                                         jnp.float32)))
+    for o_ref, acc in zip(o_refs[:n_w], accs):
         plgpu_triton.store(o_ref.at[s, pl.ds(0, rows), pl.ds(j * bn, bn)], acc,
                            mask=rmask[:, None] & cmask[None, :])
+    if normed:  # this split's sum of squares of the rows, once (by the first column block)
+        plgpu_triton.store(o_refs[n_w].at[s, pl.ds(0, rows)], jnp.sum(sq, axis=1),
+                           mask=rmask & (j == 0))
 
 
 def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "transpose_w", "interpret", "config"))
-def skinny_matmul_partials(x, weights, norm=None, *, eps=1e-6, transpose_w=False,
-                           interpret=False, config=None):
-    """Float32 partial sums [splits, R, N] of x [R, K] (RMS-normed by `norm` [K] first, when
-    given) times each weight [K, N] ([N, K] with transpose_w); their sum over axis 0 is the
-    product. weights: a tuple of one or two same-shape weights; returns a tuple to match."""
+def _fit(cfg: Config, rows: int, n_w: int, x_bytes: int, w_bytes: int) -> Config:
+    """A config whose pipelined tiles fit in shared memory: fewer stages (down to 2), then a
+    smaller block_k (float32 weights, two weights)."""
+    cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k))
+    while True:
+        stage = cfg.block_k * (rows * x_bytes + n_w * cfg.block_n * w_bytes)
+        if stage * cfg.num_stages <= _SMEM_BYTES:
+            return cfg
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 16:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            return dataclasses.replace(cfg, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=None):
+    """Float32 partial sums of x [R, K] times each weight [K, N] (one or two of one shape):
+    a tuple of [splits, R, N], one per weight, whose sums over axis 0 are the products.
+
+    With `norm` [K] the rows are multiplied by it before the product, and the tuple ends with
+    the rows' float32 sums of squares per split [splits, R]: the RMSNorm's row scale
+    rsqrt(sum / K + eps) applies to the summed product (`skinny_matmul.skinny_matmul`)."""
     n_rows, k = x.shape
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {n_rows}")
@@ -123,24 +131,24 @@ def skinny_matmul_partials(x, weights, norm=None, *, eps=1e-6, transpose_w=False
     if any(w.shape != shape for w in weights) or len(weights) not in (1, 2):
         raise ValueError(f"expected one or two weights of one shape, got "
                          f"{[w.shape for w in weights]}")
-    n = shape[0] if transpose_w else shape[1]
-    if (shape[1] if transpose_w else shape[0]) != k:
-        raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}"
-                         f"{' (transposed)' if transpose_w else ''}")
-    cfg = config or Config()
-    bn = min(cfg.block_n, max(16, _pow2(n)))
-    bk = min(cfg.block_k, max(16, _pow2(k)))
-    cfg = dataclasses.replace(cfg, block_n=bn, block_k=bk)
-    k_split, n_splits = plan(n, k, cfg)
+    if shape[0] != k:
+        raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}")
+    n = shape[1]
     rows = max(_MIN_ROWS, _pow2(n_rows))
+    cfg = config or Config()
+    cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, _pow2(n))),
+                              block_k=min(cfg.block_k, max(16, _pow2(k))))
+    cfg = _fit(cfg, rows, len(weights), x.dtype.itemsize, weights[0].dtype.itemsize)
+    k_split, n_splits = plan(n, k, cfg)
     normed = norm is not None
     kernel = functools.partial(
-        _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=bn, bk=bk,
-        k_split=k_split, normed=normed, eps=float(eps), trans=transpose_w,
-        precision=_precision(weights[0].dtype))
-    out = jax.ShapeDtypeStruct((n_splits, n_rows, n), jnp.float32)
+        _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
+        bk=cfg.block_k, k_split=k_split, normed=normed, precision=_precision(weights[0].dtype))
+    out = [jax.ShapeDtypeStruct((n_splits, n_rows, n), jnp.float32)] * len(weights)
+    if normed:
+        out.append(jax.ShapeDtypeStruct((n_splits, n_rows), jnp.float32))
     return tuple(pl.pallas_call(
-        kernel, grid=(pl.cdiv(n, bn), n_splits), out_shape=[out] * len(weights),
+        kernel, grid=(pl.cdiv(n, cfg.block_n), n_splits), out_shape=out,
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_skinny_matmul",

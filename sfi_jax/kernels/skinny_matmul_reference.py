@@ -14,8 +14,7 @@ def rms_norm(x, weight, eps):
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def skinny_matmul(x, weights, norm=None, *, eps=1e-6, transpose_w=False):
-    """x [R, K] -> one float32 [R, N] per weight [K, N] ([N, K] with transpose_w)."""
+def skinny_matmul(x, weights, norm=None, *, eps=1e-6):
+    """x [..., K] -> one float32 [..., N] per weight [K, N]."""
     h = x if norm is None else rms_norm(x, norm, eps)
-    return tuple(jnp.matmul(h, w.T if transpose_w else w, preferred_element_type=jnp.float32)
-                 for w in weights)
+    return tuple(jnp.matmul(h, w, preferred_element_type=jnp.float32) for w in weights)

@@ -320,13 +320,12 @@ def embed_tokens(params: dict, tokens):
     return params["embed"][tokens]
 
 
-def output_logits(params: dict, cfg: ModelConfig, x, matmul: str = "xla"):
+def output_logits(params: dict, cfg: ModelConfig, x):
     """Final norm and LM head (tied to the embedding when the config says so); float32.
-    matmul: see `attention_inputs`."""
-    tied = cfg.tie_word_embeddings
-    head = params["embed"] if tied else params["lm_head"]
-    return skinny_matmul(x, (head,), params["final_norm"], eps=cfg.rms_norm_eps,
-                         transpose_w=tied, impl=matmul)[0]
+    (XLA's gemm streams this one large weight at the bandwidth limit: no kernel choice.)"""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.matmul(h, head, preferred_element_type=jnp.float32)
 
 
 def grouped_attention(q, k, v, mask):

@@ -309,7 +309,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
-        logits = output_logits(params, cfg, x[:, 0], matmul=matmul_impl(options, plan))
+        logits = output_logits(params, cfg, x[:, 0])
         key, sub = jax.random.split(state.key)
         token = sample(logits, sub, sampling)
         token = jnp.where(forced[:, i] >= 0, forced[:, i], token)

@@ -86,7 +86,7 @@ def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
     x = embed_tokens(params, token[:, None])
     (x, k, v, st, _, _, _), _ = run_layers(body, (x, k, v, st, None, None, None),
                                            params["layers"], cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x[:, 0], matmul=options.matmul), k, v, st
+    return output_logits(params, cfg, x[:, 0]), k, v, st
 
 
 def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, options):
@@ -126,7 +126,7 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
     x = embed_tokens(params, tokens)
     (x, k, v, key_norms, buf), _ = run_layers(layer, (x, k, v, key_norms, buf), params["layers"],
                                               cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x, matmul=options.matmul), k, v, key_norms, buf
+    return output_logits(params, cfg, x), k, v, key_norms, buf
 
 
 def _leading(ok):
