@@ -34,7 +34,7 @@ MOE = ("auto", "tokens", "kernel", "xla")
 HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
-MATMUL = ("auto", "kernel", "xla")
+MATMUL = ("auto", "by_shape", "kernel", "xla")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
            "selector_scores": SELECTOR_SCORES,
@@ -64,13 +64,14 @@ class EngineOptions:
     refresh: the refresh slots' dense read: "unconditional" (every step; the GPU kernel skips
         empty slots) or "cond" (behind a `lax.cond`).
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
-        streams each weight once for up to 64 rows, the RMSNorm in its prologue) or "xla".
+        streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
+        kernel where it beat XLA's gemm: up to 4 rows, weights >= 16 MiB) or "xla".
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
     "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
-    top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul the GPU variants
-    when attention is "pallas_gpu".
+    top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
+    variants when attention is "pallas_gpu".
     """
 
     attention: str = "auto"
@@ -120,7 +121,7 @@ class EngineOptions:
             heads=pick(self.heads, "kernel" if gpu_kernels else "xla"),
             repack=pick(self.repack, "kernel" if gpu_kernels else "xla"),
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
-            matmul=pick(self.matmul, "kernel" if gpu_kernels else "xla"),
+            matmul=pick(self.matmul, "by_shape" if gpu_kernels else "xla"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

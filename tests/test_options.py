@@ -30,7 +30,7 @@ def test_resolved_per_platform():
                                 selector_scores="pallas_gpu",
                                 selector_topk="radix_kernel", selector_adjust="xla",
                                 moe="tokens", heads="kernel", repack="kernel",
-                                refresh="unconditional", matmul="kernel", layer_unroll=6)
+                                refresh="unconditional", matmul="by_shape", layer_unroll=6)
     cpu = EngineOptions().resolved(platform="cpu")
     assert cpu == EngineOptions(attention="xla", prefill_attention="xla", selector_scores="xla",
                                 selector_topk="lax",
@@ -42,7 +42,7 @@ def test_resolved_per_platform():
     # the GPU variants follow the attention kernels, asked for anywhere
     forced = EngineOptions(attention="pallas_gpu").resolved(platform="cpu")
     assert (forced.moe, forced.heads, forced.repack, forced.refresh, forced.matmul) == \
-        ("tokens", "kernel", "kernel", "unconditional", "kernel")
+        ("tokens", "kernel", "kernel", "unconditional", "by_shape")
     assert forced.selector_scores == "xla"  # the selector's defaults follow the platform
     # explicit values are kept; resolving twice changes nothing; resolved objects hash
     mixed = EngineOptions(attention="pallas_gpu", moe="xla", layer_unroll="all")

@@ -1,6 +1,6 @@
 """A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
-`skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, or XLA ("xla",
-`skinny_matmul_reference`). Either way the input rows may be RMS-normed first, so the kernel
+`skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
+it was measured faster ("by_shape"), or XLA ("xla", `skinny_matmul_reference`). Either way the input rows may be RMS-normed first, so the kernel
 takes the norm into its prologue and the norm costs no launch of its own."""
 
 from __future__ import annotations
@@ -12,14 +12,22 @@ import jax
 from sfi_jax.kernels import skinny_matmul_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
-IMPLS = ("kernel", "xla")
+IMPLS = ("by_shape", "kernel", "xla")
 MAX_ROWS = 64
+# by_shape: where the kernel beat XLA's gemm on the H200 (benchmarks/skinny_matmul.md):
+# one row and weights of tens of MB; XLA's gemm won from 6 rows and for small weights
+BY_SHAPE_ROWS = 4
+BY_SHAPE_MIN_BYTES = 16 << 20
 
 
-def uses_kernel(impl: str, rows: int) -> bool:
-    """Whether `impl` runs the kernel for `rows` rows (more than MAX_ROWS take XLA's gemm)."""
+def uses_kernel(impl: str, rows: int, weight_bytes: int = 0) -> bool:
+    """Whether `impl` runs the kernel for `rows` rows times weights of `weight_bytes` in all:
+    "kernel" up to MAX_ROWS rows, "by_shape" up to BY_SHAPE_ROWS rows of weights of at least
+    BY_SHAPE_MIN_BYTES, "xla" never."""
     if impl not in IMPLS:
         raise ValueError(f"matmul impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "by_shape":
+        return rows <= BY_SHAPE_ROWS and weight_bytes >= BY_SHAPE_MIN_BYTES
     return impl == "kernel" and rows <= MAX_ROWS
 
 
@@ -32,7 +40,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    if not uses_kernel(impl, rows):
+    if not uses_kernel(impl, rows, sum(w.size * w.dtype.itemsize for w in weights)):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
 

@@ -270,7 +270,7 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     xla path's logits."""
     prompts, forced, runs = per_row_runs
     options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
-                                    refresh=refresh, repack=repack)
+                                    refresh=refresh, repack=repack, matmul="kernel")
     got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
         tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL, trigger_ids=[TRIGGER],
         forced_tokens=forced, stop_at_eos=False, return_logits=True, options=options))
@@ -288,6 +288,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     assert "wqkv" in split.params["layers"][0]
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
+    # the weight matmuls' kernel too (by_shape would leave these tiny weights to XLA)
+    gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel")
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               options=gpu_defaults)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
