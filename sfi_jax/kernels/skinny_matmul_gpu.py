@@ -35,8 +35,8 @@ _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to T
 class Config:
     """Tuning knobs: block_n, block_k powers of two >= 16; programs the grid size aimed for."""
 
-    block_n: int = 128
-    block_k: int = 128
+    block_n: int = 256
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 4
     programs: int = 4 * _NUM_SMS
