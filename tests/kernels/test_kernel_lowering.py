@@ -205,3 +205,23 @@ def test_moe_kernels_export_for_cuda():
     for fn, args in cases:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("rows, n_w, normed, dtype", [(1, 2, True, jnp.bfloat16),
+                                                      (4, 1, False, jnp.bfloat16),
+                                                      (16, 2, True, jnp.float32)])
+def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype):
+    """The weight-streaming matmul compiles for CUDA at Qwen3-4B's gate/up and q/k/v shapes,
+    and in float32 (the shared-memory fit's smaller tiles)."""
+    from sfi_jax.kernels import skinny_matmul_gpu
+
+    sds = jax.ShapeDtypeStruct
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    k, n = 2560, 9728 if n_w == 2 else 6144
+
+    def fn(x, w, norm):
+        return skinny_matmul_gpu.skinny_matmul_partials(x, (w,) * n_w, norm if normed else None)
+
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+        sds((rows, k), dtype), sds((k, n), dtype), sds((k,), dtype))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()

@@ -1,0 +1,111 @@
+"""The weight-streaming matmul (interpret mode) against a float64 numpy reference on fresh random
+inputs: several column blocks and K splits with ragged edges, one and two weights, with and
+without the folded RMSNorm; the dispatcher's choice of kernel or XLA; its errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sfi_jax.kernels import skinny_matmul as dispatch
+from sfi_jax.kernels import skinny_matmul_gpu as gpu
+
+EPS = 1e-6
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _numpy_reference(x, weights, norm):
+    """float64: RMSNorm (when given) then the products, from the same rounded inputs."""
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    if norm is not None:
+        n = np.asarray(norm.astype(jnp.float32), np.float64)
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * n
+    return [x @ np.asarray(w.astype(jnp.float32), np.float64) for w in weights]
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float64)
+    assert np.isfinite(a).all()
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _inputs(seed, rows, k, n, n_w, dtype, normed):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x = (3 * jax.random.normal(ks[0], (rows, k), jnp.float32)).astype(dtype)
+    ws = tuple((jax.random.normal(jax.random.fold_in(ks[1], i), (k, n), jnp.float32)
+                / np.sqrt(k)).astype(dtype) for i in range(n_w))
+    norm = (1 + 0.5 * jax.random.normal(ks[2], (k,), jnp.float32)).astype(dtype) \
+        if normed else None
+    return x, ws, norm
+
+
+SMALL = gpu.Config(block_n=32, block_k=32, num_warps=4, num_stages=2, programs=12)
+
+
+@pytest.mark.parametrize("rows, k, n, n_w, normed, dtype", [
+    (1, 200, 72, 1, True, jnp.bfloat16),    # one row, ragged K and N
+    (5, 96, 130, 2, True, jnp.float32),     # gate + up with the norm
+    (16, 64, 48, 1, False, jnp.float32),    # a full 16-row tile
+    (33, 80, 40, 2, False, jnp.bfloat16),   # rows padded to 64
+], ids=["1row-bf16-norm", "5rows-pair-norm", "16rows-f32", "33rows-pair-bf16"])
+def test_kernel_matches_numpy(rows, k, n, n_w, normed, dtype):
+    x, ws, norm = _inputs(rows * k + n, rows, k, n, n_w, dtype, normed)
+    want = _numpy_reference(x, ws, norm)
+    parts = gpu.skinny_matmul_partials(x, ws, norm, interpret=True, config=SMALL)
+    assert len(parts) == n_w + normed
+    assert parts[0].shape[0] > 1  # several K splits, each a partial sum
+    got = dispatch.skinny_matmul(x, ws, norm, eps=EPS, impl="kernel", config=SMALL)
+    xla = dispatch.skinny_matmul(x, ws, norm, eps=EPS, impl="xla")
+    for g, r, w in zip(got, xla, want):
+        assert g.shape == (rows, n) and g.dtype == jnp.float32
+        assert _rel(g, w) < TOL[dtype], _rel(g, w)
+        assert _rel(r, w) < TOL[dtype]
+    if normed:  # the same product without the norm is far off: the test sees a missing norm
+        plain = _numpy_reference(x, ws, None)
+        assert _rel(got[0], plain[0]) > 10 * TOL[dtype]
+
+
+def test_dispatcher_keeps_leading_dims_and_default_config():
+    x, ws, norm = _inputs(7, 6, 64, 96, 1, jnp.float32, True)
+    x3 = x.reshape(2, 3, 64)
+    got, = dispatch.skinny_matmul(x3, ws, norm, eps=EPS, impl="kernel")
+    assert got.shape == (2, 3, 96)
+    assert _rel(got.reshape(6, 96), _numpy_reference(x, ws, norm)[0]) < TOL[jnp.float32]
+
+
+def test_which_rows_take_the_kernel():
+    big = 16 << 20
+    assert dispatch.uses_kernel("kernel", 64) and not dispatch.uses_kernel("kernel", 65)
+    assert dispatch.uses_kernel("by_shape", 1, big) and dispatch.uses_kernel("by_shape", 4, big)
+    assert not dispatch.uses_kernel("by_shape", 6, big)
+    assert not dispatch.uses_kernel("by_shape", 1, big - 1)
+    assert not dispatch.uses_kernel("xla", 1, big)
+    with pytest.raises(ValueError, match="matmul impl must be one of"):
+        dispatch.uses_kernel("triton", 1)
+    # more rows than the kernel takes fall back to XLA's gemm
+    x, ws, _ = _inputs(3, 70, 32, 16, 1, jnp.float32, False)
+    jaxpr = str(jax.make_jaxpr(lambda x: dispatch.skinny_matmul(x, ws, impl="kernel"))(x))
+    assert "sfi_skinny_matmul" not in jaxpr
+    jaxpr = str(jax.make_jaxpr(lambda x: dispatch.skinny_matmul(x[:8], ws, impl="kernel"))(x))
+    assert "sfi_skinny_matmul" in jaxpr
+
+
+def test_bad_shapes_name_the_problem():
+    x, ws, _ = _inputs(1, 2, 32, 16, 1, jnp.float32, False)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gpu.skinny_matmul_partials(jnp.zeros((65, 32)), ws, interpret=True)
+    with pytest.raises(ValueError, match="does not match weight"):
+        gpu.skinny_matmul_partials(jnp.zeros((2, 33)), ws, interpret=True)
+    with pytest.raises(ValueError, match="one or two weights of one shape"):
+        gpu.skinny_matmul_partials(x, (ws[0], ws[0][:, :8]), interpret=True)
+
+
+def test_shared_memory_fit():
+    """Pipelined tiles that would not fit in shared memory get fewer stages, then smaller K
+    blocks (float32 gate + up at the default tiles)."""
+    fit = gpu._fit(gpu.Config(), rows=16, n_w=2, x_bytes=4, w_bytes=4)
+    stage = fit.block_k * (16 * 4 + 2 * fit.block_n * 4)
+    assert stage * fit.num_stages <= gpu._SMEM_BYTES and fit.num_stages >= 2
+    assert gpu._fit(gpu.Config(), rows=16, n_w=1, x_bytes=2, w_bytes=2) == gpu.Config()
