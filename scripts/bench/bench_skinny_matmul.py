@@ -19,6 +19,7 @@ matmul and the chain's small reduction, no launch gaps), `us` the wall time per 
   python scripts/bench/bench_skinny_matmul.py --out benchmarks/skinny_matmul.json
   python scripts/bench/bench_skinny_matmul.py --sweep --out /tmp/skinny_sweep.json
   python scripts/bench/bench_skinny_matmul.py --smoke --out /tmp/skinny.json   # CPU, interpret
+  python scripts/bench/bench_skinny_matmul.py --report A.json [B.json ...] --out report.md
 """
 
 from __future__ import annotations
@@ -149,8 +150,44 @@ def check(x, weights, norm, config):
                for g, r in zip(got, want))
 
 
+def report(paths, out):
+    """A Markdown table per results file: GPU busy us per matmul (us of wall time where no
+    profile), and the fraction of the copy bandwidth the best variant reached."""
+    lines = ["# Decode-step weight matmuls: weight-streaming kernel vs XLA and cuBLAS", ""]
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        meta, rows = d["meta"], d["rows"]
+        labels = list(dict.fromkeys(k for r in rows for k in r.get("busy_us", r["us"])))
+        bw = meta.get("copy_bandwidth") or 0
+        lines += [f"## {os.path.basename(path)}", "",
+                  f"Machine: {meta['device']}, jax {meta['jax']}, copy bandwidth "
+                  f"{bw / 1e12:.2f} TB/s, {meta['time']}. Command: `{meta.get('command', '')}`",
+                  "", "GPU busy us per matmul (chain link: the matmul and the chain's small "
+                  "reduction); torch: wall us in a CUDA graph; MB: weight bytes read.", "",
+                  "| model | proj | rows | MB | " + " | ".join(labels) + " | torch | best | "
+                  "best of bandwidth |",
+                  "|" + "---|" * (len(labels) + 7)]
+        for r in rows:
+            t = r.get("busy_us", r["us"])
+            best = min((v, k) for k, v in t.items() if v)
+            frac = r["weight_bytes"] / (best[0] / 1e6) / bw if bw else float("nan")
+            torch_us = r["us"].get("torch")
+            lines.append(f"| {r['model']} | {r['proj']} | {r['rows']} | "
+                         f"{r['weight_bytes'] / 1e6:.1f} | "
+                         + " | ".join(f"{t[k]:.1f}" if t.get(k) else "-" for k in labels)
+                         + f" | {torch_us:.1f} | " if torch_us else " | - | ")
+            lines[-1] += f"{best[1]} | {frac:.2f} |"
+        lines.append("")
+    with open(out, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="write --out as a Markdown report of these results (no device work)")
     ap.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
     ap.add_argument("--rows", default="1,6,16,24")
     ap.add_argument("--sweep", action="store_true", help="also time every SWEEP config")
@@ -160,6 +197,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.report:
+        report(args.report, args.out)
+        return
 
     interpret = jax.default_backend() != "gpu"
     bandwidth = None if interpret else _common.copy_bandwidth()
@@ -174,7 +214,8 @@ def main():
             torch_ok = torch.cuda.is_available()
         except ImportError:
             pass
-    meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, python=platform.python_version(),
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                python=platform.python_version(), command="python " + " ".join(sys.argv),
                 copy_bandwidth=bandwidth, time=time.strftime("%Y-%m-%d %H:%M:%S"))
     rows_out = []
     for model in args.models.split(","):
