@@ -164,7 +164,8 @@ def report(paths, out):
                   f"Machine: {meta['device']}, jax {meta['jax']}, copy bandwidth "
                   f"{bw / 1e12:.2f} TB/s, {meta['time']}. Command: `{meta.get('command', '')}`",
                   "", "GPU busy us per matmul (chain link: the matmul and the chain's small "
-                  "reduction); torch: wall us in a CUDA graph; MB: weight bytes read.", "",
+                  "reduction); torch: wall us in a CUDA graph; MB: weight bytes read; kernel:N:K:W:S:P = "
+                  "block_n, block_k, warps, stages, programs per SM.", "",
                   "| model | proj | rows | MB | " + " | ".join(labels) + " | torch | best | "
                   "best of bandwidth |",
                   "|" + "---|" * (len(labels) + 7)]
@@ -176,7 +177,7 @@ def report(paths, out):
             lines.append(f"| {r['model']} | {r['proj']} | {r['rows']} | "
                          f"{r['weight_bytes'] / 1e6:.1f} | "
                          + " | ".join(f"{t[k]:.1f}" if t.get(k) else "-" for k in labels)
-                         + f" | {torch_us:.1f} | " if torch_us else " | - | ")
+                         + (f" | {torch_us:.1f} | " if torch_us else " | - | "))
             lines[-1] += f"{best[1]} | {frac:.2f} |"
         lines.append("")
     with open(out, "w") as f:
@@ -184,7 +185,7 @@ def report(paths, out):
     print(f"wrote {out}")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", nargs="+", metavar="JSON",
                     help="write --out as a Markdown report of these results (no device work)")
@@ -196,7 +197,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.report:
         report(args.report, args.out)
         return

@@ -311,3 +311,19 @@ def test_bench_selector_topk_smoke(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["impl"] for r in rows] == ["lax", "radix/4", "radix_kernel/2"]
     assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)
+
+
+def test_bench_skinny_matmul_smoke_and_report(tmp_path):
+    """The weight-matmul bench on tiny shapes (the kernel in interpret mode, checked against
+    the float32 reference), then its Markdown report from the JSON."""
+    out = tmp_path / "skinny.json"
+    bench = load("bench/bench_skinny_matmul.py")
+    bench.main(["--smoke", "--models", "qwen3-0.6b", "--rows", "3", "--iters", "1",
+                "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["proj"] for r in rows] == ["tiny", "tiny_pair"]
+    for r in rows:
+        assert r["err"]["kernel:default"] < 1e-2 and set(r["us"]) == {"xla", "kernel:default"}
+    bench.main(["--report", str(out), "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    assert "| qwen3-0.6b | tiny_pair | 3 |" in text
