@@ -1,5 +1,5 @@
 """A few rows times a weight in jnp: the optional RMSNorm of the rows (float32, rounded to their
-dtype, as `models.modeling.rms_norm`), then a float32-accumulated matmul. The reference of
+dtype; the model's `rms_norm` everywhere), then a float32-accumulated matmul. The reference of
 `skinny_matmul_gpu`."""
 
 from __future__ import annotations

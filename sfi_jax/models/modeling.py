@@ -20,6 +20,7 @@ from flax import nnx
 from sfi_jax.kernels import heads as heads_kernels
 from sfi_jax.kernels import moe as moe_kernels
 from sfi_jax.kernels.skinny_matmul import skinny_matmul
+from sfi_jax.kernels.skinny_matmul_reference import rms_norm
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
@@ -212,12 +213,6 @@ def run_layers(body, carry, layers, num_layers: int, unroll=1):
     return jax.lax.scan(body, carry, (layers, ids), unroll=unroll)
 
 
-def rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
 def rope_cos_sin(positions, cfg: ModelConfig):
     """cos, sin [B, T, D/2] float32 (the attention scale applied) for positions [B, T]."""
     inv_freq, mscale = rope_inv_freq_and_scale(cfg)
@@ -242,8 +237,8 @@ def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
 
 
 def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str):
-    """RMSNorm of x by `norm`, then each weight: rounded to x's dtype as `rms_norm` and
-    a float32-accumulated matmul round (the kernel takes the norm into its prologue)."""
+    """RMSNorm of x by `norm`, then each weight, rounded to x's dtype (the kernel folds the
+    norm into the product: `kernels.skinny_matmul`)."""
     return tuple(y.astype(x.dtype) for y in skinny_matmul(
         x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul))
 
@@ -258,8 +253,9 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
 
     heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
     rotates its heads in one Triton launch (interpret mode off the GPU).
-    matmul: the projections' `kernels.skinny_matmul` impl, "xla" or "kernel" (the
-    weight-streaming kernel for a decode step's few rows, the RMSNorm in its prologue)."""
+    matmul: the projections' `kernels.skinny_matmul` impl: "xla", "kernel" (the
+    weight-streaming kernel for a decode step's few rows, the RMSNorm folded in) or
+    "by_shape" (the kernel where it was measured faster)."""
     B, T, _ = x.shape
     norm = w["attn_norm"]
     if "wqkv" in w:
