@@ -1,7 +1,7 @@
 """A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
 `skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
-it was measured faster ("by_shape"), or XLA ("xla", `skinny_matmul_reference`). Either way the input rows may be RMS-normed first, so the kernel
-folds the norm into the product and the norm costs no launch of its own."""
+it was measured faster ("by_shape"), or XLA ("xla", `skinny_matmul_reference`). The input rows
+may be RMS-normed first: the kernel folds the norm into the product, so it costs no launch."""
 
 from __future__ import annotations
 
