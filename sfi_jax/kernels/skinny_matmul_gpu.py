@@ -42,6 +42,15 @@ class Config:
     programs: int = 4 * _NUM_SMS
 
 
+def default_config(n: int, k: int) -> Config:
+    """The H200 sweep's best at one row (benchmarks/skinny_matmul.md): wide 256 x 64 tiles for
+    the projections out of the hidden state (q/k/v, gate/up: N > K), 128 x 128 tiles on 2
+    programs per SM for those into it (o, down: N < K)."""
+    if n < k:
+        return Config(block_n=128, block_k=128, num_warps=4, num_stages=4, programs=2 * _NUM_SMS)
+    return Config()
+
+
 def _pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -123,7 +132,8 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
 
     With `norm` [K] the rows are multiplied by it before the product, and the tuple ends with
     the rows' float32 sums of squares per split [splits, R]: the RMSNorm's row scale
-    rsqrt(sum / K + eps) applies to the summed product (`skinny_matmul.skinny_matmul`)."""
+    rsqrt(sum / K + eps) applies to the summed product (`skinny_matmul.skinny_matmul`).
+    config: a Config (None: `default_config` for the weight's shape)."""
     n_rows, k = x.shape
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {n_rows}")
@@ -135,7 +145,7 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
         raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}")
     n = shape[1]
     rows = max(_MIN_ROWS, _pow2(n_rows))
-    cfg = config or Config()
+    cfg = config or default_config(n, k)
     cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, _pow2(n))),
                               block_k=min(cfg.block_k, max(16, _pow2(k))))
     cfg = _fit(cfg, rows, len(weights), x.dtype.itemsize, weights[0].dtype.itemsize)

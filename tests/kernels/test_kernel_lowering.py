@@ -207,17 +207,16 @@ def test_moe_kernels_export_for_cuda():
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("rows, n_w, normed, dtype", [(1, 2, True, jnp.bfloat16),
-                                                      (4, 1, False, jnp.bfloat16),
-                                                      (16, 2, True, jnp.float32)])
-def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype):
-    """The weight-streaming matmul compiles for CUDA at Qwen3-4B's gate/up and q/k/v shapes,
-    and in float32 (the shared-memory fit's smaller tiles)."""
+@pytest.mark.parametrize("rows, n_w, normed, dtype, k, n", [
+    (1, 2, True, jnp.bfloat16, 2560, 9728),   # gate + up, the norm folded in
+    (4, 1, False, jnp.bfloat16, 9728, 2560),  # down: the N < K tiles
+    (16, 2, True, jnp.float32, 2560, 6144)])  # float32: the shared-memory fit's smaller tiles
+def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype, k, n):
+    """The weight-streaming matmul compiles for CUDA at Qwen3-4B's shapes."""
     from sfi_jax.kernels import skinny_matmul_gpu
 
     sds = jax.ShapeDtypeStruct
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    k, n = 2560, 9728 if n_w == 2 else 6144
 
     def fn(x, w, norm):
         return skinny_matmul_gpu.skinny_matmul_partials(x, (w,) * n_w, norm if normed else None)
