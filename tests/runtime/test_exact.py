@@ -63,6 +63,18 @@ def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
     assert all(n >= 2 for n in s["slow_steps"]), s["slow_steps"]
 
 
+def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3):
+    """Drafts and the verify step (several rows per sequence) with the weight-streaming matmul
+    kernel (interpret mode): still dense decoding's tokens (computed with XLA's matmuls)."""
+    prompts = _prompts([30, 51], seed=2)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
+    kw = dict(max_new_tokens=6, stop_at_eos=False)
+    ex = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER],
+                          options=sfi_jax.EngineOptions(matmul="kernel"), **kw)
+    assert _same_as_dense(tiny_qwen3.model, ex, prompts, "matmul kernel", **kw) == 0
+    _check_counts(ex.stats, ex.tokens)
+
+
 @pytest.mark.slow  # four compiles of a 30-layer model and 32 rows: minutes on a CPU
 def test_greedy_equals_dense_smollm2_budgets(smol_model, smol_tokenizer):
     """SmolLM2 real weights, 32 short prompts (ragged), budgets from one covering the context

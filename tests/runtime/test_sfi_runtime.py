@@ -270,7 +270,7 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     xla path's logits."""
     prompts, forced, runs = per_row_runs
     options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
-                                    refresh=refresh, repack=repack, matmul="kernel")
+                                    refresh=refresh, repack=repack)
     got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
         tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL, trigger_ids=[TRIGGER],
         forced_tokens=forced, stop_at_eos=False, return_logits=True, options=options))
@@ -300,11 +300,11 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
 
 
 # "kernel" (not a default anywhere) is slow here; tests/kernels checks it against ragged_dot
-@pytest.mark.parametrize("moe", [pytest.param("kernel", marks=pytest.mark.slow), "tokens", "auto"])
+@pytest.mark.parametrize("moe", [pytest.param("kernel", marks=pytest.mark.slow), "tokens"])
 def test_moe_kernels_in_the_decode_loop(moe):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
     (interpret mode) and the expert kernels (moe="kernel": expert-sorted rows; "tokens":
-    per-expert tiles of all tokens; "auto" with the GPU kernels: tokens), each its own
+    per-expert tiles of all tokens, what "auto" resolves to with the GPU kernels), each its own
     program: the xla path's logits, in SFI and in dense decoding."""
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
@@ -324,11 +324,10 @@ def test_moe_kernels_in_the_decode_loop(moe):
             for m in ("sfi", "dense")}
     options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
                                     moe=moe)
-    assert options.resolved().moe == ("tokens" if moe == "auto" else moe)
+    assert sfi_jax.EngineOptions(attention="pallas_gpu").resolved().moe == "tokens"
     for m in ("sfi", "dense"):
         got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
-            model, prompts, mode=m, options=options, **kw)) if moe != "auto" else \
-            sfi_jax.generate(model, prompts, mode=m, options=options, **kw)
+            model, prompts, mode=m, options=options, **kw))
         assert got.tokens == want[m].tokens, m
         assert rel_err(got.stats["logits"], want[m].stats["logits"]) < 1e-4, m
 
