@@ -25,7 +25,6 @@ matmul and the chain's small reduction, no launch gaps), `us` the wall time per 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -100,11 +99,11 @@ def time_jax(fn, x, weights, norm, iters, compiler_options=None, busy=False):
     return wall, stats["busy_ms_per_step"] * 1e3 if stats else None
 
 
-def time_torch(name, K, N, nw, trans, R, L, iters):
+def time_torch(K, N, nw, R, L, iters):
     import torch
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    ws = [[torch.randn((N, K) if trans else (K, N), device=dev, generator=g,
+    ws = [[torch.randn((K, N), device=dev, generator=g,
                        dtype=torch.bfloat16) * 0.02 for _ in range(nw)] for _ in range(L)]
     x0 = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
 
@@ -112,7 +111,7 @@ def time_torch(name, K, N, nw, trans, R, L, iters):
         for w in ws:
             total = 0
             for wi in w:
-                y = torch.matmul(x, wi.t() if trans else wi).float()
+                y = torch.matmul(x, wi).float()
                 total = total + y.sum(-1, keepdim=True)
             x = (x.float() + 1e-30 * total).to(torch.bfloat16)
         return x
@@ -260,7 +259,7 @@ def main(argv=None):
                         traceback.print_exc()
                 if torch_ok:
                     try:
-                        row["us"]["torch"] = time_torch(name, K, N, nw, False, R, n_chain,
+                        row["us"]["torch"] = time_torch(K, N, nw, R, n_chain,
                                                         args.iters) / n_chain
                     except Exception as e:  # noqa: BLE001
                         row["us"]["torch"] = None

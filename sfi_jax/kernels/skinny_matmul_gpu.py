@@ -8,8 +8,8 @@ over one K split, so the grid has enough programs to keep every SM's loads in fl
 split writes float32 partial sums that the caller's next elementwise fusion adds up.
 
 Optional RMSNorm of the input rows, so the norm costs no launch of its own: each block of the
-rows is multiplied by the norm's weight (rounded to the input dtype) on its way into the
-product, and each split also writes its part of the rows' sums of squares; the row scale
+rows is multiplied by the norm's weight (the product rounded to the input dtype) on its way
+into the matmul, and each split also writes its part of the rows' sums of squares; the row scale
 applies to the summed product (a per-row factor commutes with the product). Optional second
 weight of the same shape (gate and up projections): both read with one load of the input block.
 """
