@@ -614,7 +614,7 @@ def main(argv=None):
         jax.distributed.initialize()
     if args.smoke:
         args.new_tokens, args.chunk_steps, args.batch = 16, 8, 2
-    bw = copy_bandwidth(256 << 20 if args.smoke else 2 << 30)
+    bw = copy_bandwidth(32 << 20 if args.smoke else 2 << 30)
     limit = device_bytes()
     meta = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
                 jax=jax.__version__, python=platform.python_version(), copy_bw_tbs=bw / 1e12,
