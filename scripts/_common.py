@@ -61,6 +61,24 @@ def device_bytes():
     return int(st["bytes_limit"]) if st and "bytes_limit" in st else 16 << 30
 
 
+# --- the engine check's model ----------------------------------------------------------------
+
+def engine_check_model():
+    """(model, prompts) of the e2e engine check: a small random float32 Qwen3-like decoder
+    (head dim 128, GQA 4) and three prompts of different lengths. bench_e2e.py and
+    diag_engine_check.py run their arms on it."""
+    from sfi_jax.models.config import ModelConfig
+    from sfi_jax.models.modeling import Model
+    from sfi_jax.models.params import random_params
+
+    cfg = ModelConfig(name="check", num_layers=2, hidden_size=256, intermediate_size=512,
+                      num_q_heads=8, num_kv_heads=2, head_dim=128, vocab_size=512,
+                      max_position_embeddings=4096)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
+    return Model(cfg, random_params(cfg, "float32", 3)), prompts
+
+
 # --- the benchmark's decode state -----------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -364,15 +364,7 @@ def engine_check():
 
 
 def _engine_check():
-    cfg = ModelConfig(name="check", num_layers=2, hidden_size=256, intermediate_size=512,
-                      num_q_heads=8, num_kv_heads=2, head_dim=128, vocab_size=512,
-                      max_position_embeddings=4096)
-    from sfi_jax.models.modeling import Model
-    from sfi_jax.models.params import random_params
-
-    model = Model(cfg, random_params(cfg, "float32", 3))
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
+    model, prompts = _common.engine_check_model()
     out = {}
     dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False)
     full = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
@@ -21,21 +22,14 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    import _common  # noqa: E402  (imports jax; puts this checkout's package on the path)
     import jax
 
     jax.config.update("jax_default_matmul_precision", args.precision)
     import sfi_jax
     from sfi_jax import EngineOptions, SFIConfig
-    from sfi_jax.models.config import ModelConfig
-    from sfi_jax.models.modeling import Model
-    from sfi_jax.models.params import random_params
 
-    cfg = ModelConfig(name="check", num_layers=2, hidden_size=256, intermediate_size=512,
-                      num_q_heads=8, num_kv_heads=2, head_dim=128, vocab_size=512,
-                      max_position_embeddings=4096)
-    model = Model(cfg, random_params(cfg, "float32", 3))
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
+    model, prompts = _common.engine_check_model()
     small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
     gpu = jax.default_backend() == "gpu"
     kernel = "pallas_gpu" if gpu else "xla"

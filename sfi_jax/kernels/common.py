@@ -30,3 +30,11 @@ def sortable_keys(x):
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits >> 31
     return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis in float32, rounded to x's dtype: the model's norm, and the
+    rounding the kernels' references (q/k heads, the skinny matmul's input) follow."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)

@@ -5,14 +5,9 @@ as `models.modeling.attention_inputs`."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-
-def _rms(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+from sfi_jax.kernels.common import rms_norm
 
 
 def _rope(x, cos, sin):
@@ -31,5 +26,5 @@ def norm_rope_heads(qkv, cos, sin, q_norm, k_norm, *, num_q_heads, num_kv_heads,
     q, k = heads[:, :num_q_heads], heads[:, num_q_heads:num_q_heads + num_kv_heads]
     v = heads[:, num_q_heads + num_kv_heads:]
     if q_norm is not None:
-        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     return _rope(q, cos, sin), _rope(k, cos, sin), v

@@ -13,7 +13,7 @@ from sfi_jax.kernels import skinny_matmul_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
 IMPLS = ("by_shape", "kernel", "xla")
-MAX_ROWS = 64
+MAX_ROWS = 64  # skinny_matmul_gpu.MAX_ROWS (not imported here: Triton loads only when used)
 # by_shape: where the kernel beat XLA's gemm on the H200 (benchmarks/skinny_matmul.md):
 # one row and weights of tens of MB; XLA's gemm won from 6 rows and for small weights
 BY_SHAPE_ROWS = 4

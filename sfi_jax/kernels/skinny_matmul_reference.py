@@ -1,17 +1,12 @@
 """A few rows times a weight in jnp: the optional RMSNorm of the rows (float32, rounded to their
-dtype; the model's `rms_norm` everywhere), then a float32-accumulated matmul. The reference of
+dtype: `kernels.common.rms_norm`), then a float32-accumulated matmul. The reference of
 `skinny_matmul_gpu`."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-
-def rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+from sfi_jax.kernels.common import rms_norm
 
 
 def skinny_matmul(x, weights, norm=None, *, eps=1e-6):

@@ -20,7 +20,7 @@ from flax import nnx
 from sfi_jax.kernels import heads as heads_kernels
 from sfi_jax.kernels import moe as moe_kernels
 from sfi_jax.kernels.skinny_matmul import skinny_matmul
-from sfi_jax.kernels.skinny_matmul_reference import rms_norm
+from sfi_jax.kernels.common import rms_norm
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
