@@ -49,9 +49,16 @@ SWEEP = ["128:128:4:4:4", "64:128:4:4:4", "128:256:4:3:4", "256:64:4:4:4", "128:
          "64:128:4:6:4", "256:128:8:3:4"]
 
 
+MODE_CODES = {"d": "dot", "f": "fma", "fd": "fma_defer"}
+
+
 def parse_config(text):
-    bn, bk, w, s, p = (int(v) for v in text.split(":"))
-    return sm.Config(bn, bk, w, s, p * sm._NUM_SMS)
+    """bn:bk:warps:stages:programs per SM[:mode], mode d (dot, the default), f (fma) or fd
+    (fma_defer)."""
+    parts = text.split(":")
+    bn, bk, w, s, p = (int(v) for v in parts[:5])
+    mode = MODE_CODES[parts[5]] if len(parts) > 5 else "dot"
+    return sm.Config(bn, bk, w, s, p * sm._NUM_SMS, mode)
 
 
 def projections(cfg):
@@ -84,19 +91,22 @@ def matmul_fn(impl, config=None):
 
 
 def time_jax(fn, x, weights, norm, iters, compiler_options=None, busy=False):
-    """(wall us per chain, GPU busy us per chain from a profiler trace or None)."""
+    """(wall us per chain, GPU busy us per chain from a profiler trace or None, the trace's
+    kernels as (name, us per chain, launches per chain) or None)."""
     lowered = jax.jit(fn).lower(x, weights, norm)
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     wall = _common.timeit(compiled, x, weights, norm, iters=iters, repeats=5)
     if not busy:
-        return wall, None
+        return wall, None, None
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(iters):
                 out = compiled(x, weights, norm)
             jax.block_until_ready(out)
         stats = _common.kernel_stats(d, iters)
-    return wall, stats["busy_ms_per_step"] * 1e3 if stats else None
+    if not stats:
+        return wall, None, None
+    return wall, stats["busy_ms_per_step"] * 1e3, stats["top_us_per_step"]
 
 
 def time_torch(K, N, nw, R, L, iters):
@@ -191,7 +201,7 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
     ap.add_argument("--rows", default="1,6,16,24")
     ap.add_argument("--sweep", action="store_true", help="also time every SWEEP config")
-    ap.add_argument("--configs", default="", help="comma-separated bn:bk:warps:stages:progs/SM")
+    ap.add_argument("--configs", default="", help="comma-separated bn:bk:warps:stages:progs/SM[:d|f|fd]")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret)")
@@ -248,11 +258,13 @@ def main(argv=None):
                         if label.startswith("kernel"):
                             cfg_ = dict(configs)[label.split(":", 1)[1]]
                             row.setdefault("err", {})[label] = check(x, weights[0], norm, cfg_)
-                        t, busy = time_jax(chain(fn, jnp.bfloat16), x, weights, norm,
-                                           args.iters, opts, busy=not interpret)
+                        t, busy, top = time_jax(chain(fn, jnp.bfloat16), x, weights, norm,
+                                                args.iters, opts, busy=not interpret)
                         row["us"][label] = t / n_chain
                         if busy is not None:
                             row.setdefault("busy_us", {})[label] = busy / n_chain
+                            row.setdefault("kernels", {})[label] = [
+                                (name, us / n_chain, n / n_chain) for name, us, n in top]
                     except Exception as e:  # noqa: BLE001  (a config that does not lower)
                         row["us"][label] = None
                         row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:300]

@@ -27,19 +27,29 @@ from jax.experimental import pallas as pl
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
+MODES = ("dot", "fma", "fma_defer")
 MAX_ROWS = 64
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tuning knobs: block_n, block_k powers of two >= 16; programs the grid size aimed for."""
+    """Tuning knobs: block_n, block_k powers of two >= 16; programs the grid size aimed for;
+    mode how a tile is multiplied: "dot" (tl.dot, rows padded to 16), "fma" (multiply-adds in
+    registers, rows padded to a power of two, reduced over the tile's K every block) or
+    "fma_defer" (the same, summed over K once at the end: more registers, no per-block
+    reduction across threads)."""
 
     block_n: int = 256
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 4
     programs: int = 4 * _NUM_SMS
+    mode: str = "dot"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
 def default_config(n: int, k: int) -> Config:
@@ -65,7 +75,7 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
 
 
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, normed,
-            precision):
+            precision, mode):
     w_refs, o_refs = refs[:n_w], refs[n_w:]
     j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
@@ -86,17 +96,25 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, norm
             nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
             xb = (xf * nw.astype(jnp.float32)[None, :]).astype(x_ref.dtype)
         xb = xb.astype(w_refs[0].dtype)
+        xf = xb.astype(jnp.float32)[:, :, None]
         out = []
         for w_ref, acc in zip(w_refs, accs):
             wb = plgpu_triton.load(w_ref.at[pl.ds(k0, bk), pl.ds(j * bn, bn)],
                                    mask=kmask[:, None] & cmask[None, :], other=0.0)
-            out.append(acc + plgpu_triton.dot(xb, wb, precision=precision))
+            if mode == "dot":
+                out.append(acc + plgpu_triton.dot(xb, wb, precision=precision))
+            elif mode == "fma":
+                out.append(acc + jnp.sum(xf * wb.astype(jnp.float32)[None], axis=1))
+            else:
+                out.append(acc + xf * wb.astype(jnp.float32)[None])
         return tuple(out), sq
 
-    zeros = jnp.zeros((rows, bn), jnp.float32)
+    zeros = jnp.zeros((rows, bk, bn) if mode == "fma_defer" else (rows, bn), jnp.float32)
     accs, sq = lax.fori_loop(0, n_iter, body, (tuple(zeros for _ in w_refs),
                                                jnp.zeros((rows, bk) if normed else (1, 1),
                                                          jnp.float32)))
+    if mode == "fma_defer":
+        accs = tuple(jnp.sum(acc, axis=1) for acc in accs)
     for o_ref, acc in zip(o_refs[:n_w], accs):
         plgpu_triton.store(o_ref.at[s, pl.ds(0, rows), pl.ds(j * bn, bn)], acc,
                            mask=rmask[:, None] & cmask[None, :])
@@ -144,8 +162,8 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
     if shape[0] != k:
         raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}")
     n = shape[1]
-    rows = max(_MIN_ROWS, _pow2(n_rows))
     cfg = config or default_config(n, k)
+    rows = _pow2(n_rows) if cfg.mode != "dot" else max(_MIN_ROWS, _pow2(n_rows))
     cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, _pow2(n))),
                               block_k=min(cfg.block_k, max(16, _pow2(k))))
     cfg = _fit(cfg, rows, len(weights), x.dtype.itemsize, weights[0].dtype.itemsize)
@@ -153,7 +171,8 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
     normed = norm is not None
     kernel = functools.partial(
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
-        bk=cfg.block_k, k_split=k_split, normed=normed, precision=_precision(weights[0].dtype))
+        bk=cfg.block_k, k_split=k_split, normed=normed, precision=_precision(weights[0].dtype),
+        mode=cfg.mode)
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n), jnp.float32)] * len(weights)
     if normed:
         out.append(jax.ShapeDtypeStruct((n_splits, n_rows), jnp.float32))
