@@ -52,13 +52,20 @@ class Config:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
-def default_config(n: int, k: int) -> Config:
-    """The H200 sweep's best at one row (benchmarks/skinny_matmul.md): wide 256 x 64 tiles for
-    the projections out of the hidden state (q/k/v, gate/up: N > K), 128 x 128 tiles on 2
-    programs per SM for those into it (o, down: N < K)."""
+def default_config(n: int, k: int, rows: int = 1) -> Config:
+    """The H200 sweeps' best (benchmarks/skinny_matmul.md). Out of the hidden state (q/k/v,
+    gate/up: N > K): 256 x 32 tiles multiplied in registers for one row, 256 x 64 tl.dot tiles
+    on 2 stages for more (the register product grows with the rows). Into it (o, down: N < K):
+    128 x 64 tiles on 8 programs per SM up to K = 4096, 128 x 128 on 2 per SM beyond."""
     if n < k:
+        if k <= 4096:
+            return Config(block_n=128, block_k=64, num_warps=4, num_stages=2,
+                          programs=8 * _NUM_SMS)
         return Config(block_n=128, block_k=128, num_warps=4, num_stages=4, programs=2 * _NUM_SMS)
-    return Config()
+    if rows == 1:
+        return Config(block_n=256, block_k=32, num_warps=4, num_stages=3, programs=4 * _NUM_SMS,
+                      mode="fma")
+    return Config(block_n=256, block_k=64, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
 
 
 def _pow2(n):
@@ -162,7 +169,7 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
     if shape[0] != k:
         raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}")
     n = shape[1]
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, n_rows)
     rows = _pow2(n_rows) if cfg.mode != "dot" else max(_MIN_ROWS, _pow2(n_rows))
     cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, _pow2(n))),
                               block_k=min(cfg.block_k, max(16, _pow2(k))))

@@ -122,14 +122,15 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
                                          new_kv=(kk, vv), key_norms=st.key_norms, **kw)
         return out, k, v, st._replace(key_norms=norms)
 
-    n_slots = slots.shape[0]
-    safe = jnp.minimum(slots, B - 1)
-    # empty slots (== B) attend to nothing: the kernel reads no keys for them
-    row_len = jnp.where(slots < B, lengths[safe], 0)
-
     def dense_rows_with_logits():
         return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
                             impl=impl)
+
+    if slots is not None:
+        n_slots = slots.shape[0]
+        safe = jnp.minimum(slots, B - 1)
+        # empty slots (== B) attend to nothing: the kernel reads no keys for them
+        row_len = jnp.where(slots < B, lengths[safe], 0)
 
     if sfi.selects_every_step:
         _, logits, _ = dense_rows_with_logits()
@@ -155,6 +156,8 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     # copy buffers at every step (docs/findings.md).
     if qh is not None:  # evidence_window > 1: remember this step's query
         qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
+    if slots is None:  # a step of `decode_chunk`'s fast loop: no row refreshes, no dense launch
+        return LayerAttention(attn, k, v, st, buf, qh)
 
     def refresh(buf):
         if qh is None:
@@ -265,26 +268,27 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         select_all = functools.partial(mesh.select_all_layers, plan, select_all)
 
     def apply_selections(st, buf, k, v, pos, slots):
-        """The previous step's refreshed rows get their new selections (all layers at once)
-        before anything reads the compact buffers again: updating them after this step's
-        reads instead made XLA copy them at every step."""
+        """The refreshed rows get their new selections (all layers at once) before the next
+        step reads the compact buffers."""
         return jax.lax.cond(jnp.any(slots < B), select_all, lambda st, *_: st,
                             st, buf, k, v, pos, slots)
 
-    def step(carry):
-        state, i, out_tokens, out_slow, out_logits, out_diag, buf, prev_slots = carry
+    def wants_refresh(state):
+        st = state.sfi
+        return (st.pending | (state.lengths == sfi.budget)) & ~state.done
+
+    def step(carry, refresh=True):
+        """One decode step; refresh=False: a step in which no row refreshes (the fast loop's),
+        so no refresh-slot launch at all."""
+        state, i, out_tokens, out_slow, out_logits, out_diag, buf = carry
         pos = state.lengths
         st = state.sfi
-        if buf is not None:
-            st = apply_selections(st, buf, state.k, state.v, pos - 1, prev_slots)
-            # + 0 that XLA cannot fold: it makes this step's writes of `buf` wait for the
-            # selection that reads it (else XLA copies `buf` at every step)
-            pos = pos + jnp.minimum(st.c_len[0, 0, 0], 0)
         if sfi is not None:
             dense_rows = pos + 1 <= sfi.budget
-            if sfi.refreshes:
-                want = st.pending | (pos == sfi.budget)
-                slots = refresh_slots(want, state.done, n_slots)
+            if not refresh:
+                slots = None
+            elif sfi.refreshes:
+                slots = refresh_slots(wants_refresh(state), state.done, n_slots)
             elif sfi.selects_every_step:
                 slots = jnp.arange(B, dtype=jnp.int32)
             else:
@@ -318,7 +322,9 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         if return_logits:
             out_logits = out_logits.at[:, i].set(logits)
         if sfi is not None:
-            refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
+            refreshed = jnp.zeros((B,), bool)
+            if slots is not None:
+                refreshed = refreshed.at[slots].set(True, mode="drop")
             if sfi.selects_every_step:
                 refreshed = jnp.ones((B,), bool)
             out_slow = out_slow.at[:, i].set(refreshed & live)
@@ -330,25 +336,39 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                              slow_steps=st.slow_steps + (refreshed & live),
                              fast_steps=st.fast_steps + (~refreshed & live))
         done = state.done | eos_mask[token]
+        if buf is not None and slots is not None:  # this step's refreshed rows
+            # + 0 that XLA cannot fold: the selection's update of the compact buffers waits for
+            # this step's token, so for every layer's read of them (else XLA copies them)
+            st = apply_selections(st, buf, k, v, pos + jnp.minimum(token, 0), slots)
         state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
                             step=state.step + 1, key=key, sfi=st, diag=diag, q_hist=q_hist)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
-        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf,
-                None if buf is None else slots)
+        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf)
 
     def cond(carry):
         state, i = carry[0], carry[1]
         return (i < n_steps) & ~jnp.all(state.done)
 
     buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
-    no_slots = None if buf is None else B + jnp.arange(n_slots, dtype=jnp.int32)
-    state, taken, out_tokens, out_slow, out_logits, out_diag, buf, last_slots = \
-        jax.lax.while_loop(cond, step, (state, jnp.int32(0), out_tokens, out_slow, out_logits,
-                                        out_diag, buf, no_slots))
-    if buf is not None:  # the last step's refreshed rows
-        state = state._replace(sfi=apply_selections(state.sfi, buf, state.k, state.v,
-                                                    state.lengths - 1, last_slots))
+    carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, buf)
+    if buf is None:
+        carry = jax.lax.while_loop(cond, step, carry)
+    else:
+        # one step that may refresh rows, then fast steps (no refresh-slot launches) for as
+        # long as no row wants a refresh; the refreshing step alone carries `buf`
+        def fast_cond(fast):
+            return cond(fast) & ~jnp.any(wants_refresh(fast[0]))
+
+        def fast_step(fast):
+            return step(fast + (None,), refresh=False)[:-1]
+
+        def outer(carry):
+            carry = step(carry)
+            return jax.lax.while_loop(fast_cond, fast_step, carry[:-1]) + (carry[-1],)
+
+        carry = jax.lax.while_loop(cond, outer, carry)
+    state, taken, out_tokens, out_slow, out_logits, out_diag, _ = carry
     if plan is not None:
         state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
     out_tokens, taken, out_slow, out_logits, out_diag = mesh.replicate(

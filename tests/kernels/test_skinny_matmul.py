@@ -79,6 +79,10 @@ def test_dispatcher_keeps_leading_dims_and_default_config():
     got, = dispatch.skinny_matmul(x3, ws, norm, eps=EPS, impl="kernel")
     assert got.shape == (2, 3, 96)
     assert _rel(got.reshape(6, 96), _numpy_reference(x, ws, norm)[0]) < TOL[jnp.float32]
+    # one row takes the register-product tiles by default
+    assert gpu.default_config(96, 64, 1).mode == "fma"
+    got, = dispatch.skinny_matmul(x[:1], ws, norm, eps=EPS, impl="kernel")
+    assert _rel(got, _numpy_reference(x[:1], ws, norm)[0]) < TOL[jnp.float32]
 
 
 def test_which_rows_take_the_kernel():
