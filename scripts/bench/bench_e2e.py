@@ -91,7 +91,7 @@ def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, tri
         with jax.profiler.trace(d):
             state, toks, *_ = fn(params, state, eos, trig, jnp.asarray(forced_fn(chunks + 1)))
             jax.block_until_ready(toks)
-        profile.update(_common.kernel_stats(d, n_steps) or {})
+        profile.update(_common.kernel_stats(d, n_steps, top=30) or {})
     return state, times, slow
 
 
