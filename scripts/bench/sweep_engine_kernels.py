@@ -74,9 +74,7 @@ def dense_case(ctx, batch, n_slots, occupied, cfg, interpret, layers=2):
     return t, nbytes
 
 
-def sparse_case(ctx, batch, layers, cfg, interpret):
-    """One sparse call per chained step; with layers > 2 the steps walk the layers in turn,
-    so a small batch's compact buffers are not all in L2 between calls."""
+def sparse_case(ctx, batch, cfg, interpret, layers=2):
     s = ctx + 64
     k = jax.random.normal(jax.random.key(0), (layers, batch, HKV, s, D), jnp.bfloat16)
     v = jax.random.normal(jax.random.key(1), k.shape, jnp.bfloat16)
@@ -90,14 +88,13 @@ def sparse_case(ctx, batch, layers, cfg, interpret):
     kn = jax.random.normal(jax.random.key(5), (batch, HKV, D), jnp.bfloat16)
 
     def fn(state, consts):
-        (q, k, v, norms, layer), (ck, cv, c_len, rs, lengths, kn) = state, consts
-        layer = (layer + 1) % layers if layers > 2 else 1
-        out, k, v, norms = gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lengths, layer=layer,
+        (q, k, v, norms), (ck, cv, c_len, rs, lengths, kn) = state, consts
+        out, k, v, norms = gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lengths, layer=1,
                                              window=WINDOW, new_kv=(kn, kn), key_norms=norms,
                                              interpret=interpret, config=cfg)
-        return out, k, v, norms, jnp.asarray(layer, jnp.int32)
+        return out, k, v, norms
 
-    t = timed(fn, (q, k, v, norms, jnp.int32(0)), (ck, cv, c_len, rs, lengths, kn))
+    t = timed(fn, (q, k, v, norms), (ck, cv, c_len, rs, lengths, kn))
     nbytes = batch * HKV * (C_SIZE + WINDOW) * D * 2 * 2
     return t, nbytes
 
@@ -113,8 +110,6 @@ def main(argv=None):
     p.add_argument("--heads", default=f"{HQ}/{HKV}",
                    help="query heads / KV heads (qwen3-4b 32/8; qwen3-0.6b 16/8)")
     p.add_argument("--batches", default="6,16", help="batches of the sparse cases")
-    p.add_argument("--layers", type=int, default=2,
-                   help="cache layers of the sparse cases (more than 2: calls walk them)")
     a = p.parse_args(argv)
     try:
         HQ, HKV = (int(h) for h in a.heads.split("/"))
@@ -127,10 +122,10 @@ def main(argv=None):
     dense_grid, sparse_grid = DENSE_GRID, SPARSE_GRID
     cases_d = [(ctxs[0], 6, 2, 1), (ctxs[0], 6, 2, 0), (ctxs[0], 6, 2, 2)] + \
         [(c, 16, 4, 2) for c in ctxs[1:]]
-    cases_s = [(ctxs[-1], int(b), a.layers) for b in a.batches.split(",")]
+    cases_s = [(ctxs[-1], int(b)) for b in a.batches.split(",")]
     if a.smoke:
         ctxs, dense_grid, sparse_grid = [256], DENSE_GRID[:2], SPARSE_GRID[:2]
-        cases_d, cases_s = [(256, 3, 2, 1)], [(256, 3, a.layers)]
+        cases_d, cases_s = [(256, 3, 2, 1)], [(256, 3)]
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "heads": [HQ, HKV],
            "default_dense": list(gpu.REFRESH.__dict__.values()),
            "default_sparse": list(gpu.SPARSE.__dict__.values()), "dense": [], "sparse": []}
