@@ -14,20 +14,19 @@ from sfi_jax.kernels.common import interpret_for
 
 IMPLS = ("by_shape", "kernel", "xla")
 MAX_ROWS = 64  # skinny_matmul_gpu.MAX_ROWS (not imported here: Triton loads only when used)
-# by_shape: where the kernel beat XLA's gemm on the H200 (benchmarks/skinny_matmul.md):
-# one row and weights of tens of MB; XLA's gemm won from 6 rows and for small weights
+# by_shape: where the kernel beat XLA's gemm on the H200 in the decode loop
+# (benchmarks/e2e_batch1.md): a few rows, every weight size; XLA's gemm won from 6 rows
+# (benchmarks/skinny_matmul.md)
 BY_SHAPE_ROWS = 4
-BY_SHAPE_MIN_BYTES = 16 << 20
 
 
-def uses_kernel(impl: str, rows: int, weight_bytes: int = 0) -> bool:
-    """Whether `impl` runs the kernel for `rows` rows times weights of `weight_bytes` in all:
-    "kernel" up to MAX_ROWS rows, "by_shape" up to BY_SHAPE_ROWS rows of weights of at least
-    BY_SHAPE_MIN_BYTES, "xla" never."""
+def uses_kernel(impl: str, rows: int) -> bool:
+    """Whether `impl` runs the kernel for `rows` rows: "kernel" up to MAX_ROWS rows, "by_shape"
+    up to BY_SHAPE_ROWS, "xla" never."""
     if impl not in IMPLS:
         raise ValueError(f"matmul impl must be one of {IMPLS}, got {impl!r}")
     if impl == "by_shape":
-        return rows <= BY_SHAPE_ROWS and weight_bytes >= BY_SHAPE_MIN_BYTES
+        return rows <= BY_SHAPE_ROWS
     return impl == "kernel" and rows <= MAX_ROWS
 
 
@@ -40,7 +39,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    if not uses_kernel(impl, rows, sum(w.size * w.dtype.itemsize for w in weights)):
+    if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
 

@@ -288,7 +288,7 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     assert "wqkv" in split.params["layers"][0]
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
-    # the weight matmuls' kernel too (by_shape would leave these tiny weights to XLA)
+    # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows)
     gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel")
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               options=gpu_defaults)
