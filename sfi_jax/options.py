@@ -61,11 +61,12 @@ class EngineOptions:
         "kernel" (Triton, grouped over expert-sorted rows) or "xla" (`lax.ragged_dot`).
     heads: a decode step's q/k norm + rope: "kernel" (one Triton launch) or "xla".
     repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
-    refresh: the refresh slots' dense read: "unconditional" (every step; the GPU kernel skips
-        empty slots) or "cond" (behind a `lax.cond`).
+    refresh: the refresh slots' dense read: "unconditional" (every step that may refresh rows;
+        the GPU kernel skips empty slots) or "cond" (behind a `lax.cond`). Steps in which no
+        row wants a refresh run without it either way (the decode loop's fast loop).
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
-        kernel where it beat XLA's gemm: up to 4 rows, weights >= 16 MiB) or "xla".
+        kernel where it beat XLA's gemm: up to 4 rows) or "xla".
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
