@@ -46,16 +46,20 @@ def _inputs(seed, rows, k, n, n_w, dtype, normed):
 SMALL = gpu.Config(block_n=32, block_k=32, num_warps=4, num_stages=2, programs=12)
 
 
-@pytest.mark.parametrize("rows, k, n, n_w, normed, dtype", [
-    (1, 200, 72, 1, True, jnp.bfloat16),    # one row, ragged K and N
-    (5, 96, 130, 2, True, jnp.float32),     # gate + up with the norm
-    (16, 64, 48, 1, False, jnp.float32),    # a full 16-row tile
-    (33, 80, 40, 2, False, jnp.bfloat16),   # rows padded to 64
-], ids=["1row-bf16-norm", "5rows-pair-norm", "16rows-f32", "33rows-pair-bf16"])
-@pytest.mark.parametrize("mode", gpu.MODES)
-def test_kernel_matches_numpy(rows, k, n, n_w, normed, dtype, mode):
-    if mode != "dot" and rows > 8:
-        pytest.skip("the register modes are for a few rows")
+_CASES = {  # rows, K, N, weights, normed, dtype
+    "1row-bf16-norm": (1, 200, 72, 1, True, jnp.bfloat16),    # one row, ragged K and N
+    "5rows-pair-norm": (5, 96, 130, 2, True, jnp.float32),    # gate + up with the norm
+    "16rows-f32": (16, 64, 48, 1, False, jnp.float32),        # a full 16-row tile
+    "33rows-pair-bf16": (33, 80, 40, 2, False, jnp.bfloat16),  # rows padded to 64
+}
+# tl.dot for every case; the register modes (for a few rows) on the few-row cases
+_MODE_CASES = [(mode, name) for name in _CASES for mode in gpu.MODES
+               if mode == "dot" or _CASES[name][0] <= 8]
+
+
+@pytest.mark.parametrize("mode, case", _MODE_CASES, ids=[f"{m}-{c}" for m, c in _MODE_CASES])
+def test_kernel_matches_numpy(mode, case):
+    rows, k, n, n_w, normed, dtype = _CASES[case]
     x, ws, norm = _inputs(rows * k + n, rows, k, n, n_w, dtype, normed)
     want = _numpy_reference(x, ws, norm)
     config = dataclasses.replace(SMALL, mode=mode)
@@ -106,6 +110,8 @@ def test_bad_shapes_name_the_problem():
         gpu.skinny_matmul_partials(jnp.zeros((65, 32)), ws, interpret=True)
     with pytest.raises(ValueError, match="does not match weight"):
         gpu.skinny_matmul_partials(jnp.zeros((2, 33)), ws, interpret=True)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gpu.Config(mode="wgmma")
     with pytest.raises(ValueError, match="one or two weights of one shape"):
         gpu.skinny_matmul_partials(x, (ws[0], ws[0][:, :8]), interpret=True)
 

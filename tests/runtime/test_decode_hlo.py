@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 import pytest
 
 from sfi_jax import EngineOptions, SFIConfig
@@ -71,3 +72,62 @@ def test_gpu_kernels_update_in_place(repack):
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     options = EngineOptions(attention="pallas_gpu", repack=repack)
     assert _big_copies(sfi, True, options) == []
+
+
+def _sub_jaxprs(eqn):
+    for p in eqn.params.values():
+        for j in (p if isinstance(p, (tuple, list)) else (p,)):
+            if isinstance(j, jex_core.ClosedJaxpr):
+                yield j.jaxpr
+            elif isinstance(j, jex_core.Jaxpr):
+                yield j
+
+
+def _kernels(jaxpr, skip_whiles=False):
+    """Names of the Pallas calls in a jaxpr and everything nested in it (not inside while
+    loops with skip_whiles)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.add(eqn.params["name"])
+        if skip_whiles and eqn.primitive.name == "while":
+            continue
+        for sub in _sub_jaxprs(eqn):
+            names |= _kernels(sub, skip_whiles)
+    return names
+
+
+def _whiles(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            out.append(eqn)
+        else:
+            for sub in _sub_jaxprs(eqn):
+                out += _whiles(sub)
+    return out
+
+
+def test_fast_steps_launch_no_refresh_read():
+    """The decode loop is a step that may refresh rows (the refresh slots' dense kernel) and
+    then a fast loop whose steps launch only the sparse kernel."""
+    sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
+    params = random_params(CFG, "float32", 0)
+    params["layers"] = split_layers(params["layers"], fuse_qkv=True)
+    shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
+    state = DecodeState(k=jnp.zeros(shape, jnp.bfloat16), v=jnp.zeros(shape, jnp.bfloat16),
+                        lengths=jnp.full((B,), 300, jnp.int32), token=jnp.zeros((B,), jnp.int32),
+                        done=jnp.zeros((B,), bool), step=jnp.int32(0),
+                        key=jnp.zeros((2,), jnp.uint32),
+                        sfi=empty_sfi_state(CFG, sfi, B, S, jnp.bfloat16))
+    mask = jnp.zeros((CFG.vocab_size,), bool)
+    options = EngineOptions(attention="pallas_gpu").resolved()
+    jaxpr = jax.make_jaxpr(lambda s: decode.decode_chunk(
+        params, s, mask, mask, jnp.zeros((B, N), jnp.int32), cfg=CFG, sfi=sfi,
+        sampling=SamplingConfig(), n_steps=N, options=options))(state).jaxpr
+    outer, = [w for w in _whiles(jaxpr) if _whiles(w.params["body_jaxpr"].jaxpr)]
+    body = outer.params["body_jaxpr"].jaxpr
+    fast, = [w for w in _whiles(body) if "sfi_sparse_decode" in _kernels(
+        w.params["body_jaxpr"].jaxpr)]
+    assert {"sfi_sparse_decode", "sfi_dense_decode"} <= _kernels(body, skip_whiles=True)
+    assert "sfi_dense_decode" not in _kernels(fast.params["body_jaxpr"].jaxpr)
