@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import sfi_jax  # noqa: E402
 from sfi_jax.models.config import ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import Model  # noqa: E402
-from sfi_jax.models.params import random_params  # noqa: E402
+from sfi_jax.models.params import default_shardings, random_params  # noqa: E402
 from sfi_jax.runtime import mesh as sharding  # noqa: E402
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_q_heads=16, num_kv_heads=8,
@@ -86,6 +86,20 @@ def run_generate(model, mode, mesh=None, options=None):
                             stop_at_eos=False, mesh=mesh, options=options)
 
 
+_HOST_PARAMS = {}
+
+
+def params(name, seed, mesh=None):
+    """random_params(CONFIGS[name], "float32", seed) placed as random_params(mesh=mesh) places
+    them: made once on one device, then copied from the host. Each random_params call compiles
+    its initialiser anew (a second or more here) for every mesh; the placement and values are
+    those of random_params(mesh=...), which the multiprocess and orbax checks still call."""
+    cfg = CONFIGS[name]
+    if (name, seed) not in _HOST_PARAMS:
+        _HOST_PARAMS[name, seed] = jax.tree.map(np.asarray, random_params(cfg, "float32", seed))
+    return jax.device_put(_HOST_PARAMS[name, seed], default_shardings(cfg, mesh))
+
+
 _REFERENCES = {}
 
 
@@ -94,8 +108,7 @@ def reference(name, mode):
     checks compare against it."""
     if (name, mode) not in _REFERENCES:
         cfg = CONFIGS[name]
-        _REFERENCES[name, mode] = run_generate(Model(cfg, random_params(cfg, "float32", seed=1)),
-                                               mode)
+        _REFERENCES[name, mode] = run_generate(Model(cfg, params(name, 1)), mode)
     return _REFERENCES[name, mode]
 
 
@@ -107,7 +120,7 @@ def check_gpu_kernels():
     cfg = CONFIGS["qwen3"]
     ref = reference("qwen3", "sfi")
     mesh = sharding.make_mesh("2x4")
-    model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
+    model = Model(cfg, params("qwen3", 1, mesh))
     got = run_generate(model, "sfi", options=sfi_jax.EngineOptions(attention="pallas_gpu",
                                                                    repack="kernel"))
     note = same_greedy(got.tokens, ref.tokens, ref.stats["logits"], "pallas_gpu 2x4")
@@ -129,7 +142,7 @@ def check_generation(name, runs, split=True, fused=False):
     notes = []
     for spec, mode in runs:
         mesh = sharding.make_mesh(spec)
-        model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=mesh))
+        model = Model(cfg, params(name, 1, mesh))
         got = run_generate(model, mode)  # the mesh comes from the parameters
         ref = refs[mode]
         notes.append(same_greedy(got.tokens, ref.tokens, ref.stats["logits"],
@@ -147,7 +160,7 @@ def check_generation(name, runs, split=True, fused=False):
         notes.append(same_greedy(run_generate(model, "sfi").tokens, ref.tokens,
                                  ref.stats["logits"], f"{name} sfi {spec} split layers"))
     if fused:  # one device's split layout (fused q/k/v) on the mesh: generate unfuses it
-        one = Model(cfg, random_params(cfg, "float32", seed=1)).split_layers(fuse_qkv=True)
+        one = Model(cfg, params(name, 1)).split_layers(fuse_qkv=True)
         assert "wqkv" in one.params["layers"][0]
         notes.append(same_greedy(run_generate(one, "sfi", mesh=mesh).tokens, ref.tokens,
                                  ref.stats["logits"], f"{name} sfi {spec} fused q/k/v"))
@@ -306,8 +319,8 @@ def check_explicit_mesh():
     the caller has it set with jax.set_mesh."""
     cfg = CONFIGS["qwen3"]
     user_mesh = jax.make_mesh((2, 4), ("data", "model"))
-    model = Model(cfg, random_params(cfg, "float32", seed=1, mesh=user_mesh))
-    single = Model(cfg, random_params(cfg, "float32", seed=1))
+    model = Model(cfg, params("qwen3", 1, user_mesh))
+    single = Model(cfg, params("qwen3", 1))
     ref = reference("qwen3", "dense")
     notes = [same_greedy(run_generate(model, "dense").tokens, ref.tokens, ref.stats["logits"],
                          "explicit 2x4")]
