@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 
-def _run(*args, timeout=600):
+def _run(*args, timeout=600, env=None):
     res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                         cwd=ROOT)
+                         cwd=ROOT, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 
@@ -54,7 +54,9 @@ def load(rel: str):
 def variants(tmp_path_factory):
     """One bench_variants.py call, shared by the tests below: 'base' (bench_e2e.py --smoke as
     it is), 'other' (an engine option, an environment variable, extra arguments, and another
-    copy of the code via --tree) and 'broken' (a process that fails at once)."""
+    copy of the code via --tree) and 'broken' (a process that fails at once). Compiling is
+    most of a smoke run: XLA's slower optimisations are off (the timings are only checked to
+    be positive)."""
     tmp = tmp_path_factory.mktemp("variants")
     out, tree = tmp / "ab", tmp / "other_checkout"
     for part in ("sfi_jax", "scripts"):
@@ -64,7 +66,8 @@ def variants(tmp_path_factory):
                 "--variant", "base=",
                 "--variant", "other=layer_unroll=2,XLA_PYTHON_CLIENT_MEM_FRACTION=0.5",
                 "--args", "other=--opt selector_topk=radix", "--tree", f"other={tree}",
-                "--variant", "broken=", "--args", "broken=--no-such-flag", "--", "--smoke")
+                "--variant", "broken=", "--args", "broken=--no-such-flag", "--", "--smoke",
+                env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
     return out, tree, text
 
 
@@ -289,10 +292,11 @@ def test_bench_random_kv_is_per_layer_random():
 
 
 def test_diag_memory_smoke(tmp_path):
-    """The memory diagnostic compiles a decode chunk from shapes and reports its buffers."""
+    """The memory diagnostic compiles a decode chunk from shapes and reports its buffers (with
+    XLA's slower optimisations off: half the time, and the same buffers and aliasing)."""
     out = tmp_path / "mem.json"
     text = _run(os.path.join(SCRIPTS, "diag", "diag_memory.py"), "--rows", "qwen3-0.6b:512:2:dense",
-                "--out", str(out))
+                "--out", str(out), env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
     (rec,) = json.loads(out.read_text())
     assert "error" not in rec, rec.get("error")
     # the cache is an argument, aliased to the output (donated), and the report says so
