@@ -21,7 +21,9 @@ def test_notebook_runs(name, tmp_path):
     client = nbclient.NotebookClient(
         nb, timeout=900, kernel_name="python3",
         resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    # the kernel imports this checkout's package, installed or not
+    path_env = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    client.execute(env={**os.environ, "PYTHONPATH": path_env})
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, errors
