@@ -8,6 +8,27 @@ import os
 import numpy as np
 import pytest
 
+# Files of a minute or more each, with few tests: started first. pytest-xdist hands out whole
+# files (--dist loadfile), by default the files with the most tests first, which left these for
+# the end of a run, where one worker ran them alone while the other had nothing left to do.
+LONG_FILES = ("tests/runtime/test_mesh.py", "tests/scripts/test_scripts.py",
+              "tests/test_notebooks.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist's order by test count, off
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONG_FILES first, then the other files by number of tests (xdist's own order)."""
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    rank = {f: i for i, f in enumerate(LONG_FILES)}
+    order = {id(item): (rank.get(f, len(rank)), -count[f]) for item, f in zip(items, files)}
+    items.sort(key=lambda item: order[id(item)])  # stable: a file's tests keep their order
+
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
