@@ -4,7 +4,9 @@ Decode runs a chunk of steps inside one `lax.while_loop` on device; each step sc
 stacked layers with the KV cache (and the SFI state) in the carry, so the cache is updated in
 place. In SFI mode every row decides per step whether it is slow (dense attention + selector +
 repack of its compact buffer) or fast (sparse attention over sink + selected + recent). A
-static number of refresh slots per step bounds the slow work.
+static number of refresh slots per step bounds the slow work. For the refreshing policies the
+loop body is one step that may refresh rows, then an inner loop of steps in which no row
+wants a refresh, built without the refresh slots (no launches for them at all).
 """
 
 from __future__ import annotations
@@ -86,14 +88,15 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     axis the KV heads are split over (the selector reduces over it).
 
     The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs at the
-    next step's start, per occupied slot for all layers together (`select_all_layers`), not
+    end of the step, per occupied slot for all layers together (`select_all_layers`), not
     once per layer: the selector is ~30 small kernels, which per layer cost more than the
     selection itself. The fast read of a refreshed row is replaced by its dense result, so
     deferring changes nothing. The oracle policy selects before its read, per layer.
 
     On GPU the launches per layer are few: the sparse kernel also stores the new key, value
     and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
-    next to nothing), writes its logits into `buf` and its output into the fast rows' output."""
+    next to nothing), writes its logits into `buf` and its output into the fast rows' output.
+    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
     B = q.shape[0]
     impl = options.attention
     lengths = pos + 1
