@@ -62,8 +62,8 @@ class EngineOptions:
     heads: a decode step's q/k norm + rope: "kernel" (one Triton launch) or "xla".
     repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
     refresh: the refresh slots' dense read: "unconditional" (every step that may refresh rows;
-        the GPU kernel skips empty slots) or "cond" (behind a `lax.cond`). Steps in which no
-        row wants a refresh run without it either way (the decode loop's fast loop).
+        the GPU kernel skips empty slots; steps in which no row wants a refresh run without it,
+        in the decode loop's fast loop) or "cond" (behind a `lax.cond`).
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows) or "xla".

@@ -4,9 +4,9 @@ Decode runs a chunk of steps inside one `lax.while_loop` on device; each step sc
 stacked layers with the KV cache (and the SFI state) in the carry, so the cache is updated in
 place. In SFI mode every row decides per step whether it is slow (dense attention + selector +
 repack of its compact buffer) or fast (sparse attention over sink + selected + recent). A
-static number of refresh slots per step bounds the slow work. For the refreshing policies the
-loop body is one step that may refresh rows, then an inner loop of steps in which no row
-wants a refresh, built without the refresh slots (no launches for them at all).
+static number of refresh slots per step bounds the slow work. With the unconditional refresh
+read (the GPU kernels) the loop body is one step that may refresh rows, then an inner loop of
+steps in which no row wants a refresh, built without the refresh slots (no launches for them).
 """
 
 from __future__ import annotations
@@ -355,7 +355,9 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
 
     buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
     carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, buf)
-    if buf is None:
+    if buf is None or options.refresh != "unconditional":
+        # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,
+        # half the compile time)
         carry = jax.lax.while_loop(cond, step, carry)
     else:
         # one step that may refresh rows, then fast steps (no refresh-slot launches) for as
