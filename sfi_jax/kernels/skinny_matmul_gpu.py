@@ -103,7 +103,8 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, norm
             nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
             xb = (xf * nw.astype(jnp.float32)[None, :]).astype(x_ref.dtype)
         xb = xb.astype(w_refs[0].dtype)
-        xf = xb.astype(jnp.float32)[:, :, None]
+        if mode != "dot":  # the rows as a column per row, broadcast over the tile's columns
+            xcol = xb.astype(jnp.float32)[:, :, None]
         out = []
         for w_ref, acc in zip(w_refs, accs):
             wb = plgpu_triton.load(w_ref.at[pl.ds(k0, bk), pl.ds(j * bn, bn)],
@@ -111,9 +112,9 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, norm
             if mode == "dot":
                 out.append(acc + plgpu_triton.dot(xb, wb, precision=precision))
             elif mode == "fma":
-                out.append(acc + jnp.sum(xf * wb.astype(jnp.float32)[None], axis=1))
+                out.append(acc + jnp.sum(xcol * wb.astype(jnp.float32)[None], axis=1))
             else:
-                out.append(acc + xf * wb.astype(jnp.float32)[None])
+                out.append(acc + xcol * wb.astype(jnp.float32)[None])
         return tuple(out), sq
 
     zeros = jnp.zeros((rows, bk, bn) if mode == "fma_defer" else (rows, bn), jnp.float32)
