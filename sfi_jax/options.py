@@ -35,11 +35,13 @@ HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "xla")
+EPILOGUE = ("auto", "fused", "xla")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
            "selector_scores": SELECTOR_SCORES,
            "selector_topk": SELECTOR_TOPK, "selector_adjust": SELECTOR_ADJUST, "moe": MOE,
-           "heads": HEADS, "repack": REPACK, "refresh": REFRESH, "matmul": MATMUL}
+           "heads": HEADS, "repack": REPACK, "refresh": REFRESH, "matmul": MATMUL,
+           "epilogue": EPILOGUE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +69,16 @@ class EngineOptions:
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows) or "xla".
+    epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
+        column block's last program adds up the K splits and applies the next operation: the
+        heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or
+        "xla" (XLA's fusions after each kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
     "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
-    variants when attention is "pallas_gpu".
+    variants when attention is "pallas_gpu"; epilogue "fused" then too.
     """
 
     attention: str = "auto"
@@ -85,6 +91,7 @@ class EngineOptions:
     repack: str = "auto"
     refresh: str = "auto"
     matmul: str = "auto"
+    epilogue: str = "auto"
     layer_unroll: int | str | None = None
 
     def __post_init__(self):
@@ -123,6 +130,7 @@ class EngineOptions:
             repack=pick(self.repack, "kernel" if gpu_kernels else "xla"),
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
             matmul=pick(self.matmul, "by_shape" if gpu_kernels else "xla"),
+            epilogue=pick(self.epilogue, "fused" if gpu_kernels else "xla"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

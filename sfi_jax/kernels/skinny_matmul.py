@@ -51,3 +51,30 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
         parts, ss = parts[:-1], parts[-1]
         scale = jax.lax.rsqrt(ss.sum(axis=0) / k + eps)[:, None]
     return tuple((p.sum(axis=0) * scale).reshape(*lead, p.shape[-1]) for p in parts)
+
+
+FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS
+
+
+def uses_fused(impl: str, rows: int) -> bool:
+    """Whether `impl` runs the kernel with its epilogues fused for `rows` rows (up to
+    FUSED_MAX_ROWS: the epilogue walks the rows one by one)."""
+    return uses_kernel(impl, rows) and rows <= FUSED_MAX_ROWS
+
+
+def new_sync():
+    """The fused kernels' counters (`skinny_matmul_gpu.new_sync`): made once, passed from call
+    to call."""
+    from sfi_jax.kernels import skinny_matmul_gpu
+
+    return skinny_matmul_gpu.new_sync()
+
+
+def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, **kwargs):
+    """`skinny_matmul_gpu.skinny_matmul_fused` (interpret mode off the GPU): x [R, K] times the
+    weights, the epilogue applied by the kernel; returns its outputs and the counters."""
+    from sfi_jax.kernels import skinny_matmul_gpu
+
+    return skinny_matmul_gpu.skinny_matmul_fused(x, tuple(weights), norm, sync,
+                                                 epilogue=epilogue,
+                                                 interpret=interpret_for("pallas_gpu"), **kwargs)

@@ -29,6 +29,9 @@ from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, plgpu_triton
 _MIN_ROWS = 16  # smallest M of tl.dot
 MODES = ("dot", "fma", "fma_defer")
 MAX_ROWS = 64
+FUSED_MAX_ROWS = 4  # the epilogue walks the rows one by one
+EPILOGUES = ("residual", "silu", "heads")
+SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -81,9 +84,16 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, normed,
-            precision, mode):
-    w_refs, o_refs = refs[:n_w], refs[n_w:]
+def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
+            precision, mode, epilogue, eps, heads, interpret):
+    """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
+    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
+    w_refs, refs = refs[:n_w], refs[n_w:]
+    if epilogue is not None:
+        n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
+        refs = refs[1:]  # the counters' input side
+        ep_in, refs = refs[:n_in], refs[n_in:]
+    o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
     cmask = j * bn + jnp.arange(bn) < n
@@ -123,12 +133,105 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, norm
                                                          jnp.float32)))
     if mode == "fma_defer":
         accs = tuple(jnp.sum(acc, axis=1) for acc in accs)
-    for o_ref, acc in zip(o_refs[:n_w], accs):
+    for o_ref, acc in zip(o_refs, accs):
         plgpu_triton.store(o_ref.at[s, pl.ds(0, rows), pl.ds(j * bn, bn)], acc,
                            mask=rmask[:, None] & cmask[None, :])
-    if normed:  # this split's sum of squares of the rows, once (by the first column block)
-        plgpu_triton.store(o_refs[n_w].at[s, pl.ds(0, rows)], jnp.sum(sq, axis=1),
-                           mask=rmask & (j == 0))
+    if normed:  # this split's sums of squares of the rows: once, or per column block for the
+        # epilogue (whose last program reads its own block's copies)
+        at = (s, pl.ds(0, rows)) if epilogue is None else (j, s, pl.ds(0, rows))
+        plgpu_triton.store(ss_ref.at[at], jnp.sum(sq, axis=1),
+                           mask=rmask & ((j == 0) | (epilogue is not None)))
+    if epilogue is None:
+        return
+    *ep_out, sync_ref = refs
+    # the block's last program to finish adds the splits up: every thread's stores happen
+    # before the counter's (release) increment; its acquire orders the other splits' stores
+    # before this program's loads (volatile: not from L1)
+    if not interpret:
+        plgpu_triton.debug_barrier()
+    done = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(1, jnp.int32))
+
+    @pl.when(done == n_splits - 1)
+    def _():
+        # back to zero for the next call
+        plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(-n_splits, jnp.int32))
+        _epilogue(o_refs, ss_ref, ep_in, ep_out, j=j, n_rows=n_rows, n_splits=n_splits, k=k,
+                  n=n, bn=bn, normed=normed, epilogue=epilogue, eps=eps, heads=heads)
+
+
+def _epilogue(o_refs, ss_ref, ep_in, ep_out, *, j, n_rows, n_splits, k, n, bn, normed,
+              epilogue, eps, heads):
+    """Column block j's products (split sums times the norm's row scale, rounded to the
+    activation dtype as the unfused path rounds them), then the epilogue, row by row."""
+    sp = max(2, _pow2(n_splits))
+    smask = jnp.arange(sp) < n_splits
+    f32 = jnp.float32
+    dt = ep_out[0].dtype
+
+    def product(o_ref, r, c0, width, scale):
+        cm = c0 + jnp.arange(width) < n
+        p = plgpu_triton.load(o_ref.at[pl.ds(0, sp), r, pl.ds(c0, width)],
+                              mask=smask[:, None] & cm[None, :], other=0.0, volatile=True)
+        return (jnp.sum(p, axis=0) * scale).astype(dt).astype(f32)
+
+    c0 = j * bn
+    cmask = c0 + jnp.arange(bn) < n
+    for row in range(n_rows):
+        r = jnp.int32(row)  # (interpret mode takes array indices only)
+        scale = 1.0
+        if normed:
+            sq = plgpu_triton.load(ss_ref.at[j, pl.ds(0, sp), r], mask=smask, other=0.0,
+                                   volatile=True)
+            scale = lax.rsqrt(jnp.sum(sq) / k + eps)
+        if epilogue == "residual":  # x + o(attn) or x + down(h)
+            res_ref, = ep_in
+            y = product(o_refs[0], r, c0, bn, scale)
+            res = plgpu_triton.load(res_ref.at[r, pl.ds(c0, bn)], mask=cmask, other=0.0)
+            plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
+                               (res.astype(f32) + y).astype(dt), mask=cmask)
+        elif epilogue == "silu":  # silu(gate) * up
+            g = product(o_refs[0], r, c0, bn, scale)
+            u = product(o_refs[1], r, c0, bn, scale)
+            plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
+                               (g / (1.0 + jnp.exp(-g)) * u).astype(dt), mask=cmask)
+        else:
+            _heads(lambda c, w: product(o_refs[0], r, c, w, scale), ep_in, ep_out, r, j, bn=bn,
+                   eps=eps, **heads)
+
+
+def _heads(product, ep_in, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
+    """The heads of column block j (whole heads: bn is a multiple of d) for row r: q and k
+    heads RMS-normed per head and rotated (rotate-half), v heads as they are (`heads_gpu`)."""
+    cos_ref, sin_ref, qn_ref, kn_ref = ep_in
+    q_out, k_out, v_out = ep_out
+    half = d // 2
+    f32 = jnp.float32
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    cos = plgpu_triton.load(cos_ref.at[r, lo])
+    sin = plgpu_triton.load(sin_ref.at[r, lo])
+    every = jnp.arange(half) >= 0
+    for i in range(bn // d):
+        h = j * (bn // d) + i
+        is_q, is_k, is_v = h < hq, (h >= hq) & (h < hq + hkv), h >= hq + hkv
+        x1, x2 = product(h * d, half), product(h * d + half, half)
+        y1, y2 = x1, x2
+        if qk_norm:
+            w1 = jnp.where(is_q, plgpu_triton.load(qn_ref.at[lo]),
+                           plgpu_triton.load(kn_ref.at[lo])).astype(f32)
+            w2 = jnp.where(is_q, plgpu_triton.load(qn_ref.at[hi]),
+                           plgpu_triton.load(kn_ref.at[hi])).astype(f32)
+            inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + eps)
+            y1 = (y1 * inv * w1).astype(q_out.dtype).astype(f32)
+            y2 = (y2 * inv * w2).astype(q_out.dtype).astype(f32)
+        rot1 = (y1 * cos - y2 * sin).astype(q_out.dtype)
+        rot2 = (y2 * cos + y1 * sin).astype(q_out.dtype)
+        for out, keep, at, a, b in (
+                (q_out, is_q, jnp.minimum(h, hq - 1), rot1, rot2),
+                (k_out, is_k, jnp.clip(h - hq, 0, hkv - 1), rot1, rot2),
+                (v_out, is_v, jnp.clip(h - hq - hkv, 0, hkv - 1), x1.astype(q_out.dtype),
+                 x2.astype(q_out.dtype))):
+            plgpu_triton.store(out.at[r, at, lo], a, mask=every & keep)
+            plgpu_triton.store(out.at[r, at, hi], b, mask=every & keep)
 
 
 def _precision(dtype):
@@ -151,15 +254,9 @@ def _fit(cfg: Config, rows: int, n_w: int, x_bytes: int, w_bytes: int) -> Config
             return dataclasses.replace(cfg, num_stages=1)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=None):
-    """Float32 partial sums of x [R, K] times each weight [K, N] (one or two of one shape):
-    a tuple of [splits, R, N], one per weight, whose sums over axis 0 are the products.
-
-    With `norm` [K] the rows are multiplied by it before the product, and the tuple ends with
-    the rows' float32 sums of squares per split [splits, R]: the RMSNorm's row scale
-    rsqrt(sum / K + eps) applies to the summed product (`skinny_matmul.skinny_matmul`).
-    config: a Config (None: `default_config` for the weight's shape)."""
+def _setup(x, weights, config):
+    """The checked shapes and the config fitted to them: (cfg, padded rows, K per split,
+    splits)."""
     n_rows, k = x.shape
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {n_rows}")
@@ -176,17 +273,116 @@ def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=Non
                               block_k=min(cfg.block_k, max(16, _pow2(k))))
     cfg = _fit(cfg, rows, len(weights), x.dtype.itemsize, weights[0].dtype.itemsize)
     k_split, n_splits = plan(n, k, cfg)
+    return cfg, rows, k_split, n_splits
+
+
+def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue=None,
+          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None):
+    n_rows, k = x.shape
+    n = weights[0].shape[1]
+    n_blocks = pl.cdiv(n, cfg.block_n)
     normed = norm is not None
     kernel = functools.partial(
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
-        bk=cfg.block_k, k_split=k_split, normed=normed, precision=_precision(weights[0].dtype),
-        mode=cfg.mode)
+        bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
+        precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
+        heads=heads, interpret=interpret)
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n), jnp.float32)] * len(weights)
     if normed:
-        out.append(jax.ShapeDtypeStruct((n_splits, n_rows), jnp.float32))
-    return tuple(pl.pallas_call(
-        kernel, grid=(pl.cdiv(n, cfg.block_n), n_splits), out_shape=out,
+        out.append(jax.ShapeDtypeStruct((n_splits, n_rows) if epilogue is None else
+                                        (n_blocks, n_splits, n_rows), jnp.float32))
+    args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights]
+    aliases = {}
+    if epilogue is not None:
+        if n_blocks > SYNC_SIZE:
+            raise ValueError(f"{n_blocks} column blocks exceed the {SYNC_SIZE} counters")
+        if sync is None or sync.shape != (SYNC_SIZE,) or sync.dtype != jnp.int32:
+            raise ValueError(f"sync must be int32 [{SYNC_SIZE}] zeros (new_sync()), got "
+                             f"{None if sync is None else (sync.shape, sync.dtype)}")
+        aliases = {len(args): len(out) + len(extra_out)}
+        args += [sync, *extra_in]
+        out += [*extra_out, jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
+    return pl.pallas_call(
+        kernel, grid=(n_blocks, n_splits), out_shape=out, input_output_aliases=aliases,
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_skinny_matmul",
-    )(x, norm if normed else jnp.zeros((1,), x.dtype), *weights))
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def skinny_matmul_partials(x, weights, norm=None, *, interpret=False, config=None):
+    """Float32 partial sums of x [R, K] times each weight [K, N] (one or two of one shape):
+    a tuple of [splits, R, N], one per weight, whose sums over axis 0 are the products.
+
+    With `norm` [K] the rows are multiplied by it before the product, and the tuple ends with
+    the rows' float32 sums of squares per split [splits, R]: the RMSNorm's row scale
+    rsqrt(sum / K + eps) applies to the summed product (`skinny_matmul.skinny_matmul`).
+    config: a Config (None: `default_config` for the weight's shape)."""
+    cfg, rows, k_split, n_splits = _setup(x, weights, config)
+    return tuple(_call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret))
+
+
+def new_sync():
+    """Counters for `skinny_matmul_fused`: zeros, passed from call to call (each call leaves
+    them zero again), so no call clears them with a launch of its own."""
+    return jnp.zeros((SYNC_SIZE,), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "num_q_heads", "num_kv_heads",
+                                             "interpret", "config"))
+def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=None, sin=None,
+                        q_norm=None, k_norm=None, num_q_heads=None, num_kv_heads=None, eps=1e-6,
+                        interpret=False, config=None):
+    """x [R, K] (R <= FUSED_MAX_ROWS; RMS-normed by `norm` [K] first, when not None) times the
+    weights, with the split sums added up by each column block's last program (a counter per
+    block in `sync`), which then applies the epilogue, so no XLA fusion runs after the matmul:
+
+    "residual": residual [R, N] + x @ w -> (out [R, N], sync)
+    "silu": silu(x @ w_gate) * (x @ w_up) -> (h [R, N], sync)
+    "heads": x @ wqkv split into heads, q and k heads RMS-normed by q_norm / k_norm (None: no
+        per-head norms) and rotated by cos, sin float32 [R, D/2] (`heads_gpu`) ->
+        (q [R, Hq, D], k [R, Hkv, D], v, sync)
+
+    Each product is rounded to x's dtype before the epilogue, as the unfused path rounds it.
+    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    n_rows = x.shape[0]
+    if n_rows > FUSED_MAX_ROWS:
+        raise ValueError(f"skinny_matmul_fused takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
+    if len(weights) != (2 if epilogue == "silu" else 1):
+        raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
+                         f"weight(s), got {len(weights)}")
+    cfg, rows, k_split, n_splits = _setup(x, weights, config)
+    n = weights[0].shape[1]
+    heads = None
+    if epilogue == "residual":
+        if residual is None or residual.shape != (n_rows, n):
+            raise ValueError(f"residual must be [{n_rows}, {n}], got "
+                             f"{None if residual is None else residual.shape}")
+        extra_in = (residual,)
+        extra_out = (jax.ShapeDtypeStruct((n_rows, n), residual.dtype),)
+    elif epilogue == "silu":
+        extra_in, extra_out = (), (jax.ShapeDtypeStruct((n_rows, n), x.dtype),)
+    else:
+        hq, hkv = num_q_heads, num_kv_heads
+        d = n // (hq + 2 * hkv)
+        if d * (hq + 2 * hkv) != n or d < 16 or d & (d - 1):
+            raise ValueError(f"q/k/v width {n} is not {hq + 2 * hkv} heads of a power-of-two "
+                             "dim >= 16")
+        if cos is None or cos.shape != (n_rows, d // 2) or sin is None or sin.shape != cos.shape:
+            raise ValueError(f"cos and sin must be [{n_rows}, {d // 2}]")
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, d))  # whole heads per block
+        cfg = _fit(cfg, rows, 1, x.dtype.itemsize, weights[0].dtype.itemsize)
+        k_split, n_splits = plan(n, x.shape[1], cfg)
+        qk_norm = q_norm is not None
+        if not qk_norm:
+            q_norm = k_norm = jnp.ones((d,), x.dtype)
+        heads = dict(hq=hq, hkv=hkv, d=d, qk_norm=qk_norm)
+        extra_in = (cos.astype(jnp.float32), sin.astype(jnp.float32), q_norm, k_norm)
+        extra_out = tuple(jax.ShapeDtypeStruct((n_rows, h, d), x.dtype) for h in (hq, hkv, hkv))
+    res = _call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret,
+                epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
+                heads=heads)
+    return tuple(res[len(weights) + (norm is not None):])

@@ -19,6 +19,7 @@ from flax import nnx
 
 from sfi_jax.kernels import heads as heads_kernels
 from sfi_jax.kernels import moe as moe_kernels
+from sfi_jax.kernels import skinny_matmul as skinny_matmul_kernels
 from sfi_jax.kernels.skinny_matmul import skinny_matmul
 from sfi_jax.kernels.common import rms_norm
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
@@ -292,6 +293,45 @@ def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
     gate, up = _normed_matmuls(x, w["mlp_norm"], (w["w_gate"], w["w_up"]), cfg, matmul)
     return x + _proj(jax.nn.silu(gate) * up, w["w_down"], matmul)
+
+
+def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul: str,
+                       epilogue: str) -> bool:
+    """Whether a decode step of `rows` rows runs this layer's matmuls with their epilogues in
+    the kernel (`decode_attention_inputs` / `decode_output_and_mlp`): asked for, the kernel
+    for these rows, fused q/k/v weights and the heads kernel's head dim."""
+    return (epilogue == "fused" and skinny_matmul_kernels.uses_fused(matmul, rows)
+            and heads == "kernel" and "wqkv" in w and heads_kernels.supported(cfg.head_dim))
+
+
+def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
+    """`attention_inputs` for one decode step (x [B, 1, H]) with q/k/v from the matmul's
+    epilogue: the split sums, the RMSNorm's row scale, the heads' norms and rope in the
+    kernel. sync: the kernels' counters. Returns q, k, v and the counters."""
+    B = x.shape[0]
+    cos, sin = rope_cos_sin(positions, cfg)
+    q, k, v, sync = skinny_matmul_kernels.skinny_matmul_fused(
+        x.reshape(B, -1), (w["wqkv"],), w["attn_norm"], sync, epilogue="heads", cos=cos[:, 0],
+        sin=sin[:, 0], q_norm=w.get("q_norm") if cfg.qk_norm else None,
+        k_norm=w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
+        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+    return q[:, None], k[:, None], v[:, None], sync
+
+
+def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla"):
+    """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
+    product in the matmuls' epilogues. Returns x and the counters."""
+    B = x.shape[0]
+    fused = skinny_matmul_kernels.skinny_matmul_fused
+    x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (w["wo"],), None, sync,
+                    epilogue="residual", residual=x.reshape(B, -1))
+    if cfg.is_moe:
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync
+    h, sync = fused(x, (w["w_gate"], w["w_up"]), w["mlp_norm"], sync, epilogue="silu",
+                    eps=cfg.rms_norm_eps)
+    x, sync = fused(h, (w["w_down"],), None, sync, epilogue="residual", residual=x)
+    return x[:, None], sync
 
 
 MOE_IMPLS = moe_kernels.IMPLS

@@ -21,9 +21,11 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.attention import write_new_token
+from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
-                                     output_logits, run_layers)
+from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
+                                     decode_attention_inputs, decode_output_and_mlp, embed_tokens,
+                                     fused_decode_layer, output_logits, run_layers)
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import mesh
 from sfi_jax.runtime.diagnostics import attention_diagnostics
@@ -189,12 +191,16 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
 
 def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
                 plan=None):
-    """One layer of one decode step for the whole batch (attention under shard_map on a mesh)."""
-    x, k, v, st, diag, buf, qh = carry
+    """One layer of one decode step for the whole batch (attention under shard_map on a mesh).
+    The carry's `sync` is the fused matmul epilogues' counters (None: unfused)."""
+    x, k, v, st, diag, buf, qh, sync = carry
     w, l = xs
     B = x.shape[0]
-    q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
-                                 matmul=matmul_impl(options, plan))
+    if sync is not None:
+        q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
+    else:
+        q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
+                                     matmul=matmul_impl(options, plan))
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
     if plan is None:  # the query history is single-device only (generate checks)
@@ -203,10 +209,14 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)
-    x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
-                                 matmul=matmul_impl(options, plan))
+    if sync is not None:
+        x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
+                                        moe=_moe_impl(options, plan))
+    else:
+        x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
+                                     matmul=matmul_impl(options, plan))
     if sfi is None or diag is None:
-        return (x, k, v, st, diag, buf, qh), None
+        return (x, k, v, st, diag, buf, qh, sync), None
     lengths = pos + 1
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
     refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
@@ -214,7 +224,7 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
     cov, jac, support = attention_diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
                                      diag[l], sfi.k_select)
-    return (x, k, v, st, diag.at[l].set(support), buf, qh), (cov, jac)
+    return (x, k, v, st, diag.at[l].set(support), buf, qh, sync), (cov, jac)
 
 
 def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
@@ -283,7 +293,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     def step(carry, refresh=True):
         """One decode step; refresh=False: a step in which no row refreshes (the fast loop's),
         so no refresh-slot launch at all."""
-        state, i, out_tokens, out_slow, out_logits, out_diag, buf = carry
+        state, i, out_tokens, out_slow, out_logits, out_diag, sync, buf = carry
         pos = state.lengths
         st = state.sfi
         if sfi is not None:
@@ -309,9 +319,9 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
 
         body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
                                  pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
-        (x, k, v, st, diag, buf, q_hist), ys = run_layers(
-            body, (x, state.k, state.v, st, state.diag, buf, state.q_hist), params["layers"],
-            cfg.num_layers, options.unroll)
+        (x, k, v, st, diag, buf, q_hist, sync), ys = run_layers(
+            body, (x, state.k, state.v, st, state.diag, buf, state.q_hist, sync),
+            params["layers"], cfg.num_layers, options.unroll)
         if deferred:
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
@@ -347,14 +357,20 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                             step=state.step + 1, key=key, sfi=st, diag=diag, q_hist=q_hist)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
-        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, buf)
+        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, sync, buf)
 
     def cond(carry):
         state, i = carry[0], carry[1]
         return (i < n_steps) & ~jnp.all(state.done)
 
     buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
-    carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, buf)
+    # the fused matmul epilogues' counters: zeros, and every kernel leaves them zero
+    layers = params["layers"]  # (stacked: a dict; its names are a layer's)
+    fused = plan is None and fused_decode_layer(
+        layers if isinstance(layers, dict) else layers[0], cfg, B, options.heads,
+        options.matmul, options.epilogue)
+    sync = new_sync() if fused else None
+    carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, sync, buf)
     if buf is None or options.refresh != "unconditional":
         # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,
         # half the compile time)
@@ -373,7 +389,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
             return jax.lax.while_loop(fast_cond, fast_step, carry[:-1]) + (carry[-1],)
 
         carry = jax.lax.while_loop(cond, outer, carry)
-    state, taken, out_tokens, out_slow, out_logits, out_diag, _ = carry
+    state, taken, out_tokens, out_slow, out_logits, out_diag, _, _ = carry
     if plan is not None:
         state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
     out_tokens, taken, out_slow, out_logits, out_diag = mesh.replicate(

@@ -26,8 +26,10 @@ import jax.numpy as jnp
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
+from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
+                                     fused_decode_layer,
                                      output_logits, run_layers)
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime.decode import layer_step
@@ -84,8 +86,12 @@ def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
     body = functools.partial(layer_step, cfg=cfg, sfi=dsfi, options=options, slots=slots,
                              pos=pos, dense_rows=pos + 1 <= sfi.budget)
     x = embed_tokens(params, token[:, None])
-    (x, k, v, st, _, _, _), _ = run_layers(body, (x, k, v, st, None, None, None),
-                                           params["layers"], cfg.num_layers, options.unroll)
+    layers = params["layers"]
+    fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
+                               options.heads, options.matmul, options.epilogue)
+    (x, k, v, st, *_), _ = run_layers(body, (x, k, v, st, None, None, None,
+                                             new_sync() if fused else None),
+                                      layers, cfg.num_layers, options.unroll)
     return output_logits(params, cfg, x[:, 0]), k, v, st
 
 

@@ -224,3 +224,29 @@ def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype, k, n):
     exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
         sds((rows, k), dtype), sds((k, n), dtype), sds((k,), dtype))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("epilogue, rows, k, n", [
+    ("heads", 1, 2560, 6144),     # q/k/v, normed and rotated per head
+    ("silu", 1, 2560, 9728),      # gate + up, the SiLU product
+    ("residual", 4, 9728, 2560)])  # down (the N < K tiles), the residual add
+def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
+    """The fused epilogues (a counter per column block, its last program adds the splits)
+    compile for CUDA at Qwen3-4B's shapes."""
+    from sfi_jax.kernels import skinny_matmul_gpu as sm
+
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    normed = epilogue != "residual"
+
+    def fn(x, w, norm, sync, res, cos, qn):
+        kw = dict(residual=res) if epilogue == "residual" else dict(
+            cos=cos, sin=cos, q_norm=qn, k_norm=qn, num_q_heads=32, num_kv_heads=8) \
+            if epilogue == "heads" else {}
+        return sm.skinny_matmul_fused(x, (w,) * (2 if epilogue == "silu" else 1),
+                                      norm if normed else None, sync, epilogue=epilogue, **kw)
+
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+        sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),
+        sds((rows, n), bf), sds((rows, 64), jnp.float32), sds((128,), bf))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()

@@ -108,9 +108,9 @@ def _whiles(jaxpr):
     return out
 
 
-def test_fast_steps_launch_no_refresh_read():
-    """The decode loop is a step that may refresh rows (the refresh slots' dense kernel) and
-    then a fast loop whose steps launch only the sparse kernel."""
+def _loop_bodies(options):
+    """The decode loop's outer body (a step that may refresh rows) and its fast loop's body,
+    as jaxprs, for the tiny model with split weights and `options`."""
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     params = random_params(CFG, "float32", 0)
     params["layers"] = split_layers(params["layers"], fuse_qkv=True)
@@ -121,13 +121,39 @@ def test_fast_steps_launch_no_refresh_read():
                         key=jnp.zeros((2,), jnp.uint32),
                         sfi=empty_sfi_state(CFG, sfi, B, S, jnp.bfloat16))
     mask = jnp.zeros((CFG.vocab_size,), bool)
-    options = EngineOptions(attention="pallas_gpu").resolved()
     jaxpr = jax.make_jaxpr(lambda s: decode.decode_chunk(
         params, s, mask, mask, jnp.zeros((B, N), jnp.int32), cfg=CFG, sfi=sfi,
-        sampling=SamplingConfig(), n_steps=N, options=options))(state).jaxpr
+        sampling=SamplingConfig(), n_steps=N, options=options.resolved()))(state).jaxpr
     outer, = [w for w in _whiles(jaxpr) if _whiles(w.params["body_jaxpr"].jaxpr)]
     body = outer.params["body_jaxpr"].jaxpr
     fast, = [w for w in _whiles(body) if "sfi_sparse_decode" in _kernels(
         w.params["body_jaxpr"].jaxpr)]
+    return body, fast.params["body_jaxpr"].jaxpr
+
+
+def test_fast_steps_launch_no_refresh_read():
+    """The decode loop is a step that may refresh rows (the refresh slots' dense kernel) and
+    then a fast loop whose steps launch only the sparse kernel."""
+    body, fast = _loop_bodies(EngineOptions(attention="pallas_gpu"))
     assert {"sfi_sparse_decode", "sfi_dense_decode"} <= _kernels(body, skip_whiles=True)
-    assert "sfi_dense_decode" not in _kernels(fast.params["body_jaxpr"].jaxpr)
+    assert "sfi_dense_decode" not in _kernels(fast)
+
+
+def _launches(jaxpr, name):
+    """How many Pallas calls named `name` a jaxpr makes (nested ones included)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "pallas_call" and eqn.params["name"] == name
+        n += sum(_launches(sub, name) for sub in _sub_jaxprs(eqn))
+    return n
+
+
+@pytest.mark.parametrize("epilogue", ["fused", "xla"])
+def test_fused_epilogues_take_the_heads_launch(epilogue):
+    """With the fused epilogues (the GPU default for a few rows) a layer of a fast step is
+    four matmul launches whose epilogues produce the heads and the residual stream: no heads
+    kernel; with epilogue="xla" the heads kernel runs after the q/k/v matmul."""
+    _, fast = _loop_bodies(EngineOptions(attention="pallas_gpu", epilogue=epilogue))
+    assert _launches(fast, "sfi_skinny_matmul") == 4 * CFG.num_layers
+    heads = 0 if epilogue == "fused" else CFG.num_layers
+    assert _launches(fast, "sfi_norm_rope_heads") == heads
