@@ -133,9 +133,10 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
                                                          jnp.float32)))
     if mode == "fma_defer":
         accs = tuple(jnp.sum(acc, axis=1) for acc in accs)
-    for o_ref, acc in zip(o_refs, accs):
-        plgpu_triton.store(o_ref.at[s, pl.ds(0, rows), pl.ds(j * bn, bn)], acc,
-                           mask=rmask[:, None] & cmask[None, :])
+    for o_ref, acc in zip(o_refs, accs):  # (block-major for the epilogue: see `_call`)
+        at = (s, pl.ds(0, rows), pl.ds(j * bn, bn)) if epilogue is None else \
+            (j, s, pl.ds(0, rows), pl.ds(0, bn))
+        plgpu_triton.store(o_ref.at[at], acc, mask=rmask[:, None] & cmask[None, :])
     if normed:  # this split's sums of squares of the rows: once, or per column block for the
         # epilogue (whose last program reads its own block's copies)
         at = (s, pl.ds(0, rows)) if epilogue is None else (j, s, pl.ds(0, rows))
@@ -146,7 +147,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     *ep_out, sync_ref = refs
     # the block's last program to finish adds the splits up: every thread's stores happen
     # before the counter's (release) increment; its acquire orders the other splits' stores
-    # before this program's loads (volatile: not from L1)
+    # before this program's loads
     if not interpret:
         plgpu_triton.debug_barrier()
     done = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(1, jnp.int32))
@@ -168,10 +169,10 @@ def _epilogue(o_refs, ss_ref, ep_in, ep_out, *, j, n_rows, n_splits, k, n, bn, n
     f32 = jnp.float32
     dt = ep_out[0].dtype
 
-    def product(o_ref, r, c0, width, scale):
-        cm = c0 + jnp.arange(width) < n
-        p = plgpu_triton.load(o_ref.at[pl.ds(0, sp), r, pl.ds(c0, width)],
-                              mask=smask[:, None] & cm[None, :], other=0.0, volatile=True)
+    def product(o_ref, r, off, width, scale):  # columns [off, off + width) of the block
+        cm = j * bn + off + jnp.arange(width) < n
+        p = plgpu_triton.load(o_ref.at[j, pl.ds(0, sp), r, pl.ds(off, width)],
+                              mask=smask[:, None] & cm[None, :], other=0.0)
         return (jnp.sum(p, axis=0) * scale).astype(dt).astype(f32)
 
     c0 = j * bn
@@ -180,18 +181,17 @@ def _epilogue(o_refs, ss_ref, ep_in, ep_out, *, j, n_rows, n_splits, k, n, bn, n
         r = jnp.int32(row)  # (interpret mode takes array indices only)
         scale = 1.0
         if normed:
-            sq = plgpu_triton.load(ss_ref.at[j, pl.ds(0, sp), r], mask=smask, other=0.0,
-                                   volatile=True)
+            sq = plgpu_triton.load(ss_ref.at[j, pl.ds(0, sp), r], mask=smask, other=0.0)
             scale = lax.rsqrt(jnp.sum(sq) / k + eps)
         if epilogue == "residual":  # x + o(attn) or x + down(h)
             res_ref, = ep_in
-            y = product(o_refs[0], r, c0, bn, scale)
+            y = product(o_refs[0], r, 0, bn, scale)
             res = plgpu_triton.load(res_ref.at[r, pl.ds(c0, bn)], mask=cmask, other=0.0)
             plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
                                (res.astype(f32) + y).astype(dt), mask=cmask)
         elif epilogue == "silu":  # silu(gate) * up
-            g = product(o_refs[0], r, c0, bn, scale)
-            u = product(o_refs[1], r, c0, bn, scale)
+            g = product(o_refs[0], r, 0, bn, scale)
+            u = product(o_refs[1], r, 0, bn, scale)
             plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
                                (g / (1.0 + jnp.exp(-g)) * u).astype(dt), mask=cmask)
         else:
@@ -213,7 +213,7 @@ def _heads(product, ep_in, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
     for i in range(bn // d):
         h = j * (bn // d) + i
         is_q, is_k, is_v = h < hq, (h >= hq) & (h < hq + hkv), h >= hq + hkv
-        x1, x2 = product(h * d, half), product(h * d + half, half)
+        x1, x2 = product(i * d, half), product(i * d + half, half)
         y1, y2 = x1, x2
         if qk_norm:
             w1 = jnp.where(is_q, plgpu_triton.load(qn_ref.at[lo]),
@@ -287,10 +287,14 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
         precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
         heads=heads, interpret=interpret)
-    out = [jax.ShapeDtypeStruct((n_splits, n_rows, n), jnp.float32)] * len(weights)
+    # with the epilogue each column block's partials and sums of squares are a region of
+    # whole 128-byte lines of their own, so no cache line mixes two blocks' data
+    out = [jax.ShapeDtypeStruct((n_splits, n_rows, n) if epilogue is None else
+                                (n_blocks, n_splits, n_rows, cfg.block_n), jnp.float32)] * len(weights)
     if normed:
         out.append(jax.ShapeDtypeStruct((n_splits, n_rows) if epilogue is None else
-                                        (n_blocks, n_splits, n_rows), jnp.float32))
+                                        (n_blocks, max(32, _pow2(n_splits)), n_rows),
+                                        jnp.float32))
     args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights]
     aliases = {}
     if epilogue is not None:
