@@ -69,7 +69,8 @@ def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, li
 def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, trig,
                profile=None):
     """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times,
-    slow shares). profile: a dict that receives the kernel breakdown of one more chunk (GPU)."""
+    slow shares, the compiled chunk). profile: a dict that receives the kernel breakdown of one
+    more chunk (GPU)."""
     eos = jnp.zeros((cfg.vocab_size,), bool)
     kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, options=options)
     fn = decode.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
@@ -92,7 +93,7 @@ def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, tri
             state, toks, *_ = fn(params, state, eos, trig, jnp.asarray(forced_fn(chunks + 1)))
             jax.block_until_ready(toks)
         profile.update(_common.kernel_stats(d, n_steps, top=30) or {})
-    return state, times, slow
+    return state, times, slow, fn
 
 
 def selector_time(cfg, B, ctx, sfi, options, reps=5):
@@ -194,9 +195,9 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
     dense_prof = {} if args.profile else None
-    state, times, _ = run_chunks(params, state, cfg, None, options, n, chunks,
-                                 lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size), no_trig,
-                                 dense_prof)
+    state, times, _, _ = run_chunks(params, state, cfg, None, options, n, chunks,
+                                    lambda c: forced_schedule(B, n, c * n, 0, cfg.vocab_size),
+                                    no_trig, dense_prof)
     del state
     dense_step = statistics.median(times) / n
     rec.update(dense_step_s=dense_step, dense_tokens_per_s=B / dense_step)
@@ -204,7 +205,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     # SFI arm: the stated trigger schedule
     state = make_state(cfg, B, S, ctx, sfi)
     sfi_prof = {} if args.profile else None
-    state, times, slow = run_chunks(
+    state, times, slow, fn = run_chunks(
         params, state, cfg, sfi, options, n, chunks,
         lambda c: forced_schedule(B, n, c * n, args.trigger_every, cfg.vocab_size), trig,
         sfi_prof)
@@ -212,11 +213,9 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
         rec.update(dense_profile=dense_prof, sfi_profile=sfi_prof)
     sfi_step = statistics.median(times) / n
     slow_share = float(np.mean(slow))
-    # the same executable with every row slow at every step, then with none
+    # the same executable (not compiled again) with every row slow at every step, then none
     eos = jnp.zeros((cfg.vocab_size,), bool)
-    kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n, options=options)
     all_trig = jnp.full((B, n), TRIGGER_ID, jnp.int32)
-    fn = decode.decode_chunk.lower(params, state, eos, trig, all_trig, **kw).compile()
     state = state._replace(sfi=state.sfi._replace(pending=jnp.ones((B,), bool)))
     t = time.perf_counter()
     state, toks, *_ = fn(params, state, eos, trig, all_trig)
@@ -593,7 +592,16 @@ def main(argv=None):
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="write the report from these e2e.json files (no device work)")
     p.add_argument("--notes", default=None, help="Markdown appended to e2e.md")
+    p.add_argument("--sparse-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
+                   help="a sweep point: this run's sparse decode kernel config (both of "
+                        "attention_gpu's SPARSE configs), in place of the tuned ones")
     args = p.parse_args(argv)
+    if args.sparse_config:  # set before anything is traced; the run's meta records it
+        from sfi_jax.kernels import attention_gpu
+
+        bk, w, st, per_sm = (int(v) for v in args.sparse_config.split(":"))
+        attention_gpu.SPARSE = attention_gpu.SPARSE_SMALL = attention_gpu.Config(
+            block_k=bk, num_warps=w, num_stages=st, programs=per_sm * attention_gpu._NUM_SMS)
     try:
         engine_options(args)
     except ValueError as e:
@@ -606,7 +614,7 @@ def main(argv=None):
         jax.distributed.initialize()
     if args.smoke:
         args.new_tokens, args.chunk_steps, args.batch = 16, 8, 2
-    bw = copy_bandwidth(32 << 20 if args.smoke else 2 << 30)
+    bw = copy_bandwidth(8 << 20 if args.smoke else 2 << 30)
     limit = device_bytes()
     meta = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
                 jax=jax.__version__, python=platform.python_version(), copy_bw_tbs=bw / 1e12,
@@ -616,7 +624,8 @@ def main(argv=None):
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
-                new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max)
+                new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
+                sparse_config=args.sparse_config)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

@@ -210,16 +210,17 @@ def _heads(product, ep_in, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
     cos = plgpu_triton.load(cos_ref.at[r, lo])
     sin = plgpu_triton.load(sin_ref.at[r, lo])
     every = jnp.arange(half) >= 0
-    for i in range(bn // d):
+    # every load before the first store (a load after a store waits for it)
+    halves = [(product(i * d, half), product(i * d + half, half)) for i in range(bn // d)]
+    if qk_norm:
+        qn = [plgpu_triton.load(qn_ref.at[at]).astype(f32) for at in (lo, hi)]
+        kn = [plgpu_triton.load(kn_ref.at[at]).astype(f32) for at in (lo, hi)]
+    for i, (x1, x2) in enumerate(halves):
         h = j * (bn // d) + i
         is_q, is_k, is_v = h < hq, (h >= hq) & (h < hq + hkv), h >= hq + hkv
-        x1, x2 = product(i * d, half), product(i * d + half, half)
         y1, y2 = x1, x2
         if qk_norm:
-            w1 = jnp.where(is_q, plgpu_triton.load(qn_ref.at[lo]),
-                           plgpu_triton.load(kn_ref.at[lo])).astype(f32)
-            w2 = jnp.where(is_q, plgpu_triton.load(qn_ref.at[hi]),
-                           plgpu_triton.load(kn_ref.at[hi])).astype(f32)
+            w1, w2 = jnp.where(is_q, qn[0], kn[0]), jnp.where(is_q, qn[1], kn[1])
             inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + eps)
             y1 = (y1 * inv * w1).astype(q_out.dtype).astype(f32)
             y2 = (y2 * inv * w2).astype(q_out.dtype).astype(f32)
