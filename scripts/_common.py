@@ -65,8 +65,9 @@ def device_bytes():
 
 def engine_check_model():
     """(model, prompts) of the e2e engine check: a small random float32 Qwen3-like decoder
-    (head dim 128, GQA 4) and three prompts of different lengths. bench_e2e.py and
-    diag_engine_check.py run their arms on it."""
+    (head dim 128, GQA 4; on a GPU with split layers and fused q/k/v weights, so the few-row
+    kernels and their fused epilogues run) and three prompts of different lengths.
+    bench_e2e.py and diag_engine_check.py run their arms on it."""
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
     from sfi_jax.models.params import random_params
@@ -76,7 +77,10 @@ def engine_check_model():
                       max_position_embeddings=4096)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
-    return Model(cfg, random_params(cfg, "float32", 3)), prompts
+    model = Model(cfg, random_params(cfg, "float32", 3))
+    if jax.default_backend() == "gpu":  # per-layer weights, q/k/v fused: load_model's GPU layout
+        model = model.split_layers(fuse_qkv=True)
+    return model, prompts
 
 
 # --- the benchmark's decode state -----------------------------------------------------------

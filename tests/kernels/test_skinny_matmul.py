@@ -123,3 +123,88 @@ def test_shared_memory_fit():
     stage = fit.block_k * (16 * 4 + 2 * fit.block_n * 4)
     assert stage * fit.num_stages <= gpu._SMEM_BYTES and fit.num_stages >= 2
     assert gpu._fit(gpu.Config(), rows=16, n_w=1, x_bytes=2, w_bytes=2) == gpu.Config()
+
+
+# ------------------------------------------------------------------- fused epilogues
+
+def _numpy_heads(qkv, cos, sin, qn, kn, hq, hkv):
+    """float64: q/k heads RMS-normed per head and rotated (rotate-half), v as it is."""
+    b, width = qkv.shape
+    d = width // (hq + 2 * hkv)
+    heads = qkv.reshape(b, hq + 2 * hkv, d)
+    out = []
+    for lo, hi, w in ((0, hq, qn), (hq, hq + hkv, kn)):
+        h = heads[:, lo:hi]
+        h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w
+        x1, x2 = h[..., :d // 2], h[..., d // 2:]
+        c, s = cos[:, None], sin[:, None]
+        out.append(np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1))
+    return out + [heads[:, hq + hkv:]]
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("epilogue, dtype", [("residual", jnp.float32), ("silu", jnp.bfloat16),
+                                             ("heads", jnp.float32)])
+def test_fused_epilogues_match_numpy(epilogue, dtype):
+    """Each epilogue on several column blocks and K splits (ragged N for the elementwise ones),
+    three rows, against float64 numpy; the counters come back zero, ready for the next call."""
+    rows, k, hq, hkv, d = 3, 200, 4, 2, 16
+    n = (hq + 2 * hkv) * d if epilogue == "heads" else 72
+    n_w, normed = (2 if epilogue == "silu" else 1), epilogue != "residual"
+    x, ws, norm = _inputs(11 + n, rows, k, n, n_w, dtype, normed)
+    ks = jax.random.split(jax.random.key(5), 4)
+    res = jax.random.normal(ks[0], (rows, n)).astype(dtype)
+    cos = jax.random.uniform(ks[1], (rows, d // 2), minval=-1, maxval=1)
+    sin = jax.random.uniform(ks[2], (rows, d // 2), minval=-1, maxval=1)
+    qn = (1 + 0.3 * jax.random.normal(ks[3], (d,))).astype(dtype)
+    kn = (1 - 0.3 * jax.random.normal(ks[3], (d,))).astype(dtype)
+    kw = {"residual": dict(residual=res), "silu": {},
+          "heads": dict(cos=cos, sin=sin, q_norm=qn, k_norm=kn, num_q_heads=hq,
+                        num_kv_heads=hkv)}[epilogue]
+    sync = gpu.new_sync()
+    *got, sync = gpu.skinny_matmul_fused(x, ws, norm, sync, epilogue=epilogue, eps=EPS,
+                                         interpret=True, config=SMALL, **kw)
+    assert np.all(np.asarray(sync) == 0)
+    assert gpu.plan(n, k, SMALL)[1] > 1 and -(-n // SMALL.block_n) > 1  # splits and blocks
+    prods = _numpy_reference(x, ws, norm)
+    if epilogue == "residual":
+        want = [_f64(res) + prods[0]]
+    elif epilogue == "silu":
+        g, u = prods
+        want = [g / (1 + np.exp(-g)) * u]
+    else:
+        want = _numpy_heads(prods[0], _f64(cos), _f64(sin), _f64(qn), _f64(kn), hq, hkv)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == dtype
+        assert _rel(_f64(g), w) < 2 * TOL[dtype], _rel(_f64(g), w)
+    if epilogue == "heads":  # without the per-head norm the q heads are far off
+        plain = _numpy_heads(prods[0], _f64(cos), _f64(sin), np.ones(d), np.ones(d), hq, hkv)
+        assert _rel(_f64(got[0]), plain[0]) > 10 * TOL[dtype]
+
+
+def test_fused_epilogues_name_bad_arguments():
+    x, ws, norm = _inputs(2, 2, 32, 16, 1, jnp.float32, True)
+    sync = gpu.new_sync()
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        gpu.skinny_matmul_fused(x, ws, norm, sync, epilogue="gelu", interpret=True)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gpu.skinny_matmul_fused(jnp.zeros((5, 32)), ws, None, sync, epilogue="silu",
+                                interpret=True)
+    with pytest.raises(ValueError, match="takes 2 weight"):
+        gpu.skinny_matmul_fused(x, ws, norm, sync, epilogue="silu", interpret=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        gpu.skinny_matmul_fused(x, ws, None, sync, epilogue="residual",
+                                residual=jnp.zeros((2, 15)), interpret=True)
+    with pytest.raises(ValueError, match="sync must be int32"):
+        gpu.skinny_matmul_fused(x, ws, None, sync[:8], epilogue="residual",
+                                residual=jnp.zeros((2, 16)), interpret=True)
+    with pytest.raises(ValueError, match="not 3 heads"):
+        gpu.skinny_matmul_fused(x, ws, norm, sync, epilogue="heads", num_q_heads=1,
+                                num_kv_heads=1, cos=jnp.zeros((2, 8)), sin=jnp.zeros((2, 8)),
+                                interpret=True)
+    assert dispatch.uses_fused("by_shape", 4) and not dispatch.uses_fused("kernel", 5)
+    assert not dispatch.uses_fused("xla", 1)
