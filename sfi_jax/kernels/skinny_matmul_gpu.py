@@ -12,6 +12,10 @@ rows is multiplied by the norm's weight (the product rounded to the input dtype)
 into the matmul, and each split also writes its part of the rows' sums of squares; the row scale
 applies to the summed product (a per-row factor commutes with the product). Optional second
 weight of the same shape (gate and up projections): both read with one load of the input block.
+
+Fused epilogues (`skinny_matmul_fused`, up to FUSED_MAX_ROWS rows): every program also bumps its
+column block's counter, and the block's last program adds the splits up and applies what would
+otherwise be the next XLA fusion (the heads' norm + rope, a residual add, the SiLU product).
 """
 
 from __future__ import annotations
