@@ -221,7 +221,8 @@ def _heads(product, ep_in, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
         kn = [plgpu_triton.load(kn_ref.at[at]).astype(f32) for at in (lo, hi)]
     for i, (x1, x2) in enumerate(halves):
         h = j * (bn // d) + i
-        is_q, is_k, is_v = h < hq, (h >= hq) & (h < hq + hkv), h >= hq + hkv
+        is_q, is_k = h < hq, (h >= hq) & (h < hq + hkv)
+        is_v = (h >= hq + hkv) & (h < hq + 2 * hkv)  # (a last block may pass the heads)
         y1, y2 = x1, x2
         if qk_norm:
             w1, w2 = jnp.where(is_q, qn[0], kn[0]), jnp.where(is_q, qn[1], kn[1])

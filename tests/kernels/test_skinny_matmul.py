@@ -146,12 +146,13 @@ def _f64(a):
     return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("epilogue, dtype", [("residual", jnp.float32), ("silu", jnp.bfloat16),
-                                             ("heads", jnp.float32)])
-def test_fused_epilogues_match_numpy(epilogue, dtype):
+@pytest.mark.parametrize("epilogue, dtype, hq, hkv", [
+    ("residual", jnp.float32, 0, 0), ("silu", jnp.bfloat16, 0, 0), ("heads", jnp.float32, 4, 2),
+    ("heads", jnp.bfloat16, 5, 1)])  # 7 heads: the last column block passes the last head
+def test_fused_epilogues_match_numpy(epilogue, dtype, hq, hkv):
     """Each epilogue on several column blocks and K splits (ragged N for the elementwise ones),
     three rows, against float64 numpy; the counters come back zero, ready for the next call."""
-    rows, k, hq, hkv, d = 3, 200, 4, 2, 16
+    rows, k, d = 3, 200, 16
     n = (hq + 2 * hkv) * d if epilogue == "heads" else 72
     n_w, normed = (2 if epilogue == "silu" else 1), epilogue != "residual"
     x, ws, norm = _inputs(11 + n, rows, k, n, n_w, dtype, normed)
