@@ -595,7 +595,14 @@ def main(argv=None):
     p.add_argument("--sparse-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
                    help="a sweep point: this run's sparse decode kernel config (both of "
                         "attention_gpu's SPARSE configs), in place of the tuned ones")
+    p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
+                   help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
+                        "(fewer, longer K splits for the last program to add up)")
     args = p.parse_args(argv)
+    if args.fused_programs:
+        from sfi_jax.kernels import skinny_matmul_gpu
+
+        skinny_matmul_gpu.FUSED_PROGRAMS_PER_SM = args.fused_programs
     if args.sparse_config:  # set before anything is traced; the run's meta records it
         from sfi_jax.kernels import attention_gpu
 
@@ -625,7 +632,7 @@ def main(argv=None):
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
-                sparse_config=args.sparse_config)
+                sparse_config=args.sparse_config, fused_programs=args.fused_programs)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

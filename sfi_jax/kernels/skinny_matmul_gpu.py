@@ -36,6 +36,9 @@ MAX_ROWS = 64
 FUSED_MAX_ROWS = 4  # the epilogue walks the rows one by one
 EPILOGUES = ("residual", "silu", "heads")
 SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
+# The fused epilogues' grid aim in programs per SM in place of the tuned configs' (None): a
+# sweep point that bench_e2e's --fused-programs sets before anything is traced
+FUSED_PROGRAMS_PER_SM = None
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -364,6 +367,9 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
     if len(weights) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
                          f"weight(s), got {len(weights)}")
+    if config is None and FUSED_PROGRAMS_PER_SM is not None:
+        config = dataclasses.replace(default_config(weights[0].shape[1], x.shape[1], n_rows),
+                                     programs=FUSED_PROGRAMS_PER_SM * _NUM_SMS)
     cfg, rows, k_split, n_splits = _setup(x, weights, config)
     n = weights[0].shape[1]
     heads = None
