@@ -65,12 +65,16 @@ def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
 
 def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3):
     """Drafts and the verify step (several rows per sequence) with the weight-streaming matmul
-    kernel (interpret mode): still dense decoding's tokens (computed with XLA's matmuls)."""
+    kernel (interpret mode), the drafts' epilogues fused (split weights, fused q/k/v, the
+    heads kernel: the GPU layout): still dense decoding's tokens (computed with XLA's
+    matmuls)."""
     prompts = _prompts([30, 51], seed=2)
     cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
     kw = dict(max_new_tokens=6, stop_at_eos=False)
-    ex = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER],
-                          options=sfi_jax.EngineOptions(matmul="kernel"), **kw)
+    split = tiny_qwen3.model.split_layers(fuse_qkv=True)
+    options = sfi_jax.EngineOptions(matmul="kernel", heads="kernel", epilogue="fused")
+    ex = sfi_jax.generate(split, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER],
+                          options=options, **kw)
     assert _same_as_dense(tiny_qwen3.model, ex, prompts, "matmul kernel", **kw) == 0
     _check_counts(ex.stats, ex.tokens)
 
