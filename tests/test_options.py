@@ -16,6 +16,7 @@ from sfi_jax.options import EngineOptions, resolve
                                           ("selector_topk", "sort"), ("selector_adjust", "auto"),
                                           ("moe", "yes"), ("heads", "pallas"),
                                           ("repack", "pallas"), ("refresh", "true"), ("matmul", "triton"),
+                                          ("epilogue", "kernel"),
                                           ("layer_unroll", 0), ("layer_unroll", "x"),
                                           ("layer_unroll", True)])
 def test_bad_values_name_field_and_allowed(field, value):
@@ -30,19 +31,20 @@ def test_resolved_per_platform():
                                 selector_scores="pallas_gpu",
                                 selector_topk="radix_kernel", selector_adjust="xla",
                                 moe="tokens", heads="kernel", repack="kernel",
-                                refresh="unconditional", matmul="by_shape", layer_unroll=6)
+                                refresh="unconditional", matmul="by_shape", epilogue="fused",
+                                layer_unroll=6)
     cpu = EngineOptions().resolved(platform="cpu")
     assert cpu == EngineOptions(attention="xla", prefill_attention="xla", selector_scores="xla",
                                 selector_topk="lax",
                                 moe="xla", heads="xla", repack="xla", refresh="cond",
-                                matmul="xla", layer_unroll=1)
+                                matmul="xla", epilogue="xla", layer_unroll=1)
     tpu = EngineOptions().resolved(platform="tpu")
     assert tpu.attention == tpu.prefill_attention == "pallas_tpu"
     assert tpu.moe == "xla" and tpu.refresh == "cond"
     # the GPU variants follow the attention kernels, asked for anywhere
     forced = EngineOptions(attention="pallas_gpu").resolved(platform="cpu")
-    assert (forced.moe, forced.heads, forced.repack, forced.refresh, forced.matmul) == \
-        ("tokens", "kernel", "kernel", "unconditional", "by_shape")
+    assert (forced.moe, forced.heads, forced.repack, forced.refresh, forced.matmul,
+            forced.epilogue) == ("tokens", "kernel", "kernel", "unconditional", "by_shape", "fused")
     assert forced.selector_scores == "xla"  # the selector's defaults follow the platform
     # explicit values are kept; resolving twice changes nothing; resolved objects hash
     mixed = EngineOptions(attention="pallas_gpu", moe="xla", layer_unroll="all")
