@@ -4,6 +4,8 @@ and comparison helpers for greedy token streams."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -15,9 +17,18 @@ LONG_FILES = ("tests/runtime/test_mesh.py", "tests/scripts/test_scripts.py",
               "tests/test_notebooks.py")
 
 
+# The JAX persistent compilation cache that the Python subprocesses of one test run share
+# (tmp dir of the run; made by the first process, so that xdist's workers inherit its name)
+SUBPROCESS_CACHE = "SFI_JAX_TEST_SUBPROCESS_CACHE"
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # xdist's order by test count, off
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput") and SUBPROCESS_CACHE not in os.environ:
+        directory = tempfile.mkdtemp(prefix="sfi_jax_test_jax_cache_")
+        os.environ[SUBPROCESS_CACHE] = directory
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +38,33 @@ def pytest_collection_modifyitems(config, items):
     rank = {f: i for i, f in enumerate(LONG_FILES)}
     order = {id(item): (rank.get(f, len(rank)), -count[f]) for item, f in zip(items, files)}
     items.sort(key=lambda item: order[id(item)])  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_compilation_cache():
+    """The Python subprocesses that tests start (script smokes, the mesh checker, the notebook's
+    kernel) share one JAX persistent compilation cache, empty at the start of each run: what
+    one compiled, another reads (the same tiny models' initialisers, prefill and decode
+    programs). It is set in the environment that subprocesses inherit, after this process's
+    jax read its own: the test processes themselves keep no persistent cache. A cache the
+    caller set (JAX_COMPILATION_CACHE_DIR) is left as it is."""
+    import jax  # noqa: F401  (reads JAX_* from the environment now, before the lines below)
+
+    directory = os.environ.get(SUBPROCESS_CACHE)
+    if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        yield
+        return
+    settings = {"JAX_COMPILATION_CACHE_DIR": directory,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    yield directory
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

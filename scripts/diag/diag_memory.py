@@ -103,6 +103,9 @@ def main(argv=None):
     dump = tempfile.mkdtemp()  # read when the backend starts: set before any device work
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_hlo_as_text")
+    # the buffer assignment is dumped by a compile: a program read from a persistent
+    # compilation cache (JAX_COMPILATION_CACHE_DIR) would leave none
+    jax.config.update("jax_enable_compilation_cache", False)
     results = []
     for spec in args.rows.split(","):
         name, ctx, B, arm = spec.split(":")
