@@ -194,7 +194,7 @@ def child_requests(args):
 
     model = _make_model(args.model)
     cfg = model.config
-    bw = copy_bandwidth(64 << 20 if args.model == "tiny" else 2 << 30)
+    bw = copy_bandwidth(8 << 20 if args.model == "tiny" else 2 << 30)
     sfi = sfi_jax.SFIConfig() if args.model != "tiny" else \
         sfi_jax.SFIConfig(n_sink=2, n_recent=16, k_select=32)
     for ctx in args.context_list:

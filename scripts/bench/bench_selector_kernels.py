@@ -26,6 +26,7 @@ from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.kernels import selector_gpu as sg  # noqa: E402
 
 selmod = importlib.import_module("sfi_jax.selector.select")
+ADJUST_BLOCK = 512  # sg.adjust_scores' default block
 
 
 def main(argv=None):
@@ -72,12 +73,17 @@ def main(argv=None):
              ("jnp steps 5-6", adj_x, (z[:, :, pad:pad + S],)),
              ("kernel steps 1-6", full["pallas_gpu"], (logits, norms)),
              ("jnp steps 1-6", full["xla"], (logits, norms))]
-    for warps, tile, chunk in ((8, 4096, 8), (4, 8192, 8), (4, 4096, 4), (4, 4096, 16)):
+    sweep_14 = ((8, 4096, 8), (4, 8192, 8), (4, 4096, 4), (4, 4096, 16))
+    sweep_56 = ((128, 4), (512, 4), (512, 8), (1024, 8))
+    if interpret:  # warps change nothing there: no second compile of the defaults' program
+        sweep_14 = [c for c in sweep_14 if c[1:] != (sg._TILE, sg._CHUNK_BLOCKS)]
+        sweep_56 = [c for c in sweep_56 if c[0] != ADJUST_BLOCK]
+    for warps, tile, chunk in sweep_14:
         fn = jax.jit(lambda lg, kn, w=warps, t=tile, c=chunk: sg.base_scores(
             lg, kn, lo, hi, 0, 0, sfi=sfi, interpret=interpret, num_warps=w, tile=t,
             chunk_blocks=c))
         parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
-    for block, warps in ((128, 4), (512, 4), (512, 8), (1024, 8)):
+    for block, warps in sweep_56:
         fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
             z, lo, hi, sfi=sfi, interpret=interpret, block=b, num_warps=w))
         parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))

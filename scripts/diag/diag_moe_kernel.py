@@ -13,12 +13,14 @@ not in the time).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import timeit  # noqa: E402
@@ -33,10 +35,12 @@ def message_head(err: Exception, n_lines: int = 40) -> str:
     return "\n".join(lines[:n_lines])
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     """n_tokens tokens each routed to top_k experts with random weights: the tokens x, their
     expert-sorted rows, the group sizes, each sorted row's token and weight, and the dense
-    [tokens, experts] routing weights."""
+    [tokens, experts] routing weights. (One program: op by op, each small op would compile
+    on its own.)"""
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (n_tokens, hidden), jnp.bfloat16)
     scores = jax.random.uniform(ke, (n_tokens, n_experts))
@@ -46,6 +50,24 @@ def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     order = jnp.argsort(top_e.reshape(-1))
     sizes = jnp.bincount(top_e.reshape(-1), length=n_experts).astype(jnp.int32)
     return x, x[order // top_k], sizes, order // top_k, top_p.reshape(-1)[order], dense
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def expert_weights(kg, ku, kd, e: int, hidden: int, inter: int):
+    """Random bf16 gate, up and down weights of e experts (scaled: unit-variance outputs)."""
+    scale = hidden ** -0.5
+    w_gate = (jax.random.normal(kg, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(ku, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(kd, (e, inter, hidden)) * inter ** -0.5).astype(jnp.bfloat16)
+    return w_gate, w_up, w_down
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def weighted_sum(ref_y, token_of, p_sorted, n_tokens: int):
+    """The MoE block's output (what grouping "tokens" returns): per token, the sum of its
+    expert rows' outputs times their routing weights."""
+    return jnp.zeros((n_tokens, ref_y.shape[1])).at[token_of].add(
+        ref_y.astype(jnp.float32) * p_sorted[:, None])
 
 
 def main(argv=None):
@@ -64,14 +86,11 @@ def main(argv=None):
                            cfg.moe_intermediate_size)
     if args.tiny:
         e, k, hidden, inter = 8, 2, 128, 64
-    key = jax.random.PRNGKey(0)
-    kg, ku, kd, kr = jax.random.split(key, 4)
-    scale = hidden ** -0.5
-    w_gate = (jax.random.normal(kg, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
-    w_up = (jax.random.normal(ku, (e, hidden, inter)) * scale).astype(jnp.bfloat16)
-    w_down = (jax.random.normal(kd, (e, inter, hidden)) * inter ** -0.5).astype(jnp.bfloat16)
-
-    weights = (w_gate, w_up, w_down)  # jit arguments: closed over, they would be constants
+    kg, ku, kd, kr = jax.random.split(jax.random.PRNGKey(0), 4)
+    # jit arguments: closed over, they would be constants
+    weights = expert_weights(kg, ku, kd, e, hidden, inter)
+    # Pallas interpret mode (a CPU check) times nothing worth repeating
+    timing = dict(iters=2, repeats=1) if args.interpret else dict(iters=10, repeats=5)
 
     @jax.jit
     def reference(xs, gs, weights):
@@ -93,17 +112,15 @@ def main(argv=None):
     for n_tokens in [int(t) for t in args.tokens.split(",")]:
         x, xs, gs, token_of, p_sorted, dense = routed(kr, n_tokens, e, k, hidden)
         m = xs.shape[0]
-        touched = int(jnp.sum(gs > 0))
+        touched = int(np.sum(np.asarray(gs) > 0))
         weight_bytes = touched * 3 * hidden * inter * 2
         print(f"tokens={n_tokens}: {touched} experts touched; ragged_dot reference", flush=True)
         ref_h, ref_y = reference(xs, gs, weights)
-        t_ref = timeit(reference, xs, gs, weights, iters=10, repeats=5) * 1e-6
+        t_ref = timeit(reference, xs, gs, weights, **timing) * 1e-6
         rows.append(dict(tokens=n_tokens, config="ragged_dot", ok=True, ms=t_ref * 1e3,
                          experts_touched=touched, gbps=weight_bytes / t_ref / 1e9))
         save()
-        # the MoE block's output (what grouping "tokens" returns): weighted sum per token
-        ref_out = jnp.zeros((n_tokens, hidden)).at[token_of].add(
-            ref_y.astype(jnp.float32) * p_sorted[:, None])
+        ref_out = weighted_sum(ref_y, token_of, p_sorted, n_tokens)
         for spec in args.configs.split(","):
             bn, bk, warps, stages = (int(v) for v in spec.split("x"))
             if not moe_gpu.supported(hidden, inter, bn, bk):
@@ -123,11 +140,11 @@ def main(argv=None):
                 return moe_gpu.token_moe(x, *weights, dense, **kw)
 
             rows.append(check(n_tokens, spec, touched, weight_bytes, kernel, ref_h, ref_y,
-                              (xs, gs, weights)))
+                              (xs, gs, weights), timing))
             save()
             if n_tokens <= moe_gpu.TOKENS:
                 rows.append(check(n_tokens, "tokens:" + spec, touched, weight_bytes, tokens,
-                                  None, ref_out, (x, dense, weights)))
+                                  None, ref_out, (x, dense, weights), timing))
                 save()
     print(f"{args.model} on {device}: expert matmuls per MoE layer (bf16)")
     print("| tokens | config | ok | ms | weight GB/s | experts touched |")
@@ -138,14 +155,19 @@ def main(argv=None):
         print(f"| {r['tokens']} | {r['config']} | {r['ok']} | {ms} | {gb} | {r['experts_touched']} |")
 
 
-def _rel(got, want):
+@jax.jit
+def _rel_err(got, want):
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-    return float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9))
+    return jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9)
 
 
-def check(n_tokens, spec, touched, weight_bytes, fn, ref_h, ref_y, fn_args):
+def _rel(got, want):
+    return float(_rel_err(got, want))
+
+
+def check(n_tokens, spec, touched, weight_bytes, fn, ref_h, ref_y, fn_args, timing):
     """One config's row: compiled, checked against the references (ref_h None: fn returns
-    only the output), timed; or the head of its error."""
+    only the output), timed (timeit's iters and repeats); or the head of its error."""
     row = dict(tokens=n_tokens, config=spec, experts_touched=touched)
     print(f"tokens={n_tokens} config={spec}: compiling and checking", flush=True)
     try:
@@ -153,7 +175,7 @@ def check(n_tokens, spec, touched, weight_bytes, fn, ref_h, ref_y, fn_args):
         h, y = out if ref_h is not None else (None, out)
         err_h = _rel(h, ref_h) if ref_h is not None else 0.0
         err_y = _rel(y, ref_y)
-        t = timeit(fn, *fn_args, iters=10, repeats=5) * 1e-6
+        t = timeit(fn, *fn_args, **timing) * 1e-6
         row.update(ok=err_h < 2e-2 and err_y < 2e-2, rel_err_hidden=err_h, rel_err_out=err_y,
                    ms=t * 1e3, gbps=weight_bytes / t / 1e9)
     except Exception as err:  # noqa: BLE001 - the point is to report it
