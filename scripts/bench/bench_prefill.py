@@ -293,7 +293,10 @@ def row_key(r):
     return (r["part"], r["model"], r["batch"], r["prompt"], r.get("mode"), r.get("cache"))
 
 
-def run_child(kind, model, contexts, batches, args, extra=(), env=None) -> list[dict]:
+def run_child(kind, model, contexts, batches, args, extra=(), env=None,
+              meta=None) -> list[dict]:
+    """The rows a child process prints; `meta` takes the device and jax version a child names
+    (where meta["device"] is still None)."""
     cmd = [sys.executable, HERE, "--child", kind, "--models", model,
            "--contexts", ",".join(map(str, contexts)),
            "--batches", ",".join(map(str, batches)), "--new-tokens", str(args.new_tokens),
@@ -308,6 +311,8 @@ def run_child(kind, model, contexts, batches, args, extra=(), env=None) -> list[
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             rows += json.loads(line[len("RESULT "):])
+        elif line.startswith("DEVICE ") and meta is not None and meta["device"] is None:
+            meta["device"], _, meta["jax"] = line[len("DEVICE "):].rpartition("|")
     if res.returncode != 0:
         print(f"child {kind} {model} failed ({res.returncode}):\n{res.stderr[-3000:]}",
               flush=True)
@@ -422,7 +427,8 @@ def write_plot(data, out_dir):
 
 
 def device_line() -> tuple[str, str]:
-    """The accelerator's name and jax's version, asked of a child (the parent imports no jax)."""
+    """The accelerator's name and jax's version, asked of a child (the parent imports no jax);
+    a measuring child names them too (DEVICE line), so this runs only where none did."""
     code = ("import jax; d = jax.devices()[0]; "
             "print(getattr(d, 'device_kind', d.platform), jax.__version__, sep='|')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -466,11 +472,17 @@ def main(argv=None) -> int:
         args.model = args.models
         sys.path.insert(0, ROOT)
         CHILDREN[args.child](args)
+        if args.child != "hf":  # the device and jax version, for the parent's report
+            import jax
+
+            d = jax.devices()[0]
+            print(f"DEVICE {getattr(d, 'device_kind', d.platform)}|{jax.__version__}",
+                  flush=True)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    name, jax_version = device_line()
+    # the device and jax version: from the first child that names them (no process of its own)
     meta = {"command": "python scripts/bench/bench_prefill.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), "device": name, "jax": jax_version,
+        sys.argv[1:] if argv is None else argv), "device": None, "jax": None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # room for 128K x 4 rows
@@ -479,6 +491,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
 
     def add(new):
+        if meta["device"] is None:  # no child named them (each failed, or transformers only)
+            meta["device"], meta["jax"] = device_line()
         rows.extend(new)
         data = merge(args.out, new, dict(meta, rows=len(new)))
         write_markdown(data, args.out)
@@ -487,19 +501,21 @@ def main(argv=None) -> int:
     models = [m for m in args.models.split(",") if m]
     if "warm" in args.part_list:
         for m in models:
-            add(run_child("warm", m, args.context_list, args.batch_list, args, env=env))
+            add(run_child("warm", m, args.context_list, args.batch_list, args, env=env,
+                          meta=meta))
     if "cold" in args.part_list:
         for m in models:
             with tempfile.TemporaryDirectory(prefix="sfi_jax_cold_") as d:
                 for state in ("empty", "filled"):
                     add(run_child("cold", m, [args.cold_context], [1], args,
-                                  ["--cache-dir", d, "--cache-state", state], env=env))
+                                  ["--cache-dir", d, "--cache-state", state], env=env,
+                                  meta=meta))
     req_contexts = [int(c) for c in args.request_contexts.split(",") if c]
     for m in (m for m in args.request_models.split(",") if m):
         if "requests" in args.part_list:
-            add(run_child("requests", m, req_contexts, [1], args, env=env))
+            add(run_child("requests", m, req_contexts, [1], args, env=env, meta=meta))
         if "hf" in args.part_list:
-            add(run_child("hf", m, req_contexts, [1], args, env=env))
+            add(run_child("hf", m, req_contexts, [1], args, env=env, meta=meta))
     failed = [r for r in rows if r["part"] == "error"]
     print(f"wrote {args.out}/prefill.json, .md, .png ({len(rows)} rows, {len(failed)} failed)")
     return 1 if failed else 0

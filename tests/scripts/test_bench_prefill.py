@@ -53,6 +53,7 @@ def test_smoke(tmp_path, parts, monkeypatch):
     assert mod.main(["--smoke", "--parts", parts, "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "prefill.json").read_text())
     assert {r["part"] for r in data["rows"]} == set(parts.split(","))
+    assert data["runs"][-1]["device"] == "cpu"  # named by a child: the parent imports no jax
     md = (tmp_path / "prefill.md").read_text()
     assert (tmp_path / "prefill.png").stat().st_size > 0
     if "warm" in parts:

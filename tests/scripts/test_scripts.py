@@ -54,19 +54,23 @@ def load(rel: str):
 def variants(tmp_path_factory):
     """One bench_variants.py call, shared by the tests below: 'base' (bench_e2e.py --smoke as
     it is), 'other' (an engine option, an environment variable, extra arguments, and another
-    copy of the code via --tree) and 'broken' (a process that fails at once). Compiling is
-    most of a smoke run: XLA's slower optimisations are off (the timings are only checked to
-    be positive)."""
+    copy of the code via --tree) and 'broken' (a checkout whose bench_e2e.py fails at once,
+    before it imports anything). Compiling is most of a smoke run: XLA's slower optimisations
+    are off (the timings are only checked to be positive), and the smoke processes share the
+    test run's compilation cache (conftest.py)."""
     tmp = tmp_path_factory.mktemp("variants")
-    out, tree = tmp / "ab", tmp / "other_checkout"
+    out, tree, broken = tmp / "ab", tmp / "other_checkout", tmp / "broken_checkout"
     for part in ("sfi_jax", "scripts"):
         shutil.copytree(os.path.join(ROOT, part), tree / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
+    (broken / "scripts" / "bench").mkdir(parents=True)
+    (broken / "scripts" / "bench" / "bench_e2e.py").write_text(
+        "import sys\nsys.exit('this checkout is broken')\n")
     text = _run(os.path.join(SCRIPTS, "bench", "bench_variants.py"), "--out", str(out),
                 "--variant", "base=",
                 "--variant", "other=layer_unroll=2,XLA_PYTHON_CLIENT_MEM_FRACTION=0.5",
                 "--args", "other=--opt selector_topk=radix", "--tree", f"other={tree}",
-                "--variant", "broken=", "--args", "broken=--no-such-flag", "--", "--smoke",
+                "--variant", "broken=", "--tree", f"broken={broken}", "--", "--smoke",
                 env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
     return out, tree, text
 
@@ -135,8 +139,9 @@ def test_bench_variants_runs_each_variant_in_its_own_process(variants):
     assert other["meta"]["mem_fraction"] == "0.5"
     assert other["results"][0]["package"] == str(tree / "sfi_jax")
     assert "| base | tiny | 2560 | 2 |" in text and "| other | tiny | 2560 | 2 |" in text
-    assert (out / "broken.log").exists() and not (out / "broken.json").exists()
-    assert "| broken | - | - | - | - | - | - | - | - | 2 |" in text
+    assert "this checkout is broken" in (out / "broken.log").read_text()
+    assert not (out / "broken.json").exists()
+    assert "| broken | - | - | - | - | - | - | - | - | 1 |" in text
     assert text[text.index("| variant"):].strip() in (out / "variants.md").read_text()
 
 
