@@ -25,8 +25,18 @@ TPU_BLOCK = 128
 IMPLS = ["pallas_gpu", "pallas_tpu"]
 
 
+def _rng(key):
+    """A numpy generator seeded with a jax key's bits. The random inputs are drawn on the host:
+    jax.random compiles its sampler anew for every shape and dtype (on the CPU that was a third
+    of this file's time)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.random.default_rng(np.asarray(key).ravel().tolist())
+
+
 def _rand(key, shape, dtype):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    """Standard normal values of `shape`, rounded to `dtype`."""
+    return jnp.asarray(_rng(key).standard_normal(shape, dtype=np.float32).astype(dtype))
 
 
 def _rel(a, b):
@@ -212,7 +222,7 @@ def _new_token_case(seed, n_layers, b, hq, hkv, s, c, d, dtype):
                                      d=d, dtype=dtype, layers=n_layers)
     ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
     kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
-    norms = jax.random.uniform(ks[2], (n_layers, b, hkv, s), jnp.float32)
+    norms = jnp.asarray(_rng(ks[2]).random((n_layers, b, hkv, s), dtype=np.float32))
     return q, ck, cv, k, v, kn, vn, norms
 
 
@@ -302,7 +312,7 @@ def test_repack_copies_the_selected_rows(impl):
     ck = _rand(ks[2], (n_layers, b, hkv, c, d), jnp.bfloat16)
     cv = _rand(ks[3], (n_layers, b, hkv, c, d), jnp.bfloat16)
     slots = jnp.asarray([2, 0, 5], jnp.int32)  # 5 >= b: an empty slot
-    pos = jax.random.randint(ks[4], (n_layers, 3, hkv, c), -1, s)
+    pos = jnp.asarray(_rng(ks[4]).integers(-1, s, (n_layers, 3, hkv, c), dtype=np.int32))
     if impl == "pallas_gpu":
         got = gpu.repack(ck, cv, k, v, pos, slots, interpret=True, block=16)
     else:
@@ -428,11 +438,11 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
                       rope_theta=1e6, qk_norm=qk_norm)
     ks = jax.random.split(jax.random.key(hq * d), 5)
     width = (hq + 2 * hkv) * d
-    w = {"attn_norm": 1 + 0.1 * jax.random.normal(ks[0], (48,), dtype),
+    w = {"attn_norm": 1 + 0.1 * _rand(ks[0], (48,), dtype),
          "wqkv": _rand(ks[1], (48, width), dtype) * 0.3}
     if qk_norm:
-        w["q_norm"] = 1 + 0.3 * jax.random.normal(ks[2], (d,), dtype)
-        w["k_norm"] = 1 + 0.3 * jax.random.normal(ks[3], (d,), dtype)
+        w["q_norm"] = 1 + 0.3 * _rand(ks[2], (d,), dtype)
+        w["k_norm"] = 1 + 0.3 * _rand(ks[3], (d,), dtype)
     x = _rand(ks[4], (5, 1, 48), dtype)
     pos = jnp.array([[0], [1], [777], [65536], [200003]], jnp.int32)
     want = attention_inputs(w, cfg, x, pos, heads="xla")
