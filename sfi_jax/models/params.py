@@ -7,6 +7,7 @@ device with `jax.make_array_from_callback`, so a mesh never needs the whole mode
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Callable
@@ -52,10 +53,17 @@ def default_shardings(cfg: ModelConfig, mesh=None):
 
 
 def random_params(cfg: ModelConfig, dtype="bfloat16", seed: int = 0, mesh=None) -> dict:
-    """Random weights created directly on device(s) in `dtype` (no host copy of the model)."""
+    """Random weights created directly on device(s) in `dtype` (no host copy of the model).
+    The initialiser compiles once per (config, dtype, seed, mesh) in a process: another call
+    with the same arguments makes new arrays of the same values without compiling again."""
+    return _random_init(cfg, jnp.dtype(dtype), int(seed), mesh)()
+
+
+@functools.lru_cache(maxsize=16)
+def _random_init(cfg: ModelConfig, dtype, seed: int, mesh):
+    """random_params' jitted initialiser (no arguments: the values depend on these only)."""
     shapes = param_shapes(cfg)
     shardings = default_shardings(cfg, mesh)
-    dtype = jnp.dtype(dtype)
 
     def init():
         out = {}
@@ -70,7 +78,7 @@ def random_params(cfg: ModelConfig, dtype="bfloat16", seed: int = 0, mesh=None) 
             _set(out, path, value)
         return out
 
-    return jax.jit(init, out_shardings=shardings)()
+    return jax.jit(init, out_shardings=shardings)
 
 
 def _hf_plan(cfg: ModelConfig) -> dict:
