@@ -15,7 +15,7 @@ import pytest
 # the end of a run, where one worker ran them alone while the other had nothing left to do.
 LONG_FILES = ("tests/runtime/test_mesh.py", "tests/scripts/test_scripts.py",
               "tests/test_notebooks.py", "tests/runtime/test_decode_hlo.py",
-              "tests/runtime/test_exact.py", "tests/scripts/test_bench_prefill.py")
+              "tests/scripts/test_bench_prefill.py")
 
 
 # The JAX persistent compilation cache that the Python subprocesses of one test run share
