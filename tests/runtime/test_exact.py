@@ -71,7 +71,9 @@ def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3):
     prompts = _prompts([30, 51], seed=2)
     cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
     kw = dict(max_new_tokens=6, stop_at_eos=False)
-    split = tiny_qwen3.model.split_layers(fuse_qkv=True)
+    # a model of its own: split_layers works in place, and tiny_qwen3.model is shared
+    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
+    assert "wqkv" in split.params["layers"][0]
     options = sfi_jax.EngineOptions(matmul="kernel", heads="kernel", epilogue="fused")
     ex = sfi_jax.generate(split, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER],
                           options=options, **kw)
