@@ -31,15 +31,13 @@ DEFAULT_VARIANTS = "2:4:3:2,1:4:3:2,1:8:3:2,2:4:3:0,2:4:3:4,2:4:4:2,3:4:3:2,4:4:
 
 
 def parse_variant(text):
-    """"programs_per_sm:num_warps:num_stages:prefetch_tiles" -> BlockConfig."""
-    from sfi_jax.kernels.mlp_block_gpu import BlockConfig
+    """`mlp_block_gpu.parse_config`, as a command-line error."""
+    from sfi_jax.kernels.mlp_block_gpu import parse_config
 
     try:
-        pps, warps, stages, tiles = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise SystemExit(f"variant {text!r}: expected programs_per_sm:warps:stages:prefetch_tiles")
-    return BlockConfig(programs_per_sm=pps, num_warps=warps, num_stages=stages,
-                       prefetch_tiles=tiles)
+        return parse_config(text)
+    except ValueError as e:
+        raise SystemExit(str(e))
 
 
 def main(argv=None):
@@ -47,7 +45,8 @@ def main(argv=None):
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
     p.add_argument("--rows", default="1")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help="comma-separated programs_per_sm:warps:stages:prefetch_tiles")
+                   help="comma-separated programs_per_sm:warps:stages:prefetch_tiles"
+                        "[:block_n[:max_splits]]")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="a tiny shape, small tiles (CPU)")

@@ -42,7 +42,8 @@ class BlockConfig:
     """programs_per_sm: the grid (they must all fit on an SM at once with these warps and
     stages); prefetch_tiles: weight tiles of its next task a program loads (into L2) before it
     waits for a phase; block_n, block_k: every phase's tile in place of the tuned ones (small
-    shapes in tests); programs: the grid in place of programs_per_sm's."""
+    shapes in tests); programs: the grid in place of programs_per_sm's; max_splits: at most
+    this many K splits per phase (1: a program owns its columns, no partial sums to add up)."""
 
     programs_per_sm: int = 2
     num_warps: int = 4
@@ -51,6 +52,27 @@ class BlockConfig:
     block_n: int | None = None
     block_k: int | None = None
     programs: int | None = None
+    max_splits: int | None = None
+
+
+def parse_config(text: str) -> BlockConfig:
+    """"programs_per_sm:num_warps:num_stages:prefetch_tiles[:block_n[:max_splits]]" (block_n
+    0: the tuned tiles) -> BlockConfig: the sweeps' notation."""
+    try:
+        vals = [int(v) for v in text.split(":")]
+        if len(vals) not in (4, 5, 6):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"block config {text!r}: expected programs_per_sm:warps:stages:"
+                         "prefetch_tiles[:block_n[:max_splits]]") from None
+    pps, warps, stages, tiles, bn, splits = vals + [0] * (6 - len(vals))
+    return BlockConfig(programs_per_sm=pps, num_warps=warps, num_stages=stages,
+                       prefetch_tiles=tiles, block_n=bn or None, max_splits=splits or None)
+
+
+# The config a call without one takes; a sweep point that bench_e2e's --block-config sets
+# before anything is traced
+DEFAULT_CONFIG = BlockConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,24 +111,24 @@ def _phase(n, k, rows, n_w, programs, x_bytes, w_bytes, block: BlockConfig) -> _
                               block_k=min(cfg.block_k, max(16, sm._pow2(k))), num_stages=stages)
     cfg = sm._fit(cfg, pad, n_w, x_bytes, w_bytes)
     blocks = -(-n // cfg.block_n)
-    want = max(1, min(programs // blocks, -(-k // cfg.block_k)))
+    want = max(1, min(programs // blocks, -(-k // cfg.block_k), block.max_splits or k))
     k_split = -(-(-(-k // want)) // cfg.block_k) * cfg.block_k
     return _Phase(n=n, k=k, bn=cfg.block_n, bk=cfg.block_k, mode=cfg.mode, k_split=k_split,
                   splits=-(-k // k_split), n_w=n_w)
 
 
-def _wait(sync_ref, at, target):
-    """Poll counter `at` until it reaches target (volatile reads, then one acquiring atomic so
-    the blocks' stores are visible to this program's loads)."""
+def _wait(sync_ref, at, target, interpret):
+    """Poll counter `at` (acquiring atomic reads) until it reaches target, then a barrier, so
+    the blocks' stores are visible to every thread's loads after it."""
     def cond(c):
         return (c[0] < target) & (c[1] < SPIN_LIMIT)
 
-    def body(c):
-        return plgpu_triton.load(sync_ref.at[at], volatile=True), c[1] + 1
+    def read():  # (an atomic: a plain or volatile load may be hoisted out of the loop)
+        return plgpu_triton.atomic_add(sync_ref, (at,), at * 0)
 
-    lax.while_loop(cond, body, (plgpu_triton.load(sync_ref.at[at], volatile=True),
-                                jnp.int32(0)))
-    plgpu_triton.atomic_add(sync_ref, (at,), at * 0)
+    lax.while_loop(cond, lambda c: (read(), c[1] + 1), (read(), at * 0))
+    if not interpret:  # every thread's loads after the one thread's acquire
+        plgpu_triton.debug_barrier()
 
 
 def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in, part_o, part_g,
@@ -121,17 +143,25 @@ def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in,
     zero = pid * 0  # indices as traced values (interpret mode's loops take no constants)
     pow_o = max(2, sm._pow2(po.blocks))
 
-    def product(part_ref, ph, j, r, scale=1.0):
-        sp = max(2, sm._pow2(ph.splits))
+    def product(w, ph, j, row, accs, scale=1.0):
+        """Weight w's product for row `row` of column block j: its splits' partials added up,
+        or (one split) the task's own accumulator."""
         cm = j * ph.bn + jnp.arange(ph.bn) < ph.n
-        p = plgpu_triton.load(part_ref.at[j, pl.ds(0, sp), r, pl.ds(0, ph.bn)],
-                              mask=(jnp.arange(sp) < ph.splits)[:, None] & cm[None, :], other=0.0)
-        return (jnp.sum(p, axis=0) * scale).astype(dt).astype(f32), cm
+        if accs is None:
+            sp = max(2, sm._pow2(ph.splits))
+            p = plgpu_triton.load(specs[phases.index(ph)][4][w].at[
+                j, pl.ds(0, sp), zero + row, pl.ds(0, ph.bn)],
+                mask=(jnp.arange(sp) < ph.splits)[:, None] & cm[None, :], other=0.0)
+            y = jnp.sum(p, axis=0)
+        else:
+            acc = accs[w]
+            y = jnp.sum(jnp.where(jnp.arange(acc.shape[0])[:, None] == row, acc, 0.0), axis=0)
+        return (y * scale).astype(dt).astype(f32), cm
 
-    def epilogue_o(j):  # h1 = x + o(attn), and its sums of squares per block for the norm
+    def epilogue_o(j, accs):  # h1 = x + o(attn), and its sums of squares per block for the norm
         for row in range(n_rows):
             r = zero + row
-            y, cm = product(part_o, po, j, r)
+            y, cm = product(0, po, j, row, accs)
             at = (r, pl.ds(j * po.bn, po.bn))
             res = plgpu_triton.load(res_ref.at[at], mask=cm, other=0.0)
             h1 = (res.astype(f32) + y).astype(dt)
@@ -139,21 +169,21 @@ def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in,
             h1f = jnp.where(cm, h1.astype(f32), 0.0)
             plgpu_triton.store(ss_ref.at[j, r], jnp.sum(h1f * h1f))
 
-    def epilogue_gu(j):  # silu(gate) * up of the normed h1
+    def epilogue_gu(j, accs):  # silu(gate) * up of the normed h1
         for row in range(n_rows):
             r = zero + row
             ss = plgpu_triton.load(ss_ref.at[pl.ds(0, pow_o), r],
                                    mask=jnp.arange(pow_o) < po.blocks, other=0.0)
             scale = lax.rsqrt(jnp.sum(ss) / po.n + eps)
-            g, cm = product(part_g, pgu, j, r, scale)
-            u, _ = product(part_u, pgu, j, r, scale)
+            g, cm = product(0, pgu, j, row, accs, scale)
+            u, _ = product(1, pgu, j, row, accs, scale)
             plgpu_triton.store(h2_ref.at[r, pl.ds(j * pgu.bn, pgu.bn)],
                                (g / (1.0 + jnp.exp(-g)) * u).astype(dt), mask=cm)
 
-    def epilogue_d(j):  # h1 + down(h2)
+    def epilogue_d(j, accs):  # h1 + down(h2)
         for row in range(n_rows):
             r = zero + row
-            y, cm = product(part_d, pd, j, r)
+            y, cm = product(0, pd, j, row, accs)
             at = (r, pl.ds(j * pd.bn, pd.bn))
             h1 = plgpu_triton.load(h1_ref.at[at], mask=cm, other=0.0)
             plgpu_triton.store(out_ref.at[at], (h1.astype(f32) + y).astype(dt), mask=cm)
@@ -176,7 +206,7 @@ def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in,
                 first += [plgpu_triton.load(w.at[pl.ds(k0, ph.bk), pl.ds(j0 * ph.bn, ph.bn)],
                                             mask=m, other=0.0) for w in w_refs]
         if i > 0:
-            _wait(sync_ref, zero + ph_at + i - 1, specs[i - 1][0].blocks)
+            _wait(sync_ref, zero + ph_at + i - 1, specs[i - 1][0].blocks, interpret)
         if first:  # a use after the wait, so the loads are not dropped (it never stores)
             keep = sum(jnp.sum(t.astype(f32)) for t in first)
             plgpu_triton.store(ss_ref.at[zero + pow_o, zero], keep, mask=pid < 0)
@@ -187,6 +217,15 @@ def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in,
                                        k=ph.k, n=ph.n, bn=ph.bn, bk=ph.bk, k_split=ph.k_split,
                                        normed=nw is not None,
                                        precision=sm._precision(w_refs[0].dtype), mode=ph.mode)
+            def finish(accs):  # the block's epilogue, then the phase's counter
+                epilogue(j, accs)
+                if not interpret:
+                    plgpu_triton.debug_barrier()
+                plgpu_triton.atomic_add(sync_ref, (zero + ph_at + i,), zero + 1)
+
+            if ph.splits == 1:  # the whole K: this program finishes its block
+                finish(accs)
+                return carry
             cm = j * ph.bn + jnp.arange(ph.bn) < ph.n
             rm = jnp.arange(pad) < n_rows
             for part, acc in zip(part_refs, accs):
@@ -198,12 +237,8 @@ def _kernel(attn_ref, wo_ref, res_ref, nw_ref, wg_ref, wu_ref, wd_ref, _sync_in,
 
             @pl.when(done == ph.splits - 1)
             def _():
-                plgpu_triton.atomic_add(sync_ref, (base[i] + j,),
-                                        zero + -ph.splits)
-                epilogue(j)
-                if not interpret:
-                    plgpu_triton.debug_barrier()
-                plgpu_triton.atomic_add(sync_ref, (zero + ph_at + i,), zero + 1)
+                plgpu_triton.atomic_add(sync_ref, (base[i] + j,), zero + -ph.splits)
+                finish(None)
             return carry
 
         mine = jnp.maximum(ph.tasks - pid + programs - 1, 0) // programs
@@ -238,7 +273,7 @@ def mlp_block(attn, wo, residual, mlp_norm, w_gate, w_up, w_down, sync, *, eps=1
     weight multiplies h1 on its way into gate/up and its row scale the summed products
     (`skinny_matmul_gpu`). sync: int32 [SYNC_SIZE] zeros (`skinny_matmul_gpu.new_sync`),
     returned zero again. config: a BlockConfig (None: its defaults)."""
-    cfg = config or BlockConfig()
+    cfg = config or DEFAULT_CONFIG
     n_rows, ko = attn.shape
     h = residual.shape[1]
     inter = w_gate.shape[1]

@@ -5,6 +5,8 @@ CUDA export: test_kernel_lowering.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,14 +42,16 @@ def _inputs(seed, rows, ko, h, inter, dtype):
             mk(h, inter, scale=h ** -0.5), mk(inter, h, scale=inter ** -0.5))
 
 
-@pytest.mark.parametrize("rows, ko, h, inter, dtype", [
-    (1, 96, 80, 200, jnp.float32),
-    (3, 64, 72, 130, jnp.bfloat16),
-])
-def test_block_matches_numpy(rows, ko, h, inter, dtype):
+@pytest.mark.parametrize("rows, ko, h, inter, dtype, config", [
+    (1, 96, 80, 200, jnp.float32, SMALL),
+    (3, 64, 72, 130, jnp.bfloat16, SMALL),
+    # one K split per block: each program's epilogue takes its own accumulators
+    (2, 96, 80, 200, jnp.float32, dataclasses.replace(SMALL, block_n=16, max_splits=1)),
+], ids=["1row-f32", "3rows-bf16", "2rows-one-split"])
+def test_block_matches_numpy(rows, ko, h, inter, dtype, config):
     args = _inputs(rows, rows, ko, h, inter, dtype)
     sync = sm.new_sync()
-    out, sync = mb.mlp_block(*args, sync, eps=EPS, interpret=True, config=SMALL)
+    out, sync = mb.mlp_block(*args, sync, eps=EPS, interpret=True, config=config)
     assert out.shape == (rows, h) and out.dtype == dtype
     want = _numpy_block(*args)
     got = _f64(out)
@@ -63,6 +67,8 @@ def test_block_phases_have_several_blocks_and_splits():
               for n, k, w in ((80, 96, 1), (200, 80, 2), (80, 200, 1))]
     assert all(p.blocks > 1 and p.splits > 1 for p in phases)
     assert all(p.tasks <= SMALL.programs for p in phases)
+    one = dataclasses.replace(SMALL, block_n=16, max_splits=1)
+    assert all(mb._phase(80, 96, 1, 1, one.programs, 4, 4, one).splits == 1 for _ in (0,))
 
 
 def test_block_names_bad_arguments():
