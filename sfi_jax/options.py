@@ -35,7 +35,7 @@ HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "xla")
-EPILOGUE = ("auto", "fused", "persistent", "xla")
+EPILOGUE = ("auto", "fused", "xla")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
            "selector_scores": SELECTOR_SCORES,
@@ -71,10 +71,8 @@ class EngineOptions:
         kernel where it beat XLA's gemm: up to 4 rows) or "xla".
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
-        heads' norm + rope, the residual add, the SiLU product; one launch per matmul),
-        "persistent" (the same for q/k/v; the attention output and the MLP of a dense-MLP
-        layer in one persistent kernel, `kernels.mlp_block_gpu`) or "xla" (XLA's fusions
-        after each kernel).
+        heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or
+        "xla" (XLA's fusions after each kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 

@@ -598,15 +598,7 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
-    p.add_argument("--block-config", default=None,
-                   metavar="PER_SM:WARPS:STAGES:PREFETCH[:BLOCK_N[:MAX_SPLITS]]",
-                   help="a sweep point: the persistent MLP block's config (epilogue="
-                        "persistent), in place of its default (diag_mlp_block's variants)")
     args = p.parse_args(argv)
-    if args.block_config:  # set before anything is traced; the run's meta records it
-        from sfi_jax.kernels import mlp_block_gpu
-
-        mlp_block_gpu.DEFAULT_CONFIG = mlp_block_gpu.parse_config(args.block_config)
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -640,8 +632,7 @@ def main(argv=None):
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
-                sparse_config=args.sparse_config, fused_programs=args.fused_programs,
-                block_config=args.block_config)
+                sparse_config=args.sparse_config, fused_programs=args.fused_programs)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

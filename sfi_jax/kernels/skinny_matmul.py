@@ -78,12 +78,3 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, **kwargs):
     return skinny_matmul_gpu.skinny_matmul_fused(x, tuple(weights), norm, sync,
                                                  epilogue=epilogue,
                                                  interpret=interpret_for("pallas_gpu"), **kwargs)
-
-
-def mlp_block(attn, wo, residual, mlp_norm, w_gate, w_up, w_down, sync, *, eps, config=None):
-    """`mlp_block_gpu.mlp_block` (interpret mode off the GPU): x + o(attn), then its MLP with
-    the residual, in one persistent kernel; returns x and the counters."""
-    from sfi_jax.kernels import mlp_block_gpu
-
-    return mlp_block_gpu.mlp_block(attn, wo, residual, mlp_norm, w_gate, w_up, w_down, sync,
-                                   eps=eps, interpret=interpret_for("pallas_gpu"), config=config)

@@ -300,8 +300,7 @@ def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul:
     """Whether a decode step of `rows` rows runs this layer's matmuls with their epilogues in
     the kernel (`decode_attention_inputs` / `decode_output_and_mlp`): asked for, the kernel
     for these rows, fused q/k/v weights and the heads kernel's head dim."""
-    return (epilogue in ("fused", "persistent")
-            and skinny_matmul_kernels.uses_fused(matmul, rows)
+    return (epilogue == "fused" and skinny_matmul_kernels.uses_fused(matmul, rows)
             and heads == "kernel" and "wqkv" in w and heads_kernels.supported(cfg.head_dim))
 
 
@@ -319,18 +318,10 @@ def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
     return q[:, None], k[:, None], v[:, None], sync
 
 
-def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla",
-                          epilogue: str = "fused"):
+def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla"):
     """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
-    product in the matmuls' epilogues; with epilogue "persistent" a dense MLP layer's o,
-    gate/up and down run as one kernel (`skinny_matmul.mlp_block`). Returns x and the
-    counters."""
+    product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
-    if epilogue == "persistent" and not cfg.is_moe:
-        x, sync = skinny_matmul_kernels.mlp_block(
-            attn.reshape(B, -1), w["wo"], x.reshape(B, -1), w["mlp_norm"], w["w_gate"],
-            w["w_up"], w["w_down"], sync, eps=cfg.rms_norm_eps)
-        return x[:, None], sync
     fused = skinny_matmul_kernels.skinny_matmul_fused
     x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (w["wo"],), None, sync,
                     epilogue="residual", residual=x.reshape(B, -1))

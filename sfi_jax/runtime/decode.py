@@ -211,7 +211,7 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
                                           dense_rows, slots)
     if sync is not None:
         x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
-                                        moe=_moe_impl(options, plan), epilogue=options.epilogue)
+                                        moe=_moe_impl(options, plan))
     else:
         x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
                                      matmul=matmul_impl(options, plan))

@@ -250,19 +250,3 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
         sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),
         sds((rows, n), bf), sds((rows, 64), jnp.float32), sds((128,), bf))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
-
-
-@pytest.mark.parametrize("rows, ko, h, inter", [(1, 4096, 2560, 9728), (3, 2048, 1024, 3072)])
-def test_mlp_block_exports_for_cuda(rows, ko, h, inter):
-    """The persistent MLP block (phases, counters, polls, the prefetch) compiles for CUDA at
-    Qwen3-4B's and Qwen3-0.6B's shapes."""
-    from sfi_jax.kernels import mlp_block_gpu as mb
-    from sfi_jax.kernels import skinny_matmul_gpu as sm
-
-    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    exp = jax.export.export(jax.jit(mb.mlp_block), platforms=["cuda"], disabled_checks=checks)(
-        sds((rows, ko), bf), sds((ko, h), bf), sds((rows, h), bf), sds((h,), bf),
-        sds((h, inter), bf), sds((h, inter), bf), sds((inter, h), bf),
-        sds((sm.SYNC_SIZE,), jnp.int32))
-    assert "__gpu$xla.gpu.triton" in exp.mlir_module()

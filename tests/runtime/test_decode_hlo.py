@@ -148,15 +148,12 @@ def _launches(jaxpr, name):
     return n
 
 
-@pytest.mark.parametrize("epilogue", ["fused", "persistent", "xla"])
+@pytest.mark.parametrize("epilogue", ["fused", "xla"])
 def test_fused_epilogues_take_the_heads_launch(epilogue):
     """With the fused epilogues (the GPU default for a few rows) a layer of a fast step is
     four matmul launches whose epilogues produce the heads and the residual stream: no heads
-    kernel; with epilogue="persistent" the q/k/v matmul and one kernel for the attention
-    output and MLP; with epilogue="xla" the heads kernel runs after the q/k/v matmul."""
+    kernel; with epilogue="xla" the heads kernel runs after the q/k/v matmul."""
     _, fast = _loop_bodies(EngineOptions(attention="pallas_gpu", epilogue=epilogue))
-    per_layer = 1 if epilogue == "persistent" else 4
-    assert _launches(fast, "sfi_skinny_matmul") == per_layer * CFG.num_layers
-    assert _launches(fast, "sfi_mlp_block") == (epilogue == "persistent") * CFG.num_layers
-    heads = 0 if epilogue != "xla" else CFG.num_layers
+    assert _launches(fast, "sfi_skinny_matmul") == 4 * CFG.num_layers
+    heads = 0 if epilogue == "fused" else CFG.num_layers
     assert _launches(fast, "sfi_norm_rope_heads") == heads

@@ -282,8 +282,7 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
 def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
-    included (the GPU defaults): the xla path's logits, in SFI and in dense decoding (the
-    latter with the attention output and MLP as one persistent kernel)."""
+    included (the GPU defaults): the xla path's logits, in SFI and in dense decoding."""
     prompts, forced, runs = per_row_runs
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
     assert "wqkv" in split.params["layers"][0]
@@ -294,7 +293,6 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               options=gpu_defaults)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
-    kw["options"] = dataclasses.replace(gpu_defaults, epilogue="persistent")
     dense = sfi_jax.generate(split, prompts, mode="dense", **kw)
     for got, want in ((sfi, runs["sfi"]), (dense, runs["dense"])):
         assert got.stats.get("slow_steps") == want.stats.get("slow_steps")
@@ -346,7 +344,6 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
     assert not tiny_qwen3.model.layers_split
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
-    kw["options"] = dataclasses.replace(gpu_defaults, epilogue="persistent")
     dense = sfi_jax.generate(split, prompts, mode="dense", **kw)
     for got, want in ((sfi, runs["sfi"]), (dense, runs["dense"])):
         assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-5

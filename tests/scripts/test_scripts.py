@@ -174,18 +174,6 @@ def test_diag_moe_kernel_smoke(tmp_path, capsys):
     assert "| 16 | 32x16x2x2 | True |" in text
 
 
-def test_diag_mlp_block_smoke(tmp_path):
-    """The persistent MLP block's diagnostic checks it against the fused launches and a jnp
-    reference, repeats it, and writes its rows."""
-    out = tmp_path / "block.json"
-    assert load("diag/diag_mlp_block.py").main(["--smoke", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["all_ok"] and [r["variant"] for r in res["results"]] == [
-        "fused (3 launches)", "smoke"]
-    block = res["results"][1]
-    assert block["rel_err_fused"] < 1e-5 and block["counters_zero"]
-
-
 def test_engine_check_moe_kernels_against_ragged_dot():
     """bench_e2e's GPU check of the expert kernels (interpret mode here) passes on a small MoE
     config, and would catch a kernel that drops the up projection."""
