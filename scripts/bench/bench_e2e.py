@@ -598,15 +598,7 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
-    p.add_argument("--prefetch", default=None, metavar="PROGRAMS:MIB",
-                   help="a sweep point: the fused matmuls' L2 prefetch of the next weights, "
-                        "extra programs and MiB per call (0:0: none), in place of the default")
     args = p.parse_args(argv)
-    if args.prefetch:  # set before anything is traced; the run's meta records it
-        from sfi_jax.kernels import skinny_matmul_gpu
-
-        programs, mib = (int(v) for v in args.prefetch.split(":"))
-        skinny_matmul_gpu.PF_PROGRAMS, skinny_matmul_gpu.PF_MAX_BYTES = programs, mib << 20
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -640,8 +632,7 @@ def main(argv=None):
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
-                sparse_config=args.sparse_config, fused_programs=args.fused_programs,
-                prefetch=args.prefetch)
+                sparse_config=args.sparse_config, fused_programs=args.fused_programs)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

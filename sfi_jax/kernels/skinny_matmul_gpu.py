@@ -39,16 +39,6 @@ SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
 # The fused epilogues' grid aim in programs per SM in place of the tuned configs' (None): a
 # sweep point that bench_e2e's --fused-programs sets before anything is traced
 FUSED_PROGRAMS_PER_SM = None
-# Prefetch (`skinny_matmul_fused(prefetch=...)`): extra programs pull the next matmul's
-# weights into L2 while this one runs, as [rows, PF_WIDTH] views in tiles of PF_TILE_ROWS rows
-# (Config.prefetch_programs of them, at most Config.prefetch_bytes in all: the first rows of
-# each weight, which the next kernel's first programs read). PF_PROGRAMS, PF_MAX_BYTES: the
-# defaults `default_config` gives, a sweep point that bench_e2e's --prefetch sets before
-# anything is traced.
-PF_WIDTH = 512
-PF_TILE_ROWS = 8
-PF_PROGRAMS = 4 * _NUM_SMS
-PF_MAX_BYTES = 24 << 20
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -58,8 +48,7 @@ class Config:
     mode how a tile is multiplied: "dot" (tl.dot, rows padded to 16), "fma" (multiply-adds in
     registers, rows padded to a power of two, reduced over the tile's K every block) or
     "fma_defer" (the same, summed over K once at the end: more registers, no per-block
-    reduction across threads); prefetch_programs, prefetch_bytes: the extra programs that load
-    `skinny_matmul_fused`'s prefetch arrays into L2, and how many of their bytes (0: none)."""
+    reduction across threads)."""
 
     block_n: int = 256
     block_k: int = 64
@@ -67,8 +56,6 @@ class Config:
     num_stages: int = 4
     programs: int = 4 * _NUM_SMS
     mode: str = "dot"
-    prefetch_programs: int = 4 * _NUM_SMS
-    prefetch_bytes: int = 24 << 20
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -76,12 +63,6 @@ class Config:
 
 
 def default_config(n: int, k: int, rows: int = 1) -> Config:
-    """`_tuned_config` with the prefetch of PF_PROGRAMS and PF_MAX_BYTES."""
-    return dataclasses.replace(_tuned_config(n, k, rows), prefetch_programs=PF_PROGRAMS,
-                               prefetch_bytes=PF_MAX_BYTES)
-
-
-def _tuned_config(n: int, k: int, rows: int) -> Config:
     """The H200 sweeps' best (benchmarks/skinny_matmul.md). Out of the hidden state (q/k/v,
     gate/up: N > K): 256 x 32 tiles multiplied in registers for one row, 256 x 64 tl.dot tiles
     on 2 stages for more (the register product grows with the rows). Into it (o, down: N < K):
@@ -156,62 +137,17 @@ def block_product(x_ref, nw_ref, w_refs, j, s, *, rows, n_rows, k, n, bn, bk, k_
     return accs, sq
 
 
-def _prefetch(pf_refs, dummy_ref, p, *, pf_rows, n_pf):
-    """Prefetch program p of n_pf: its share of the first pf_rows[i] rows of each [rows,
-    PF_WIDTH] view in pf_refs, loaded (kept in L2) and reduced into a store that never happens,
-    so the loads are not dropped."""
-    f32 = jnp.float32
-    acc = jnp.zeros((PF_TILE_ROWS, PF_WIDTH), f32)
-    for ref, total in zip(pf_refs, pf_rows):
-        tiles = -(-total // PF_TILE_ROWS)
-        per = -(-tiles // n_pf)  # consecutive tiles per program
-
-        def body(t, acc, ref=ref, total=total, per=per):
-            r0 = (p * per + t) * PF_TILE_ROWS
-            m = (r0 + jnp.arange(PF_TILE_ROWS) < total)[:, None]
-            tile = plgpu_triton.load(ref.at[pl.ds(r0, PF_TILE_ROWS), pl.ds(0, PF_WIDTH)],
-                                     mask=m, other=0.0, eviction_policy="evict_last")
-            return jnp.maximum(acc, tile.astype(f32))
-
-        acc = lax.fori_loop(0, per, body, acc)
-    plgpu_triton.store(dummy_ref.at[p * 0, p * 0, p * 0, p * 0], jnp.sum(acc), mask=p < 0)
-
-
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
-            precision, mode, epilogue, eps, heads, interpret, pf_rows=(), n_blocks=None):
+            precision, mode, epilogue, eps, heads, interpret):
     """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
-    the counters (aliased, read from the output side), the epilogue's inputs, the arrays to
-    prefetch and the outputs; programs with j >= n_blocks only prefetch."""
+    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
     w_refs, refs = refs[:n_w], refs[n_w:]
-    ep_in = ()
     if epilogue is not None:
         n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
         refs = refs[1:]  # the counters' input side
         ep_in, refs = refs[:n_in], refs[n_in:]
-    pf_refs, refs = refs[:len(pf_rows)], refs[len(pf_rows):]
     o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
-    if pf_rows:
-        n_pf = (pl.num_programs(0) - n_blocks) * n_splits
-        pl.when(j >= n_blocks)(lambda: _prefetch(pf_refs, o_refs[0], (j - n_blocks) * n_splits
-                                                 + s, pf_rows=pf_rows, n_pf=n_pf))
-        pl.when(j < n_blocks)(lambda: _main(x_ref, nw_ref, w_refs, ep_in, o_refs, ss_ref, refs,
-                                            j, s, n_w=n_w, rows=rows, n_rows=n_rows, k=k, n=n,
-                                            bn=bn, bk=bk, k_split=k_split, n_splits=n_splits,
-                                            normed=normed, precision=precision, mode=mode,
-                                            epilogue=epilogue, eps=eps, heads=heads,
-                                            interpret=interpret))
-        return
-    _main(x_ref, nw_ref, w_refs, ep_in, o_refs, ss_ref, refs, j, s,
-          n_w=n_w, rows=rows, n_rows=n_rows, k=k, n=n, bn=bn, bk=bk, k_split=k_split,
-          n_splits=n_splits, normed=normed, precision=precision, mode=mode, epilogue=epilogue,
-          eps=eps, heads=heads, interpret=interpret)
-
-
-def _main(x_ref, nw_ref, w_refs, ep_in, o_refs, ss_ref, refs, j, s, *, n_w, rows, n_rows, k, n,
-          bn, bk, k_split, n_splits, normed, precision, mode, epilogue, eps, heads, interpret):
-    """The product of program (j, s), its partials, and (with an epilogue) the block's last
-    program's epilogue."""
     rmask = jnp.arange(rows) < n_rows
     cmask = j * bn + jnp.arange(bn) < n
     accs, sq = block_product(x_ref, nw_ref, w_refs, j, s, rows=rows, n_rows=n_rows, k=k, n=n,
@@ -362,39 +298,17 @@ def _setup(x, weights, config):
     return cfg, rows, k_split, n_splits
 
 
-def _prefetch_views(prefetch, cfg):
-    """Each array to prefetch as a [rows, PF_WIDTH] view (a reshape: no copy) and how many of
-    its first rows to fetch: the config's bytes shared out evenly."""
-    if not prefetch or not cfg.prefetch_programs or not cfg.prefetch_bytes:
-        return (), ()
-    views, rows = [], []
-    budget = cfg.prefetch_bytes // len(prefetch)
-    for a in prefetch:
-        if a.size % PF_WIDTH:
-            raise ValueError(f"an array to prefetch must have a multiple of {PF_WIDTH} "
-                             f"elements, got shape {a.shape}")
-        v = a.reshape(-1, PF_WIDTH)
-        views.append(v)
-        rows.append(int(min(v.shape[0], max(1, budget // (PF_WIDTH * a.dtype.itemsize)))))
-    return tuple(views), tuple(rows)
-
-
 def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue=None,
-          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None, prefetch=()):
+          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None):
     n_rows, k = x.shape
     n = weights[0].shape[1]
     n_blocks = pl.cdiv(n, cfg.block_n)
     normed = norm is not None
-    pf_views, pf_rows = _prefetch_views(prefetch, cfg)
-    # (no more programs than the largest array has tiles)
-    pf_programs = min(cfg.prefetch_programs, max(-(-r // PF_TILE_ROWS) for r in pf_rows)) \
-        if pf_views else 0
-    pf_blocks = pl.cdiv(pf_programs, n_splits)
     kernel = functools.partial(
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
         precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
-        heads=heads, interpret=interpret, pf_rows=pf_rows, n_blocks=n_blocks)
+        heads=heads, interpret=interpret)
     # with the epilogue each column block's partials and sums of squares are a region of
     # whole 128-byte lines of their own, so no cache line mixes two blocks' data
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n) if epilogue is None else
@@ -412,11 +326,10 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
             raise ValueError(f"sync must be int32 [{SYNC_SIZE}] zeros (new_sync()), got "
                              f"{None if sync is None else (sync.shape, sync.dtype)}")
         aliases = {len(args): len(out) + len(extra_out)}
-        args += [sync, *extra_in, *pf_views]
+        args += [sync, *extra_in]
         out += [*extra_out, jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
     return pl.pallas_call(
-        kernel, grid=(n_blocks + pf_blocks, n_splits), out_shape=out,
-        input_output_aliases=aliases,
+        kernel, grid=(n_blocks, n_splits), out_shape=out, input_output_aliases=aliases,
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_skinny_matmul",
@@ -446,7 +359,7 @@ def new_sync():
                                              "interpret", "config"))
 def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=None, sin=None,
                         q_norm=None, k_norm=None, num_q_heads=None, num_kv_heads=None, eps=1e-6,
-                        prefetch=(), interpret=False, config=None):
+                        interpret=False, config=None):
     """x [R, K] (R <= FUSED_MAX_ROWS; RMS-normed by `norm` [K] first, when not None) times the
     weights, with the split sums added up by each column block's last program (a counter per
     block in `sync`), which then applies the epilogue, so no XLA fusion runs after the matmul:
@@ -458,9 +371,7 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         (q [R, Hq, D], k [R, Hkv, D], v, sync)
 
     Each product is rounded to x's dtype before the epilogue, as the unfused path rounds it.
-    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place).
-    prefetch: arrays (the next matmul's weights) whose first PF_MAX_BYTES extra programs load
-    into L2 while this one streams its own weights, so the next one reads them from there."""
+    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     n_rows = x.shape[0]
@@ -502,5 +413,5 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         extra_out = tuple(jax.ShapeDtypeStruct((n_rows, h, d), x.dtype) for h in (hq, hkv, hkv))
     res = _call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret,
                 epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
-                heads=heads, prefetch=tuple(prefetch))
+                heads=heads)
     return tuple(res[len(weights) + (norm is not None):])

@@ -307,15 +307,14 @@ def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul:
 def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
     """`attention_inputs` for one decode step (x [B, 1, H]) with q/k/v from the matmul's
     epilogue: the split sums, the RMSNorm's row scale, the heads' norms and rope in the
-    kernel, which also loads the o projection's weight into L2 (each matmul prefetches the
-    next one's). sync: the kernels' counters. Returns q, k, v and the counters."""
+    kernel. sync: the kernels' counters. Returns q, k, v and the counters."""
     B = x.shape[0]
     cos, sin = rope_cos_sin(positions, cfg)
     q, k, v, sync = skinny_matmul_kernels.skinny_matmul_fused(
         x.reshape(B, -1), (w["wqkv"],), w["attn_norm"], sync, epilogue="heads", cos=cos[:, 0],
         sin=sin[:, 0], q_norm=w.get("q_norm") if cfg.qk_norm else None,
         k_norm=w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, prefetch=(w["wo"],))
+        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
     return q[:, None], k[:, None], v[:, None], sync
 
 
@@ -325,13 +324,12 @@ def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "
     B = x.shape[0]
     fused = skinny_matmul_kernels.skinny_matmul_fused
     x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (w["wo"],), None, sync,
-                    epilogue="residual", residual=x.reshape(B, -1),
-                    prefetch=() if cfg.is_moe else (w["w_gate"], w["w_up"]))
+                    epilogue="residual", residual=x.reshape(B, -1))
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync
     h, sync = fused(x, (w["w_gate"], w["w_up"]), w["mlp_norm"], sync, epilogue="silu",
-                    eps=cfg.rms_norm_eps, prefetch=(w["w_down"],))
+                    eps=cfg.rms_norm_eps)
     x, sync = fused(h, (w["w_down"],), None, sync, epilogue="residual", residual=x)
     return x[:, None], sync
 

@@ -244,8 +244,7 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
             cos=cos, sin=cos, q_norm=qn, k_norm=qn, num_q_heads=32, num_kv_heads=8) \
             if epilogue == "heads" else {}
         return sm.skinny_matmul_fused(x, (w,) * (2 if epilogue == "silu" else 1),
-                                      norm if normed else None, sync, epilogue=epilogue,
-                                      prefetch=(w, w), **kw)  # (+ the L2 prefetch programs)
+                                      norm if normed else None, sync, epilogue=epilogue, **kw)
 
     exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
         sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),

@@ -5,7 +5,6 @@ without the folded RMSNorm; the dispatcher's choice of kernel or XLA; its errors
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -210,27 +209,3 @@ def test_fused_epilogues_name_bad_arguments():
                                 interpret=True)
     assert dispatch.uses_fused("by_shape", 4) and not dispatch.uses_fused("kernel", 5)
     assert not dispatch.uses_fused("xla", 1)
-    with pytest.raises(ValueError, match="multiple of 512"):
-        gpu.skinny_matmul_fused(x, ws, None, sync, epilogue="residual",
-                                residual=jnp.zeros((2, 16)), prefetch=(jnp.zeros((3, 100)),),
-                                interpret=True)
-
-
-def test_fused_prefetch_programs_change_nothing():
-    """The extra programs that load the next weights into L2 (a share of the first rows of
-    each, up to the byte cap) leave the product, the epilogue and the counters exactly as
-    without them."""
-    x, ws, _ = _inputs(5, 2, 96, 130, 1, jnp.float32, False)
-    res = jnp.asarray(np.random.default_rng(5).standard_normal((2, 130)), jnp.float32)
-    nxt = (jnp.ones((64, 3 * 512), jnp.bfloat16), jnp.ones((40, 512), jnp.float32))
-    cfg = dataclasses.replace(SMALL, prefetch_programs=5, prefetch_bytes=1 << 20)
-    assert gpu._prefetch_views(nxt, cfg)[1] == (192, 40)  # every row under 1 MiB
-    capped = dataclasses.replace(cfg, prefetch_bytes=64 << 10)  # 32 KiB each
-    assert gpu._prefetch_views(nxt, capped)[1] == (32, 16)
-    run = functools.partial(gpu.skinny_matmul_fused, x, ws, None, epilogue="residual",
-                            residual=res, interpret=True, config=cfg)
-    plain, _ = run(gpu.new_sync())
-    got, sync = run(gpu.new_sync(), prefetch=nxt)
-    assert np.array_equal(np.asarray(got), np.asarray(plain)) and not np.asarray(sync).any()
-    want = np.asarray(res, np.float64) + _numpy_reference(x, ws, None)[0]
-    assert _rel(got, want) < TOL[jnp.float32]
