@@ -68,6 +68,21 @@ def subprocess_compilation_cache():
             os.environ[k] = v
 
 
+@pytest.fixture
+def xla_fast_compile():
+    """XLA's slower backend optimisations off (jax_disable_most_optimizations) for one test:
+    the same HLO passes (the optimised HLO, its copies and aliasing, is unchanged), only
+    LLVM's code generation does less. For tests whose time is compiling many programs that run
+    briefly: the Pallas kernels in interpret mode and the selector's variants against their
+    references, the decode loop's HLO. The setting is restored after the test."""
+    import jax
+
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=512, bos_token_id=None, eos_token_id=None,

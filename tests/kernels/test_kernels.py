@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+# compiling many briefly-run programs is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 from sfi_jax.kernels import attention as api
 from sfi_jax.kernels import attention_gpu as gpu
 from sfi_jax.kernels import attention_reference as reference

@@ -19,6 +19,9 @@ from sfi_jax.kernels import multi_query_decode_reference as mq_ref
 from sfi_jax.kernels import multi_query_decode_tpu as mq_tpu
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 
+# compiling many briefly-run programs is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
 GPU_CFG = mq_gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)

@@ -16,6 +16,9 @@ from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_tpu
 from sfi_jax.kernels.prefill_attention import prefill_attention
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
 
+# compiling many briefly-run programs is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 # small blocks, so a few query and key blocks (whole ones and masked ones) are exercised

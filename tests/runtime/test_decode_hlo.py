@@ -20,6 +20,9 @@ from sfi_jax.runtime import decode
 from sfi_jax.runtime.sampling import SamplingConfig
 from sfi_jax.runtime.state import DecodeState, empty_sfi_state
 
+# compiling many briefly-run programs is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 CFG = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
                           intermediate_size=128, num_q_heads=4, num_kv_heads=2, head_dim=16,
                           vocab_size=300)

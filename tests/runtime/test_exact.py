@@ -63,7 +63,7 @@ def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
     assert all(n >= 2 for n in s["slow_steps"]), s["slow_steps"]
 
 
-def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3):
+def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3, xla_fast_compile):
     """Drafts and the verify step (several rows per sequence) with the weight-streaming matmul
     kernel (interpret mode), the drafts' epilogues fused (split weights, fused q/k/v, the
     heads kernel: the GPU layout): still dense decoding's tokens (computed with XLA's

@@ -231,7 +231,7 @@ def xla_prefill_run(tiny_qwen3):
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
-def test_decode_after_kernel_prefill(tiny_qwen3, xla_prefill_run, impl):
+def test_decode_after_kernel_prefill(tiny_qwen3, xla_prefill_run, impl, xla_fast_compile):
     """SFI decode after a Pallas prefill (interpret mode) gives the xla prefill's tokens."""
     got = sfi_jax.generate(tiny_qwen3.model, KERNEL_PROMPTS, **KERNEL_SFI,
                            options=EngineOptions(prefill_attention=impl))

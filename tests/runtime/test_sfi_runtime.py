@@ -262,7 +262,8 @@ def _compiles_its_own_program(options, run):
 @pytest.mark.parametrize("refresh, repack", [("unconditional", "xla"), ("cond", "xla"),
                                              ("unconditional", "kernel")],
                          ids=["unconditional", "cond", "repack-kernel"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack):
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack,
+                                        xla_fast_compile):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
     or behind a condition (refresh="cond"), with the repack kernel (the GPU default) or the XLA
@@ -301,7 +302,7 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
 
 # "kernel" (not a default anywhere) is slow here; tests/kernels checks it against ragged_dot
 @pytest.mark.parametrize("moe", [pytest.param("kernel", marks=pytest.mark.slow), "tokens"])
-def test_moe_kernels_in_the_decode_loop(moe):
+def test_moe_kernels_in_the_decode_loop(moe, xla_fast_compile):
     """A tiny random Qwen3-MoE (expert dims multiples of 64) decoded with every Triton kernel
     (interpret mode) and the expert kernels (moe="kernel": expert-sorted rows; "tokens":
     per-expert tiles of all tokens, what "auto" resolves to with the GPU kernels), each its own

@@ -14,6 +14,9 @@ from sfi_jax.config import SFIConfig
 from sfi_jax.selector import select, selector_scores, topk_positions, window_max
 from sfi_jax.selector.select import allowed_mask
 
+# compiling many briefly-run programs is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 
 # ---------------------------------------------------------------------------------------------
 # Plain per-head float64 reference of SFI_METHOD.md §4.
