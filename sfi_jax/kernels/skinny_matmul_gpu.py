@@ -91,7 +91,7 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def block_product(x_ref, nw_ref, w_refs, j, s, *, rows, n_rows, k, n, bn, bk, k_split,
+def _block_product(x_ref, nw_ref, w_refs, j, s, *, rows, n_rows, k, n, bn, bk, k_split,
                   normed, precision, mode):
     """Column block j of x times each weight over K split s: float32 [rows, bn] per weight,
     and the rows' sums of squares per K position [rows, bk] when `normed` (the rows are then
@@ -150,7 +150,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
     cmask = j * bn + jnp.arange(bn) < n
-    accs, sq = block_product(x_ref, nw_ref, w_refs, j, s, rows=rows, n_rows=n_rows, k=k, n=n,
+    accs, sq = _block_product(x_ref, nw_ref, w_refs, j, s, rows=rows, n_rows=n_rows, k=k, n=n,
                              bn=bn, bk=bk, k_split=k_split, normed=normed, precision=precision,
                              mode=mode)
     for o_ref, acc in zip(o_refs, accs):  # (block-major for the epilogue: see `_call`)
