@@ -3,6 +3,7 @@ and comparison helpers for greedy token streams."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -68,19 +69,29 @@ def subprocess_compilation_cache():
             os.environ[k] = v
 
 
-@pytest.fixture
-def xla_fast_compile():
-    """XLA's slower backend optimisations off (jax_disable_most_optimizations) for one test:
-    the same HLO passes (the optimised HLO, its copies and aliasing, is unchanged), only
+@contextlib.contextmanager
+def fast_compile():
+    """XLA's slower backend optimisations off (jax_disable_most_optimizations) inside the
+    block: the same HLO passes (the optimised HLO, its copies and aliasing, is unchanged), only
     LLVM's code generation does less. For tests whose time is compiling many programs that run
-    briefly: the Pallas kernels in interpret mode and the selector's variants against their
-    references, the decode loop's HLO. The setting is restored after the test."""
+    briefly: the Pallas kernels in interpret mode, the selector's variants, the tiny models'
+    prefill and decode programs, the decode loop's HLO. Not for the real model's (SmolLM2)
+    runs, whose run time grows without LLVM's optimisations. The setting is restored after."""
     import jax
 
     old = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture
+def xla_fast_compile():
+    """fast_compile() for one test."""
+    with fast_compile():
+        yield
 
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -46,7 +46,7 @@ def _check_counts(stats, tokens):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path):
+def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path, xla_fast_compile):
     """Ragged batch, a budget far below the context (drafts often rejected), triggers and
     t_max ending drafts early: the tokens are dense decoding's."""
     model = tiny_qwen3.model if kind == "qwen3" else \
@@ -120,7 +120,7 @@ def _forced_run(tiny_qwen3, cfg, **extra):
     return res.stats
 
 
-def test_forced_reject_step_counts(tiny_qwen3):
+def test_forced_reject_step_counts(tiny_qwen3, xla_fast_compile):
     """accept_rate=0 rejects every draft: one token per verify step, still dense's tokens."""
     n, k = FORCED_NEW, FORCED_K
     cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k)
@@ -130,7 +130,7 @@ def test_forced_reject_step_counts(tiny_qwen3):
     assert s["drafted"] == [sum(min(k, n - 1 - r - 1) for r in range(n - 1))] * 2
 
 
-def test_forced_accept_step_counts(tiny_qwen3):
+def test_forced_accept_step_counts(tiny_qwen3, xla_fast_compile):
     """A budget covering the context accepts every draft: draft_len + 1 tokens per verify."""
     n, k = FORCED_NEW, FORCED_K
     cfg = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k)

@@ -15,6 +15,9 @@ import sfi_jax
 from conftest import TINY_EOS, assert_same_greedy, hf_logits, rel_err
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 
+# the tiny models' programs: compiling them is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 SMALL = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8)
 # The tiny-model calls share static shapes (3 or 1 rows, 16 new tokens, logits returned, a
 # 128-position cache) so that they reuse compiled decode loops.

@@ -20,6 +20,9 @@ from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import generation, prefill, programs, selection
 
+# the tiny models' programs: compiling them is most of this file's time (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 ONE = dict(max_new_tokens=1, mode="dense", return_logits=True, stop_at_eos=False)
 
 

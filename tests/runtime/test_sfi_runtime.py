@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sfi_jax
-from conftest import TINY_EOS, assert_same_greedy, hf_masked_logits, rel_err
+from conftest import TINY_EOS, assert_same_greedy, fast_compile, hf_masked_logits, rel_err
 from sfi_jax.selector import trigger_token_ids
 
 SMALL = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8)
@@ -55,16 +55,18 @@ def per_row_runs(tiny_qwen3):
     prompts = _prompts(LONG, seed=9)
     forced = _forced_with_triggers(TRIGGER_AT)
     runs = {}
-    for policy in ("sfi", "tmax", "streaming", "prefill_only", "oracle"):
-        # tmax runs with a single refresh slot per step (see test_tmax_one_refresh_slot)
-        cfg = SMALL if policy == "sfi" else sfi_jax.SFIConfig(
-            n_sink=2, k_select=8, n_recent=8, t_max=8, policy=policy,
-            refresh_rows=1 if policy == "tmax" else None)
-        runs[policy] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=cfg,
-                                        trigger_ids=[TRIGGER], forced_tokens=forced,
-                                        stop_at_eos=False, return_logits=True)
-    runs["dense"] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW, mode="dense",
-                                     forced_tokens=forced, stop_at_eos=False, return_logits=True)
+    with fast_compile():  # the tiny model's programs (conftest.py)
+        for policy in ("sfi", "tmax", "streaming", "prefill_only", "oracle"):
+            # tmax runs with a single refresh slot per step (see test_tmax_one_refresh_slot)
+            cfg = SMALL if policy == "sfi" else sfi_jax.SFIConfig(
+                n_sink=2, k_select=8, n_recent=8, t_max=8, policy=policy,
+                refresh_rows=1 if policy == "tmax" else None)
+            runs[policy] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW,
+                                            sfi=cfg, trigger_ids=[TRIGGER], forced_tokens=forced,
+                                            stop_at_eos=False, return_logits=True)
+        runs["dense"] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW,
+                                         mode="dense", forced_tokens=forced, stop_at_eos=False,
+                                         return_logits=True)
     return prompts, forced, runs
 
 
@@ -114,7 +116,7 @@ def test_smollm2_full_budget_rows_equal_dense_and_long_row_is_sparse(smol_model,
     assert timeline[1].sum() > 1  # "def fibonacci(n):\n" goes on with newlines
 
 
-def test_full_budget_equals_dense_tiny_qwen3(tiny_qwen3):
+def test_full_budget_equals_dense_tiny_qwen3(tiny_qwen3, xla_fast_compile):
     prompts = _prompts([5, 17, 40], seed=1)
     cfg = sfi_jax.SFIConfig(n_sink=4, k_select=36, n_recent=16, t_max=4)
     assert cfg.budget == 40 + NEW  # exactly the longest context
@@ -168,7 +170,7 @@ def test_per_row_timeline_follows_the_rules(per_row_runs):
     assert res.stats["fast_steps"] == (NEW - 1 - timeline.sum(1)).tolist()
 
 
-def test_per_row_equals_row_alone(tiny_qwen3, per_row_runs):
+def test_per_row_equals_row_alone(tiny_qwen3, per_row_runs, xla_fast_compile):
     prompts, forced, runs = per_row_runs
     batch = runs["sfi"]
     for b in range(3):
@@ -335,7 +337,8 @@ def test_moe_kernels_in_the_decode_loop(moe, xla_fast_compile):
 
 # ---------------------------------------------------------------- split (per-layer) weights
 
-def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, tmp_path):
+def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, tmp_path,
+                                                      xla_fast_compile):
     """The per-layer weight layout (the GPU default) computes what the stacked layout does,
     in prefill, dense and SFI decode; Orbax still writes the stacked format."""
     prompts, forced, runs = per_row_runs
@@ -381,7 +384,7 @@ def test_window_logits_match_numpy():
                     np.testing.assert_allclose(got[b, kv, g * W + w], want, rtol=1e-5, atol=1e-5)
 
 
-def test_evidence_window(tiny_qwen3, per_row_runs):
+def test_evidence_window(tiny_qwen3, per_row_runs, xla_fast_compile):
     """W > 1: the budget covering the context still equals dense; a small budget keeps the slow
     timeline (set by triggers alone) but selects differently from W = 1."""
     prompts, forced, runs = per_row_runs

@@ -159,7 +159,7 @@ def test_bench_variants_parses_variants():
             bench_variants.parse_variant(bad)
 
 
-def test_diag_moe_kernel_smoke(tmp_path, capsys):
+def test_diag_moe_kernel_smoke(tmp_path, capsys, xla_fast_compile):
     """The MoE kernel diagnostic checks each config against ragged_dot and writes its rows."""
     out = tmp_path / "moe.json"
     load("diag/diag_moe_kernel.py").main(["--tiny", "--interpret", "--tokens", "1,16",
@@ -174,7 +174,7 @@ def test_diag_moe_kernel_smoke(tmp_path, capsys):
     assert "| 16 | 32x16x2x2 | True |" in text
 
 
-def test_engine_check_moe_kernels_against_ragged_dot():
+def test_engine_check_moe_kernels_against_ragged_dot(xla_fast_compile):
     """bench_e2e's GPU check of the expert kernels (interpret mode here) passes on a small MoE
     config, and would catch a kernel that drops the up projection."""
     bench_e2e = load("bench/bench_e2e.py")
@@ -223,7 +223,7 @@ def test_kernel_sources_maps_fusions_to_lines():
     assert any("sine" in v["ops"] for v in got.values())
 
 
-def test_bench_selector_kernels_smoke(tmp_path):
+def test_bench_selector_kernels_smoke(tmp_path, xla_fast_compile):
     """The selector-stage timing script runs (interpret mode here) and finds the kernels'
     scores equal to the jnp ones."""
     load("bench/bench_selector_kernels.py").main(["--smoke", "--out", str(tmp_path)])
@@ -310,7 +310,7 @@ def test_diag_memory_smoke(tmp_path):
     assert "| qwen3-0.6b | 512 | 2 | dense |" in text
 
 
-def test_bench_selector_topk_smoke(tmp_path):
+def test_bench_selector_topk_smoke(tmp_path, xla_fast_compile):
     """The top-k timing script runs the listed impls (the radix kernel in interpret mode) and
     each selects lax.top_k's positions."""
     out = tmp_path / "topk.json"
@@ -322,7 +322,7 @@ def test_bench_selector_topk_smoke(tmp_path):
     assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)
 
 
-def test_bench_skinny_matmul_smoke_and_report(tmp_path):
+def test_bench_skinny_matmul_smoke_and_report(tmp_path, xla_fast_compile):
     """The weight-matmul bench on tiny shapes (the kernel in interpret mode, checked against
     the float32 reference), then its Markdown report from the JSON."""
     out = tmp_path / "skinny.json"
