@@ -91,11 +91,17 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _block_product(x_ref, nw_ref, w_refs, j, s, *, rows, n_rows, k, n, bn, bk, k_split,
-                  normed, precision, mode):
-    """Column block j of x times each weight over K split s: float32 [rows, bn] per weight,
-    and the rows' sums of squares per K position [rows, bk] when `normed` (the rows are then
-    multiplied by the norm's weight nw_ref on their way in)."""
+def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
+            precision, mode, epilogue, eps, heads, interpret):
+    """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
+    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
+    w_refs, refs = refs[:n_w], refs[n_w:]
+    if epilogue is not None:
+        n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
+        refs = refs[1:]  # the counters' input side
+        ep_in, refs = refs[:n_in], refs[n_in:]
+    o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
+    j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
     cmask = j * bn + jnp.arange(bn) < n
     idx = jnp.arange(bk)
@@ -134,25 +140,6 @@ def _block_product(x_ref, nw_ref, w_refs, j, s, *, rows, n_rows, k, n, bn, bk, k
                                                          jnp.float32)))
     if mode == "fma_defer":
         accs = tuple(jnp.sum(acc, axis=1) for acc in accs)
-    return accs, sq
-
-
-def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
-            precision, mode, epilogue, eps, heads, interpret):
-    """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
-    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
-    w_refs, refs = refs[:n_w], refs[n_w:]
-    if epilogue is not None:
-        n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
-        refs = refs[1:]  # the counters' input side
-        ep_in, refs = refs[:n_in], refs[n_in:]
-    o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
-    j, s = pl.program_id(0), pl.program_id(1)
-    rmask = jnp.arange(rows) < n_rows
-    cmask = j * bn + jnp.arange(bn) < n
-    accs, sq = _block_product(x_ref, nw_ref, w_refs, j, s, rows=rows, n_rows=n_rows, k=k, n=n,
-                             bn=bn, bk=bk, k_split=k_split, normed=normed, precision=precision,
-                             mode=mode)
     for o_ref, acc in zip(o_refs, accs):  # (block-major for the epilogue: see `_call`)
         at = (s, pl.ds(0, rows), pl.ds(j * bn, bn)) if epilogue is None else \
             (j, s, pl.ds(0, rows), pl.ds(0, bn))
