@@ -76,7 +76,9 @@ def fast_compile():
     LLVM's code generation does less. For tests whose time is compiling many programs that run
     briefly: the Pallas kernels in interpret mode, the selector's variants, the tiny models'
     prefill and decode programs, the decode loop's HLO. Not for the real model's (SmolLM2)
-    runs, whose run time grows without LLVM's optimisations. The setting is restored after."""
+    runs, whose run time grows without LLVM's optimisations. The setting is restored after;
+    it is not part of jax's jit cache key, so a program compiled inside the block is reused as
+    it is by a later call with the same static arguments outside it."""
     import jax
 
     old = jax.config.read("jax_disable_most_optimizations")
