@@ -598,7 +598,14 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
+    p.add_argument("--early-launch", action="store_true",
+                   help="a sweep point: the Pallas kernels signal griddepcontrol.launch_dependents "
+                        "early (programmatic dependent launch; triton_lowering.EARLY_LAUNCH)")
     args = p.parse_args(argv)
+    if args.early_launch:
+        from sfi_jax.kernels import triton_lowering
+
+        triton_lowering.EARLY_LAUNCH = True
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -632,7 +639,8 @@ def main(argv=None):
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
-                sparse_config=args.sparse_config, fused_programs=args.fused_programs)
+                sparse_config=args.sparse_config, fused_programs=args.fused_programs,
+                early_launch=args.early_launch)
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
+from sfi_jax.kernels.triton_lowering import launch_dependents
 
 _ROWS = 16  # smallest M of tl.dot: query groups are padded to this
 
@@ -99,8 +100,8 @@ def _init(dp):
             jnp.zeros((_ROWS,), jnp.float32))
 
 
-def _load_q(q_ref, r, h, group, dp, dmask, dtype):
-    gmask = jnp.arange(_ROWS) < group
+def _load_q(q_ref, r, h, group, dp, dmask, dtype, interpret):
+    gmask = launch_dependents(jnp.arange(_ROWS), interpret) < group
     mask = gmask[:, None] if dmask is None else gmask[:, None] & dmask[None, :]
     q = plgpu_triton.load(q_ref.at[r, pl.ds(h * group, _ROWS), pl.ds(0, dp)], mask=mask, other=0.0)
     return q.astype(dtype), gmask, mask
@@ -117,7 +118,7 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
 
 
 def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows):
+                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, interpret):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
@@ -133,7 +134,8 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, row = layer_ref[0], rows_ref[r] if with_rows else r
     dmask = None if dp == d else jnp.arange(dp) < d
-    q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
+    q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype,
+                              interpret)
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
@@ -182,7 +184,7 @@ def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_d
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms, clen_stacked):
+                   write_kv, write_norms, clen_stacked, interpret):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
@@ -197,7 +199,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
-    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
+    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype, interpret)
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
     cached = jnp.maximum(length - 1, 0) if write_kv else length  # positions read in place
@@ -228,7 +230,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
 
 
-def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid):
+def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpret):
     """One query head of one row: merge its first valid_ref[r] per-split partials exactly (all
     n_splits with all_valid: no count array to build per call) and store the result in output
     row r, or with `into` row dst_ref[r] of the aliased buffer (none when it is >= n_out)."""
@@ -240,7 +242,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid):
     else:
         o_ref, m_ref, l_ref, out_ref, lse_ref = refs
     n_valid = n_splits if all_valid else jnp.minimum(valid_ref[r], n_splits)
-    jmask = jnp.arange(nsp) < n_valid
+    jmask = launch_dependents(jnp.arange(nsp), interpret) < n_valid
     dmask = jnp.arange(dp) < d
     m = plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=-jnp.inf)
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
@@ -296,7 +298,7 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
     n_out = out_into.shape[0] if into else n_rows
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
-                               n_out=n_out, into=into, all_valid=all_valid)
+                               n_out=n_out, into=into, all_valid=all_valid, interpret=interpret)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps
     warps = 1 if nsp * dp <= 4096 else 4
@@ -365,7 +367,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
-        logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None)
+        logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None,
+        interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -421,7 +424,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
-        write_norms=write_norms, clen_stacked=c_len.ndim == 3)
+        write_norms=write_norms, clen_stacked=c_len.ndim == 3, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]

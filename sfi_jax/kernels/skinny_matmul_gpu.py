@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, plgpu_triton
+from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, launch_dependents, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MODES = ("dot", "fma", "fma_defer")
@@ -103,7 +103,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
-    cmask = j * bn + jnp.arange(bn) < n
+    cmask = launch_dependents(j * bn + jnp.arange(bn), interpret) < n
     idx = jnp.arange(bk)
     start = s * k_split
     n_iter = pl.cdiv(jnp.minimum(k_split, k - start), bk)
