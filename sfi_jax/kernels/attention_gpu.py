@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
-from sfi_jax.kernels.triton_lowering import launch_dependents
+from sfi_jax.kernels.triton_lowering import int_bits, launch_dependents
 
 _ROWS = 16  # smallest M of tl.dot: query groups are padded to this
 
@@ -101,7 +101,7 @@ def _init(dp):
 
 
 def _load_q(q_ref, r, h, group, dp, dmask, dtype, interpret):
-    gmask = launch_dependents(jnp.arange(_ROWS), interpret) < group
+    gmask = jnp.arange(_ROWS) < group
     mask = gmask[:, None] if dmask is None else gmask[:, None] & dmask[None, :]
     q = plgpu_triton.load(q_ref.at[r, pl.ds(h * group, _ROWS), pl.ds(0, dp)], mask=mask, other=0.0)
     return q.astype(dtype), gmask, mask
@@ -162,7 +162,8 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
     # a split past the row's length stores nothing (the merge reads only the row's splits)
-    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
+    sig = launch_dependents(jnp.arange(_ROWS), interpret, after=int_bits(carry[1])) < group
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask,
                    keep=start < hi)
 
 
@@ -227,7 +228,8 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
             kf = kn.astype(jnp.float32)
             norm = jnp.broadcast_to(jnp.sqrt(jnp.sum(kf * kf)), (1,))
             plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
-    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask)
+    sig = launch_dependents(jnp.arange(_ROWS), interpret, after=int_bits(carry[1])) < group
+    _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask)
 
 
 def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpret):
@@ -242,7 +244,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
     else:
         o_ref, m_ref, l_ref, out_ref, lse_ref = refs
     n_valid = n_splits if all_valid else jnp.minimum(valid_ref[r], n_splits)
-    jmask = launch_dependents(jnp.arange(nsp), interpret) < n_valid
+    jmask = jnp.arange(nsp) < n_valid
     dmask = jnp.arange(dp) < d
     m = plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=-jnp.inf)
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
@@ -255,8 +257,9 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
     ok = lsum > 0
     out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
     dst = dst_ref[r] if into else r
+    sig = launch_dependents(jnp.arange(dp), interpret, after=int_bits(out)) < dp
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
-                       out.astype(out_ref.dtype), mask=dmask & (dst < n_out))
+                       out.astype(out_ref.dtype), mask=dmask & sig & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
                                                    -jnp.inf))
 
