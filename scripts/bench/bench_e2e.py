@@ -598,14 +598,14 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
-    p.add_argument("--launch-dependents", choices=("start", "late"), default=None,
-                   help="a sweep point: where the Pallas kernels signal "
+    p.add_argument("--no-launch-dependents", action="store_true",
+                   help="an A/B point: the Pallas kernels do not signal "
                         "griddepcontrol.launch_dependents (triton_lowering.LAUNCH_DEPENDENTS)")
     args = p.parse_args(argv)
-    if args.launch_dependents:
-        from sfi_jax.kernels import triton_lowering
+    from sfi_jax.kernels import triton_lowering
 
-        triton_lowering.LAUNCH_DEPENDENTS = args.launch_dependents
+    if args.no_launch_dependents:
+        triton_lowering.LAUNCH_DEPENDENTS = None
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -640,7 +640,7 @@ def main(argv=None):
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
                 sparse_config=args.sparse_config, fused_programs=args.fused_programs,
-                launch_dependents=args.launch_dependents)
+                launch_dependents=triton_lowering.signals_dependents())
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check()
         print("engine check:", meta["engine_check"], flush=True)

@@ -3,6 +3,7 @@ the GPU kernels use it explicitly, see DESIGN.md), and the constants the GPU ker
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -14,23 +15,37 @@ with warnings.catch_warnings():
 M_INIT = -1e30  # a finite running-max start: exp(m_old - m_new) is never NaN
 NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim at
 
-# Programmatic dependent launch (Hopper): XLA launches a Triton kernel so that it may start
-# before the kernel ahead of it ends, and puts a `griddepcontrol.wait` at its entry. A kernel
-# that signals `griddepcontrol.launch_dependents` lets the next kernel's programs take the SMs
-# its own last programs leave. A sweep point, set before anything is traced: None (no signal),
-# "start" (as a program starts) or "late" (after its main loop).
-LAUNCH_DEPENDENTS = None
+# Programmatic dependent launch (Hopper and newer): XLA launches a Triton kernel so that it
+# may start before the kernel ahead of it ends, with a `griddepcontrol.wait` at its entry. Each
+# kernel here signals `griddepcontrol.launch_dependents` after its main loop, so the next
+# kernel's programs take the SMs its last programs leave while those finish (the signal alone
+# releases nothing: the next kernel still waits for this one to end). "auto": on a GPU of
+# compute capability 9.0 or more (the instruction's minimum); None: never (A/B runs).
+LAUNCH_DEPENDENTS = "auto"
 
 
-def launch_dependents(idx, interpret: bool, after=None):
-    """idx (an int32 vector) unchanged; on the GPU with LAUNCH_DEPENDENTS set it passes through
-    `griddepcontrol.launch_dependents`, which ("late") waits for `after` (an int32 vector of
-    idx's shape computed from the main loop's results)."""
-    if interpret or LAUNCH_DEPENDENTS is None:
+@functools.cache
+def _hopper_or_newer() -> bool:
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        return False
+    cc = getattr(gpus[0], "compute_capability", None)
+    return cc is not None and float(cc) >= 9.0
+
+
+def signals_dependents() -> bool:
+    return LAUNCH_DEPENDENTS == "late" or (LAUNCH_DEPENDENTS == "auto" and _hopper_or_newer())
+
+
+def launch_dependents(idx, interpret: bool, after):
+    """idx (an int32 vector) unchanged; on the GPU it passes through
+    `griddepcontrol.launch_dependents`, placed after `after` (an int32 vector of idx's shape
+    computed from the kernel's main loop: the signal's operand, so it cannot move above)."""
+    if interpret or not signals_dependents():
         return idx
-    dep = after if LAUNCH_DEPENDENTS == "late" and after is not None else idx
     out, = plgpu_triton.elementwise_inline_asm(
-        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[idx, dep],
+        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[idx, after],
         constraints="=r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(idx.shape, idx.dtype)])
     return out
@@ -41,4 +56,5 @@ def int_bits(x):
     return jax.lax.bitcast_convert_type(x.astype(jax.numpy.float32), jax.numpy.int32)
 
 
-__all__ = ["M_INIT", "NUM_SMS", "int_bits", "launch_dependents", "plgpu_triton"]
+__all__ = ["M_INIT", "NUM_SMS", "int_bits", "launch_dependents", "plgpu_triton",
+           "signals_dependents"]

@@ -250,3 +250,41 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
         sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),
         sds((rows, n), bf), sds((rows, 64), jnp.float32), sds((128,), bf))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
+    """With programmatic dependent launch on (a Hopper GPU) the sparse decode kernel, its
+    merge and the fused matmul each signal `griddepcontrol.launch_dependents`, after an operand
+    from the main loop; off (None, and "auto" without such a GPU) none does."""
+    from sfi_jax.kernels import skinny_matmul_gpu as sm
+    from sfi_jax.kernels import triton_lowering
+
+    if _triton_lowering is None:
+        pytest.skip("jax without the Triton lowering")
+    assert not triton_lowering.signals_dependents()  # "auto" on this GPU-less machine
+    modules = []
+    lower = _triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(str(result.module))
+        return result
+
+    monkeypatch.setattr(_triton_lowering, "lower_jaxpr_to_triton_module", capture)
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    _, sparse_args = _cases(SHAPES[0])
+
+    def fused(x, w, sync, res):
+        return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res)
+
+    for setting, signals in (("late", True), (None, False), ("auto", False)):
+        monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
+        jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
+        modules.clear()
+        for fn, args in [(_sparse_fn(gpu, 257), sparse_args),
+                         (fused, (sds((1, 4096), bf), sds((4096, 2560), bf),
+                                  sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf)))]:
+            jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        assert len(modules) == 3  # sparse decode, its merge, the matmul
+        assert ["griddepcontrol.launch_dependents" in m for m in modules] == [signals] * 3
