@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.triton_lowering import int_bits, launch_dependents, plgpu_triton
+from sfi_jax.kernels.triton_lowering import plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
 BLOCK_N = 64  # the smallest weight tile (columns x inner dim); scripts/diag/diag_moe_kernel.py
@@ -141,15 +141,7 @@ TOKENS = ROWS  # most tokens per step this path takes (one tl.dot tile)
 EXPERTS_PER_PROGRAM = 8  # experts one down-projection program sums (its partials: E / 8)
 
 
-def _signal(after, block_n, interpret):
-    """An all-true [ROWS, block_n] store mask that passes through the dependents' signal,
-    placed after `after` (float32 [ROWS] from the main loop; `triton_lowering.launch_dependents`)."""
-    rows = launch_dependents(jnp.arange(ROWS), interpret, after=int_bits(after)) < ROWS
-    return jnp.broadcast_to(rows[:, None], (ROWS, block_n))
-
-
-def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block_n, block_k,
-                         interpret):
+def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block_n, block_k):
     """Program (e, n): SiLU(x @ gate_e) * (x @ up_e), columns block n, for all 16 (padded)
     tokens; an expert no token uses loads no weights and stores zeros."""
     e, n = pl.program_id(0), pl.program_id(1)
@@ -168,12 +160,11 @@ def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block
     gate, up = lax.fori_loop(0, n_k, body, (zero, zero))
     dtype = h_ref.dtype
     out = _swiglu(gate, up, dtype)
-    plgpu_triton.store(h_ref.at[e, pl.ds(0, ROWS), cols], out,
-                       mask=_signal(jnp.sum(gate, axis=1), block_n, interpret))
+    plgpu_triton.store(h_ref.at[e, pl.ds(0, ROWS), cols], out)
 
 
 def _token_down_kernel(used_ref, wts_ref, h_ref, wd_ref, o_ref, *, k_dim, n_experts, per,
-                       block_n, block_k, interpret):
+                       block_n, block_k):
     """Program (n, g): sum over experts e of group g of wts[e] * (h_e @ down_e), columns
     block n, each expert's product rounded to h's dtype first (as the ragged_dot path does);
     wts [E, 16] holds each token's routing weight (0 where unrouted and for padded tokens)."""
@@ -197,8 +188,7 @@ def _token_down_kernel(used_ref, wts_ref, h_ref, wd_ref, o_ref, *, k_dim, n_expe
         return total + w[:, None] * y.astype(h_ref.dtype).astype(jnp.float32)
 
     total = lax.fori_loop(0, per, expert, jnp.zeros((ROWS, block_n), jnp.float32))
-    plgpu_triton.store(o_ref.at[g, pl.ds(0, ROWS), cols], total,
-                       mask=_signal(jnp.sum(total, axis=1), block_n, interpret))
+    plgpu_triton.store(o_ref.at[g, pl.ds(0, ROWS), cols], total)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "num_warps",
@@ -226,7 +216,7 @@ def token_moe(x, w_gate, w_up, w_down, weights, *, interpret=False, block_n=BLOC
     used = jnp.sum(weights != 0, axis=0).astype(jnp.int32)  # tokens per expert
     h = pl.pallas_call(
         functools.partial(_token_swiglu_kernel, k_dim=hidden, block_n=block_n,
-                          block_k=block_k, interpret=interpret),
+                          block_k=block_k),
         grid=(n_experts, inter // block_n),
         out_shape=jax.ShapeDtypeStruct((n_experts, ROWS, inter), x.dtype),
         compiler_params=params, interpret=interpret, name="sfi_moe_token_swiglu",
@@ -235,7 +225,7 @@ def token_moe(x, w_gate, w_up, w_down, weights, *, interpret=False, block_n=BLOC
     groups = pl.cdiv(n_experts, per)
     parts = pl.pallas_call(
         functools.partial(_token_down_kernel, k_dim=inter, n_experts=n_experts, per=per,
-                          block_n=block_n, block_k=block_k, interpret=interpret),
+                          block_n=block_n, block_k=block_k),
         grid=(hidden // block_n, groups),
         out_shape=jax.ShapeDtypeStruct((groups, ROWS, hidden), jnp.float32),
         compiler_params=params, interpret=interpret, name="sfi_moe_token_down",

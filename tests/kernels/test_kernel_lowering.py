@@ -254,10 +254,8 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
 
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     """With programmatic dependent launch on (a Hopper GPU) the sparse decode kernel, its
-    merge, the fused matmul and the expert kernels each signal
-    `griddepcontrol.launch_dependents`, after an operand from the main loop; off (None, and
-    "auto" without such a GPU) none does."""
-    from sfi_jax.kernels import moe_gpu
+    merge and the fused matmul each signal `griddepcontrol.launch_dependents`, after an operand
+    from the main loop; off (None, and "auto" without such a GPU) none does."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
     from sfi_jax.kernels import triton_lowering
 
@@ -280,18 +278,13 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     def fused(x, w, sync, res):
         return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res)
 
-    def moe(x, g, u, d, wts):
-        return moe_gpu.token_moe(x, g, u, d, wts)
-
     for setting, signals in (("late", True), (None, False), ("auto", False)):
         monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
         jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
         modules.clear()
         for fn, args in [(_sparse_fn(gpu, 257), sparse_args),
                          (fused, (sds((1, 4096), bf), sds((4096, 2560), bf),
-                                  sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf))),
-                         (moe, (sds((2, 256), bf), sds((8, 256, 128), bf), sds((8, 256, 128), bf),
-                                sds((8, 128, 256), bf), sds((2, 8), jnp.float32)))]:
+                                  sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf)))]:
             jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
-        assert len(modules) == 5  # sparse decode, its merge, the matmul, the two expert kernels
-        assert ["griddepcontrol.launch_dependents" in m for m in modules] == [signals] * 5
+        assert len(modules) == 3  # sparse decode, its merge, the matmul
+        assert ["griddepcontrol.launch_dependents" in m for m in modules] == [signals] * 3
