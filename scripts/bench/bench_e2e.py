@@ -605,7 +605,7 @@ def main(argv=None):
     from sfi_jax.kernels import triton_lowering
 
     if args.no_launch_dependents:
-        triton_lowering.LAUNCH_DEPENDENTS = None
+        triton_lowering.LAUNCH_DEPENDENTS = False
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 

@@ -100,7 +100,7 @@ def _init(dp):
             jnp.zeros((_ROWS,), jnp.float32))
 
 
-def _load_q(q_ref, r, h, group, dp, dmask, dtype, interpret):
+def _load_q(q_ref, r, h, group, dp, dmask, dtype):
     gmask = jnp.arange(_ROWS) < group
     mask = gmask[:, None] if dmask is None else gmask[:, None] & dmask[None, :]
     q = plgpu_triton.load(q_ref.at[r, pl.ds(h * group, _ROWS), pl.ds(0, dp)], mask=mask, other=0.0)
@@ -134,8 +134,7 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, row = layer_ref[0], rows_ref[r] if with_rows else r
     dmask = None if dp == d else jnp.arange(dp) < d
-    q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype,
-                              interpret)
+    q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
@@ -161,7 +160,8 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
             return c
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
-    # a split past the row's length stores nothing (the merge reads only the row's splits)
+    # a split past the row's length stores nothing (the merge reads only the row's splits);
+    # sig is gmask again, through the dependents' signal (after the loop: from its result)
     sig = launch_dependents(jnp.arange(_ROWS), interpret, after=int_bits(carry[1])) < group
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask,
                    keep=start < hi)
@@ -200,7 +200,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
-    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype, interpret)
+    q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
     cached = jnp.maximum(length - 1, 0) if write_kv else length  # positions read in place

@@ -158,6 +158,8 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     if not interpret:
         plgpu_triton.debug_barrier()
     done = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(1, jnp.int32))
+    # the dependents' signal after this program's stores (its operand: the counter); its
+    # result's always-true test keeps it
     sig = launch_dependents(jnp.arange(16), interpret, after=jnp.zeros((16,), jnp.int32) + done)
 
     @pl.when((done == n_splits - 1) & (jnp.min(sig) >= 0))

@@ -15,12 +15,13 @@ with warnings.catch_warnings():
 M_INIT = -1e30  # a finite running-max start: exp(m_old - m_new) is never NaN
 NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim at
 
-# Programmatic dependent launch (Hopper and newer): XLA launches a Triton kernel so that it
-# may start before the kernel ahead of it ends, with a `griddepcontrol.wait` at its entry. Each
-# kernel here signals `griddepcontrol.launch_dependents` after its main loop, so the next
-# kernel's programs take the SMs its last programs leave while those finish (the signal alone
-# releases nothing: the next kernel still waits for this one to end). "auto": on a GPU of
-# compute capability 9.0 or more (the instruction's minimum); None: never (A/B runs).
+# Programmatic dependent launch (Hopper and newer; XLA's xla_gpu_enable_pdl, on there): XLA
+# launches a Triton kernel so that it may be scheduled before the kernel ahead of it ends, with
+# a `griddepcontrol.wait` at its entry. Each decode kernel here signals
+# `griddepcontrol.launch_dependents` after its main loop, so the next kernel's programs take the
+# SMs its last programs leave while those finish (the signal releases nothing: the next kernel
+# still waits for this one to end). "auto": on a GPU of compute capability 9.0 or more (the
+# instruction's minimum); True / False: always / never (tests, A/B runs). Set before tracing.
 LAUNCH_DEPENDENTS = "auto"
 
 
@@ -35,7 +36,9 @@ def _hopper_or_newer() -> bool:
 
 
 def signals_dependents() -> bool:
-    return LAUNCH_DEPENDENTS == "late" or (LAUNCH_DEPENDENTS == "auto" and _hopper_or_newer())
+    if LAUNCH_DEPENDENTS == "auto":
+        return _hopper_or_newer()
+    return bool(LAUNCH_DEPENDENTS)
 
 
 def launch_dependents(idx, interpret: bool, after):

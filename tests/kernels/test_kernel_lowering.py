@@ -255,7 +255,7 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     """With programmatic dependent launch on (a Hopper GPU) the sparse decode kernel, its
     merge and the fused matmul each signal `griddepcontrol.launch_dependents`, after an operand
-    from the main loop; off (None, and "auto" without such a GPU) none does."""
+    from the main loop; off (False, and "auto" without such a GPU) none does."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
     from sfi_jax.kernels import triton_lowering
 
@@ -278,7 +278,7 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     def fused(x, w, sync, res):
         return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res)
 
-    for setting, signals in (("late", True), (None, False), ("auto", False)):
+    for setting, signals in ((True, True), (False, False), ("auto", False)):
         monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
         jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
         modules.clear()
