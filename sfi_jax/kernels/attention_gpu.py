@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
-from sfi_jax.kernels.triton_lowering import int_bits, launch_dependents
+from sfi_jax.kernels.triton_lowering import dependents_mask
 
 _ROWS = 16  # smallest M of tl.dot: query groups are padded to this
 
@@ -161,8 +161,8 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
     # a split past the row's length stores nothing (the merge reads only the row's splits);
-    # sig is gmask again, through the dependents' signal (after the loop: from its result)
-    sig = launch_dependents(jnp.arange(_ROWS), interpret, after=int_bits(carry[1])) < group
+    # the stores' row mask passes through the dependents' signal, placed after the loop
+    sig = dependents_mask(_ROWS, interpret, carry[1])
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask,
                    keep=start < hi)
 
@@ -228,7 +228,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
             kf = kn.astype(jnp.float32)
             norm = jnp.broadcast_to(jnp.sqrt(jnp.sum(kf * kf)), (1,))
             plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
-    sig = launch_dependents(jnp.arange(_ROWS), interpret, after=int_bits(carry[1])) < group
+    sig = dependents_mask(_ROWS, interpret, carry[1])  # (as in the dense kernel)
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask)
 
 
@@ -257,7 +257,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
     ok = lsum > 0
     out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
     dst = dst_ref[r] if into else r
-    sig = launch_dependents(jnp.arange(dp), interpret, after=int_bits(out)) < dp
+    sig = dependents_mask(dp, interpret, out)
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
                        out.astype(out_ref.dtype), mask=dmask & sig & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),

@@ -54,10 +54,13 @@ def launch_dependents(idx, interpret: bool, after):
     return out
 
 
-def int_bits(x):
-    """Float32 x's bits as int32 (a dependency for `launch_dependents(after=...)`)."""
-    return jax.lax.bitcast_convert_type(x.astype(jax.numpy.float32), jax.numpy.int32)
+def dependents_mask(n: int, interpret: bool, after):
+    """An all-true bool [n] mask through `launch_dependents`, for a kernel's last stores:
+    `after` is a float or int vector [n] from the main loop's results."""
+    if jax.numpy.issubdtype(after.dtype, jax.numpy.floating):
+        after = jax.lax.bitcast_convert_type(after.astype(jax.numpy.float32), jax.numpy.int32)
+    return launch_dependents(jax.numpy.arange(n), interpret, after) < n
 
 
-__all__ = ["M_INIT", "NUM_SMS", "int_bits", "launch_dependents", "plgpu_triton",
+__all__ = ["M_INIT", "NUM_SMS", "dependents_mask", "launch_dependents", "plgpu_triton",
            "signals_dependents"]
