@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, launch_dependents, plgpu_triton
+from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
+                                             launch_dependents, plgpu_triton)
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MODES = ("dot", "fma", "fma_defer")
@@ -405,3 +406,106 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
                 epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
                 heads=heads)
     return tuple(res[len(weights) + (norm is not None):])
+
+
+@dataclasses.dataclass(frozen=True)
+class KMajorConfig:
+    """Tiles of the K-major kernel: block_n weight rows (output columns) per program, each
+    read over the whole of K in block_k steps."""
+
+    block_n: int = 8
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
+                   eps, interpret):
+    """Program j: output columns [j * bn, (j + 1) * bn) over the whole of K (weights [N, K], so
+    each weight row is one contiguous read), the epilogue applied to its own columns: no
+    partial sums, no counters."""
+    w_refs, refs = refs[:n_w], refs[n_w:]
+    res_ref = refs[0] if epilogue == "residual" else None
+    out_ref = refs[-1]
+    j = pl.program_id(0)
+    f32 = jnp.float32
+    rmask = jnp.arange(rows) < n_rows
+    cols = j * bn + jnp.arange(bn)
+    cmask = cols < n
+    idx = jnp.arange(bk)
+
+    def body(i, carry):
+        accs, sq = carry
+        k0 = i * bk
+        kmask = k0 + idx < k
+        xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
+                               mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if normed:
+            xf = xb.astype(f32)
+            sq = sq + xf * xf
+            nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
+            xb = (xf * nw.astype(f32)[None, :]).astype(x_ref.dtype)
+        xr = xb.astype(w_refs[0].dtype).astype(f32)[:, None, :]  # [rows, 1, bk]
+        out = []
+        for w_ref, acc in zip(w_refs, accs):
+            wb = plgpu_triton.load(w_ref.at[pl.ds(j * bn, bn), pl.ds(k0, bk)],
+                                   mask=cmask[:, None] & kmask[None, :], other=0.0)
+            out.append(acc + xr * wb.astype(f32)[None])
+        return tuple(out), sq
+
+    zeros = jnp.zeros((rows, bn, bk), f32)
+    accs, sq = lax.fori_loop(0, pl.cdiv(k, bk), body,
+                             (tuple(zeros for _ in w_refs),
+                              jnp.zeros((rows, bk) if normed else (1, 1), f32)))
+    scale = lax.rsqrt(jnp.sum(sq, axis=1) / k + eps)[:, None] if normed else 1.0
+    dt = out_ref.dtype
+    ys = [(jnp.sum(acc, axis=2) * scale).astype(dt).astype(f32) for acc in accs]
+    if epilogue == "residual":
+        res = plgpu_triton.load(res_ref.at[pl.ds(0, rows), pl.ds(j * bn, bn)],
+                                mask=rmask[:, None] & cmask[None, :], other=0.0)
+        y = res.astype(f32) + ys[0]
+    elif epilogue == "silu":
+        g, u = ys
+        y = g / (1.0 + jnp.exp(-g)) * u
+    else:
+        y = ys[0]
+    # the dependents' signal after the main loop (its operand: the first row's values)
+    sig = dependents_mask(bn, interpret, y[0])
+    plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(j * bn, bn)], y.astype(dt),
+                       mask=rmask[:, None] & (cmask & sig)[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "interpret", "config"))
+def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=None, eps=1e-6,
+                         interpret=False, config=None):
+    """x [R, K] (RMS-normed by `norm` first, when given) times the transposed weights
+    `weights_t` (one or two [N, K]), the product rounded to x's dtype, then the epilogue:
+    None (the product), "residual" (residual [R, N] + product) or "silu" (silu(gate) * up,
+    two weights) -> [R, N] in x's dtype."""
+    n_rows, k = x.shape
+    n = weights_t[0].shape[0]
+    if any(w.shape != (n, k) for w in weights_t):
+        raise ValueError(f"weights_t must be [N, {k}], got {[w.shape for w in weights_t]}")
+    if n_rows > FUSED_MAX_ROWS:
+        raise ValueError(f"skinny_matmul_kmajor takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
+    if len(weights_t) != (2 if epilogue == "silu" else 1):
+        raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} weight(s)")
+    cfg = config or KMajorConfig()
+    rows = _pow2(n_rows)
+    bk = min(cfg.block_k, max(16, _pow2(k)))
+    normed = norm is not None
+    args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights_t]
+    if epilogue == "residual":
+        if residual is None or residual.shape != (n_rows, n):
+            raise ValueError(f"residual must be [{n_rows}, {n}]")
+        args.append(residual)
+    kernel = functools.partial(
+        _kmajor_kernel, n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
+        bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
+    return pl.pallas_call(
+        kernel, grid=(pl.cdiv(n, cfg.block_n),),
+        out_shape=jax.ShapeDtypeStruct((n_rows, n), x.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
+                                                    num_stages=cfg.num_stages),
+        interpret=interpret, name="sfi_kmajor_matmul",
+    )(*args)
