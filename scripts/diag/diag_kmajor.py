@@ -21,13 +21,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CONFIGS = "2:512:4:3,4:256:4:3,4:512:4:3,8:256:4:3,8:512:4:2,16:256:4:3,16:128:4:4,8:256:8:3"
+CONFIGS = "2:512:4:3,4:512:4:3,4:512:4:3:4,4:512:4:3:8,2:512:4:3:8,4:256:4:4:8,2:1024:4:3:8,8:256:4:3:4"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
-    p.add_argument("--configs", default=CONFIGS, help="bn:bk:warps:stages, comma-separated")
+    p.add_argument("--configs", default=CONFIGS,
+                   help="bn:bk:warps:stages[:programs per SM], comma-separated")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true")
@@ -55,8 +56,7 @@ def main(argv=None):
         reps = 5
         cfgs = {}
         for c in args.configs.split(","):
-            bn, bk, w, s = (int(t) for t in c.split(":"))
-            cfgs[f"kmajor:{c}"] = sm.KMajorConfig(bn, bk, w, s)
+            cfgs[f"kmajor:{c}"] = sm.KMajorConfig(*(int(t) for t in c.split(":")))
     bf = jnp.bfloat16
     eps = 1e-6
     results = []
@@ -162,7 +162,7 @@ def main(argv=None):
                                                         ref.astype(jnp.float32))) /
                                         jnp.max(jnp.abs(ref.astype(jnp.float32))))
         rec["layer_us"]["kmajor_best"] = timed(layer_chain("kmajor", per_proj), nk)
-        for label, c in list(cfgs.items())[:3]:
+        for label, c in cfgs.items():
             rec["layer_us"][label] = timed(layer_chain("kmajor", {w: c for w in best}), nk)
         results.append(rec)
         print(json.dumps(rec), flush=True)

@@ -417,6 +417,8 @@ class KMajorConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    programs: int = 0  # > 0: that many programs per SM, each walking its column blocks in one
+    # loop (the loads pipelined across blocks); 0: one program per column block
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
@@ -475,6 +477,73 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
                        mask=rmask[:, None] & (cmask & sig)[None, :])
 
 
+def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed,
+                        epilogue, eps, interpret, n_prog):
+    """Program p: column blocks p, p + n_prog, ... in one loop over (block, K step), so the
+    pipelined loads run on across blocks; the block's last K step applies the epilogue."""
+    w_refs, refs = refs[:n_w], refs[n_w:]
+    res_ref = refs[0] if epilogue == "residual" else None
+    out_ref = refs[-1]
+    p = pl.program_id(0)
+    f32 = jnp.float32
+    dt = out_ref.dtype
+    rmask = jnp.arange(rows) < n_rows
+    idx = jnp.arange(bk)
+    ks = pl.cdiv(k, bk)
+    nb = pl.cdiv(n, bn)
+    mine = (nb - p + n_prog - 1) // n_prog
+
+    def x_block(k0):
+        kmask = k0 + idx < k
+        return kmask, plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
+                                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+
+    scale = 1.0
+    if normed:
+        def sq_body(i, sq):
+            xf = x_block(i * bk)[1].astype(f32)
+            return sq + xf * xf
+        sq = lax.fori_loop(0, ks, sq_body, jnp.zeros((rows, bk), f32))
+        scale = lax.rsqrt(jnp.sum(sq, axis=1) / k + eps)[:, None]
+
+    def body(t, accs):
+        blk = p + (t // ks) * n_prog
+        k0 = (t % ks) * bk
+        kmask, xb = x_block(k0)
+        if normed:
+            nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
+            xb = (xb.astype(f32) * nw.astype(f32)[None, :]).astype(x_ref.dtype)
+        xr = xb.astype(w_refs[0].dtype).astype(f32)[:, None, :]
+        cmask = blk * bn + jnp.arange(bn) < n
+        new = []
+        for w_ref, acc in zip(w_refs, accs):
+            wb = plgpu_triton.load(w_ref.at[pl.ds(blk * bn, bn), pl.ds(k0, bk)],
+                                   mask=cmask[:, None] & kmask[None, :], other=0.0)
+            new.append(acc + xr * wb.astype(f32)[None])
+        last = t % ks == ks - 1
+
+        @pl.when(last)
+        def _():
+            ys = [(jnp.sum(a, axis=2) * scale).astype(dt).astype(f32) for a in new]
+            if epilogue == "residual":
+                res = plgpu_triton.load(res_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)],
+                                        mask=rmask[:, None] & cmask[None, :], other=0.0)
+                y = res.astype(f32) + ys[0]
+            elif epilogue == "silu":
+                g, u = ys
+                y = g / (1.0 + jnp.exp(-g)) * u
+            else:
+                y = ys[0]
+            sig = dependents_mask(bn, interpret, y[0])
+            plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)], y.astype(dt),
+                               mask=rmask[:, None] & (cmask & sig)[None, :])
+
+        return tuple(jnp.where(last, 0.0, a) for a in new)
+
+    zeros = jnp.zeros((rows, bn, bk), f32)
+    lax.fori_loop(0, mine * ks, body, tuple(zeros for _ in w_refs))
+
+
 @functools.partial(jax.jit, static_argnames=("epilogue", "eps", "interpret", "config"))
 def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=None, eps=1e-6,
                          interpret=False, config=None):
@@ -499,11 +568,17 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
         if residual is None or residual.shape != (n_rows, n):
             raise ValueError(f"residual must be [{n_rows}, {n}]")
         args.append(residual)
-    kernel = functools.partial(
-        _kmajor_kernel, n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
-        bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
+    common = dict(n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
+                  bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
+    n_blocks = pl.cdiv(n, cfg.block_n)
+    if cfg.programs:
+        n_prog = min(n_blocks, cfg.programs * _NUM_SMS)
+        kernel = functools.partial(_kmajor_flat_kernel, n_prog=n_prog, **common)
+    else:
+        n_prog = n_blocks
+        kernel = functools.partial(_kmajor_kernel, **common)
     return pl.pallas_call(
-        kernel, grid=(pl.cdiv(n, cfg.block_n),),
+        kernel, grid=(n_prog,),
         out_shape=jax.ShapeDtypeStruct((n_rows, n), x.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
