@@ -491,7 +491,8 @@ def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, n
     idx = jnp.arange(bk)
     ks = pl.cdiv(k, bk)
     nb = pl.cdiv(n, bn)
-    mine = (nb - p + n_prog - 1) // n_prog
+    mine = lax.div(nb - p + n_prog - 1, jnp.int32(n_prog))  # (lax: jnp's // and % on signed
+    # ints do not lower to Triton here)
 
     def x_block(k0):
         kmask = k0 + idx < k
@@ -507,8 +508,9 @@ def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, n
         scale = lax.rsqrt(jnp.sum(sq, axis=1) / k + eps)[:, None]
 
     def body(t, accs):
-        blk = p + (t // ks) * n_prog
-        k0 = (t % ks) * bk
+        kk = lax.rem(t, jnp.int32(ks))
+        blk = p + lax.div(t, jnp.int32(ks)) * n_prog
+        k0 = kk * bk
         kmask, xb = x_block(k0)
         if normed:
             nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
@@ -520,7 +522,7 @@ def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, n
             wb = plgpu_triton.load(w_ref.at[pl.ds(blk * bn, bn), pl.ds(k0, bk)],
                                    mask=cmask[:, None] & kmask[None, :], other=0.0)
             new.append(acc + xr * wb.astype(f32)[None])
-        last = t % ks == ks - 1
+        last = kk == ks - 1
 
         @pl.when(last)
         def _():
