@@ -31,6 +31,9 @@ def main(argv=None):
                    help="bn:bk:warps:stages[:programs per SM], comma-separated")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layer-only", action="store_true",
+                   help="only the layer chain: fused and each config alike, --rounds times in turn")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -145,6 +148,25 @@ def main(argv=None):
         rec = {"model": name, "layers": L,
                "bytes_per_layer": {"o": 2 * H * Q, "gu": 4 * I * H, "d": 2 * H * I}}
         ref = layer_chain("fused")(kn[:1], xa0, x0)
+        if args.layer_only:  # each variant compiled once, timed in turn round after round
+            fns = {"fused": (layer_chain("fused"), kn)}
+            fns.update({lab: (layer_chain("kmajor", {w: c for w in ("o", "gu", "d")}), nk)
+                        for lab, c in cfgs.items()})
+            rounds = {lab: [] for lab in fns}
+            for _ in range(args.rounds):
+                for lab, (fn, ws) in fns.items():
+                    rounds[lab].append(timed(fn, ws))
+            rec["layer_us_rounds"] = rounds
+            rec["layer_us"] = {lab: float(np.median(v)) for lab, v in rounds.items()}
+            results.append(rec)
+            print(name, {lab: [round(t, 1) for t in v] for lab, v in rounds.items()}, flush=True)
+            del layers, kn, nk
+            meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                    "command": " ".join(["python scripts/diag/diag_kmajor.py"] +
+                                        (argv or sys.argv[1:]))}
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=1)
+            continue
         rec["layer_us"] = {"fused": timed(layer_chain("fused"), kn)}
         proj = {}
         for which in ("o", "gu", "d"):
@@ -174,6 +196,9 @@ def main(argv=None):
             json.dump({"meta": meta, "results": results}, f, indent=1)
     print("model | layer us fused | layer us kmajor best | best tiles")
     for r in results:
+        if "best" not in r:
+            print(r["model"], {k: round(v, 1) for k, v in r["layer_us"].items()})
+            continue
         print(r["model"], round(r["layer_us"]["fused"], 2), round(r["layer_us"]["kmajor_best"], 2),
               r["best"], "err", round(r["rel_err_vs_fused"], 4))
 
