@@ -59,7 +59,10 @@ def main(argv=None):
         reps = 5
         cfgs = {}
         for c in args.configs.split(","):
-            cfgs[f"kmajor:{c}"] = sm.KMajorConfig(*(int(t) for t in c.split(":")))
+            v = [int(t) for t in c.split(":")]
+            if len(v) > 4:
+                v[4] *= sm._NUM_SMS
+            cfgs[f"kmajor:{c}"] = sm.KMajorConfig(*v)
     bf = jnp.bfloat16
     eps = 1e-6
     results = []

@@ -417,8 +417,8 @@ class KMajorConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
-    programs: int = 0  # > 0: that many programs per SM, each walking its column blocks in one
-    # loop (the loads pipelined across blocks); 0: one program per column block
+    programs: int = 0  # > 0: at most that many programs, each walking its column blocks in
+    # one loop (the loads pipelined across blocks); 0: one program per column block
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
@@ -553,6 +553,8 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
     `weights_t` (one or two [N, K]), the product rounded to x's dtype, then the epilogue:
     None (the product), "residual" (residual [R, N] + product) or "silu" (silu(gate) * up,
     two weights) -> [R, N] in x's dtype."""
+    if epilogue not in (None, "residual", "silu"):
+        raise ValueError(f"epilogue must be None, 'residual' or 'silu', got {epilogue!r}")
     n_rows, k = x.shape
     n = weights_t[0].shape[0]
     if any(w.shape != (n, k) for w in weights_t):
@@ -574,7 +576,7 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
                   bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
     n_blocks = pl.cdiv(n, cfg.block_n)
     if cfg.programs:
-        n_prog = min(n_blocks, cfg.programs * _NUM_SMS)
+        n_prog = min(n_blocks, cfg.programs)
         kernel = functools.partial(_kmajor_flat_kernel, n_prog=n_prog, **common)
     else:
         n_prog = n_blocks

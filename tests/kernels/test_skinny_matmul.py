@@ -209,3 +209,40 @@ def test_fused_epilogues_name_bad_arguments():
                                 interpret=True)
     assert dispatch.uses_fused("by_shape", 4) and not dispatch.uses_fused("kernel", 5)
     assert not dispatch.uses_fused("xla", 1)
+
+
+@pytest.mark.parametrize("epilogue, dtype, programs", [
+    ("residual", jnp.float32, 0), ("silu", jnp.bfloat16, 0), (None, jnp.float32, 2),
+    ("silu", jnp.bfloat16, 3)])  # 2 / 3 programs walking 5 column blocks (ragged last one)
+def test_kmajor_matches_numpy(epilogue, dtype, programs, xla_fast_compile):
+    """The K-major kernel (weights [N, K]) with each epilogue, three rows, ragged K and N,
+    one program per column block or a few walking several, against float64 numpy."""
+    rows, k, n = 3, 200, 72
+    n_w, normed = (2 if epilogue == "silu" else 1), epilogue != "residual"
+    x, ws, norm = _inputs(23 + programs, rows, k, n, n_w, dtype, normed)
+    res = jax.random.normal(jax.random.key(9), (rows, n)).astype(dtype)
+    cfg = gpu.KMajorConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, programs=programs)
+    got = gpu.skinny_matmul_kmajor(x, tuple(w.T for w in ws), norm, epilogue=epilogue,
+                                   residual=res if epilogue == "residual" else None, eps=EPS,
+                                   interpret=True, config=cfg)
+    prods = _numpy_reference(x, ws, norm)
+    want = {"residual": lambda: _f64(res) + prods[0], None: lambda: prods[0],
+            "silu": lambda: prods[0] / (1 + np.exp(-prods[0])) * prods[1]}[epilogue]()
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _rel(_f64(got), want) < 2 * TOL[dtype], _rel(_f64(got), want)
+
+
+def test_kmajor_names_bad_arguments():
+    x, ws, norm = _inputs(2, 2, 32, 16, 1, jnp.float32, True)
+    wt = (ws[0].T,)
+    with pytest.raises(ValueError, match="epilogue must be"):
+        gpu.skinny_matmul_kmajor(x, wt, norm, epilogue="heads", interpret=True)
+    with pytest.raises(ValueError, match=r"weights_t must be \[N, 32\]"):
+        gpu.skinny_matmul_kmajor(x, ws, norm, interpret=True)  # [K, N] in place of [N, K]
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gpu.skinny_matmul_kmajor(jnp.zeros((5, 32)), wt, None, interpret=True)
+    with pytest.raises(ValueError, match="takes 2 weight"):
+        gpu.skinny_matmul_kmajor(x, wt, norm, epilogue="silu", interpret=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        gpu.skinny_matmul_kmajor(x, wt, None, epilogue="residual", residual=jnp.zeros((2, 15)),
+                                 interpret=True)
