@@ -63,10 +63,11 @@ def device_bytes():
 
 # --- the engine check's model ----------------------------------------------------------------
 
-def engine_check_model():
+def engine_check_model(k_major=True):
     """(model, prompts) of the e2e engine check: a small random float32 Qwen3-like decoder
-    (head dim 128, GQA 4; on a GPU with split layers and fused q/k/v weights, so the few-row
-    kernels and their fused epilogues run) and three prompts of different lengths.
+    (head dim 128, GQA 4; on a GPU with split layers, fused q/k/v weights and, with k_major,
+    the K-major o and MLP weights, so the few-row kernels and their fused epilogues run) and
+    three prompts of different lengths.
     bench_e2e.py and diag_engine_check.py run their arms on it."""
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
@@ -79,7 +80,7 @@ def engine_check_model():
     prompts = [list(rng.integers(0, 512, n)) for n in (300, 777, 1500)]
     model = Model(cfg, random_params(cfg, "float32", 3))
     if jax.default_backend() == "gpu":  # per-layer weights, q/k/v fused: load_model's GPU layout
-        model = model.split_layers(fuse_qkv=True)
+        model = model.split_layers(fuse_qkv=True, k_major=k_major)
     return model, prompts
 
 

@@ -353,17 +353,18 @@ def attention_time(cfg, B, ctx, reps=5):
     return timeit(f, q, k, iters=1, repeats=reps) / 1e6
 
 
-def engine_check():
+def engine_check(k_major=True):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
-    near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py)."""
+    near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py).
+    k_major: the model's weight layout (`Model.split_layers`)."""
     with jax.default_matmul_precision("highest"):
-        return _engine_check()
+        return _engine_check(k_major)
 
 
-def _engine_check():
-    model, prompts = _common.engine_check_model()
+def _engine_check(k_major):
+    model, prompts = _common.engine_check_model(k_major)
     out = {}
     dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False)
     full = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
@@ -598,6 +599,12 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
+    p.add_argument("--k-major", choices=("on", "off"), default="on",
+                   help="the o and dense MLP weights stored [N, K] for the K-major kernel "
+                        "(load_model's single-GPU layout) or [K, N] for the split-K kernel")
+    p.add_argument("--kmajor-config", default=None, metavar="BN:BK:WARPS:STAGES:PER_SM",
+                   help="a sweep point: the K-major kernel's tiles for every weight, in place "
+                        "of skinny_matmul_gpu.kmajor_default_config")
     p.add_argument("--no-launch-dependents", action="store_true",
                    help="an A/B point: the Pallas kernels do not signal "
                         "griddepcontrol.launch_dependents (triton_lowering.LAUNCH_DEPENDENTS)")
@@ -606,6 +613,12 @@ def main(argv=None):
 
     if args.no_launch_dependents:
         triton_lowering.LAUNCH_DEPENDENTS = False
+    if args.kmajor_config:
+        from sfi_jax.kernels import skinny_matmul_gpu
+
+        v = [int(t) for t in args.kmajor_config.split(":")]
+        skinny_matmul_gpu.KMAJOR_CONFIG = skinny_matmul_gpu.KMajorConfig(
+            *v[:4], programs=v[4] * skinny_matmul_gpu._NUM_SMS)
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -640,9 +653,11 @@ def main(argv=None):
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
                 sparse_config=args.sparse_config, fused_programs=args.fused_programs,
-                launch_dependents=triton_lowering.signals_dependents())
+                kmajor_config=args.kmajor_config,
+                launch_dependents=triton_lowering.signals_dependents(),
+                k_major=args.k_major == "on")
     if not args.smoke and not args.no_check:
-        meta["engine_check"] = engine_check()
+        meta["engine_check"] = engine_check(k_major=args.k_major == "on")
         print("engine check:", meta["engine_check"], flush=True)
     records = []
     models = args.models.split(",")
@@ -658,7 +673,8 @@ def main(argv=None):
 
         params = random_params(cfg, "bfloat16", 0)
         if not args.stacked:  # one weight dict per layer, as load_model does on GPU
-            params["layers"] = split_layers(params["layers"], fuse_qkv=True)
+            params["layers"] = split_layers(params["layers"], fuse_qkv=True,
+                                            k_major=args.k_major == "on")
         for ctx in contexts:
             t = time.perf_counter()
             try:

@@ -30,15 +30,26 @@ def uses_kernel(impl: str, rows: int) -> bool:
     return impl == "kernel" and rows <= MAX_ROWS
 
 
-def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=None):
+def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=None,
+                  transposed: bool = False):
     """x [..., K] (RMS-normed by `norm` [K] first, when given) times each of `weights` (one or
-    two [K, N] of one shape) -> a tuple of float32 [..., N].
+    two [K, N] of one shape; [N, K] when `transposed`) -> a tuple of float32 [..., N].
 
     The kernel rounds the rows times the norm's weight to their dtype and scales the product
     by the row factor after it; the reference rounds the normed rows (float rounding apart,
-    the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default)."""
+    the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default).
+    Transposed weights take the K-major kernel for up to FUSED_MAX_ROWS rows (its products
+    rounded to x's dtype) and XLA for more."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
+    if transposed:
+        if not uses_fused(impl, rows):
+            return reference.skinny_matmul(x, weights, norm, eps=eps, transposed=True)
+        from sfi_jax.kernels import skinny_matmul_gpu
+
+        return tuple(skinny_matmul_gpu.skinny_matmul_kmajor(
+            x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"))
+            .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
@@ -70,11 +81,21 @@ def new_sync():
     return skinny_matmul_gpu.new_sync()
 
 
-def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, **kwargs):
+def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, transposed=False, **kwargs):
     """`skinny_matmul_gpu.skinny_matmul_fused` (interpret mode off the GPU): x [R, K] times the
-    weights, the epilogue applied by the kernel; returns its outputs and the counters."""
+    weights, the epilogue applied by the kernel; returns its outputs and the counters.
+    transposed: [N, K] weights, for `skinny_matmul_gpu.skinny_matmul_kmajor` (its "residual"
+    and "silu" epilogues; no counters: `sync` comes back as it went)."""
     from sfi_jax.kernels import skinny_matmul_gpu
 
+    interpret = interpret_for("pallas_gpu")
+    if transposed:
+        if epilogue not in ("residual", "silu"):
+            raise ValueError(f"transposed weights take the 'residual' and 'silu' epilogues, "
+                             f"got {epilogue!r}")
+        return skinny_matmul_gpu.skinny_matmul_kmajor(x, tuple(weights), norm,
+                                                      epilogue=epilogue, interpret=interpret,
+                                                      **kwargs), sync
     return skinny_matmul_gpu.skinny_matmul_fused(x, tuple(weights), norm, sync,
-                                                 epilogue=epilogue,
-                                                 interpret=interpret_for("pallas_gpu"), **kwargs)
+                                                 epilogue=epilogue, interpret=interpret,
+                                                 **kwargs)

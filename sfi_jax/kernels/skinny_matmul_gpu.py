@@ -421,6 +421,22 @@ class KMajorConfig:
     # one loop (the loads pipelined across blocks); 0: one program per column block
 
 
+# A sweep point: bench_e2e's --kmajor-config sets it before anything is traced (None: the
+# defaults of `kmajor_default_config`)
+KMAJOR_CONFIG = None
+
+
+def kmajor_default_config(n: int, k: int) -> KMajorConfig:
+    """The H200 layer-chain sweep's best (scripts/diag/diag_kmajor.py; benchmarks/kmajor.md):
+    8 programs per SM walking 4 x 512 tiles, 2 x 1024 for weights of up to 16 MB."""
+    if KMAJOR_CONFIG is not None:
+        return KMAJOR_CONFIG
+    if 2 * n * k <= 16 << 20:
+        return KMajorConfig(block_n=2, block_k=1024, num_warps=4, num_stages=3,
+                            programs=8 * _NUM_SMS)
+    return KMajorConfig(block_n=4, block_k=512, num_warps=4, num_stages=3, programs=8 * _NUM_SMS)
+
+
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
                    eps, interpret):
     """Program j: output columns [j * bn, (j + 1) * bn) over the whole of K (weights [N, K], so
@@ -563,7 +579,7 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
         raise ValueError(f"skinny_matmul_kmajor takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
     if len(weights_t) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} weight(s)")
-    cfg = config or KMajorConfig()
+    cfg = config or kmajor_default_config(n, k)
     rows = _pow2(n_rows)
     bk = min(cfg.block_k, max(16, _pow2(k)))
     normed = norm is not None

@@ -58,7 +58,8 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     created on the device in `dtype` (for benchmarks). `mesh` places each shard on its devices.
     split_layers: keep one weight dict per layer (see `Model.split_layers`); None = on GPU,
     where it makes decode steps faster, and stacked elsewhere (faster compiles). Split weights
-    on one device (mesh None) also get one fused q/k/v projection per layer.
+    on one device (mesh None) also get one fused q/k/v projection per layer and the K-major
+    output and MLP weights (`modeling.K_MAJOR`).
     """
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
     return _maybe_split(model, split_layers, mesh)
@@ -67,7 +68,8 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
 def _maybe_split(model: Model, split_layers, mesh) -> Model:
     if split_layers is None:
         split_layers = on_gpu()
-    return model.split_layers(fuse_qkv=mesh is None) if split_layers else model
+    one = mesh is None
+    return model.split_layers(fuse_qkv=one, k_major=one) if split_layers else model
 
 
 def _load(source: str, *, dtype, mesh, seed) -> Model:

@@ -62,16 +62,19 @@ class Model(nnx.Module):
     def layers_split(self) -> bool:
         return isinstance(self.layers, nnx.List)
 
-    def split_layers(self, fuse_qkv: bool = False) -> "Model":
+    def split_layers(self, fuse_qkv: bool = False, k_major: bool = False) -> "Model":
         """Switch to one weight dict per layer, in place (the faster decode layout on GPU).
         Peak memory grows by one stacked tensor at a time, not by the whole model.
         fuse_qkv: one [hidden, (Hq + 2 Hkv) D] projection per layer instead of three (one
-        matmul launch; for one device: a fused weight cannot keep per-head shardings)."""
+        matmul launch; for one device: a fused weight cannot keep per-head shardings).
+        k_major: the output projection and the dense MLP's weights stored transposed, [N, K]
+        (`K_MAJOR`; for one device), which a decode step of a few rows reads with the K-major
+        kernel."""
         if not self.layers_split:
             stacked = {k: v[...] for k, v in vars(self.layers).items()
                        if isinstance(v, nnx.Param)}
             self.layers = None
-            self._set_layers(split_layers(stacked, fuse_qkv=fuse_qkv))
+            self._set_layers(split_layers(stacked, fuse_qkv=fuse_qkv, k_major=k_major))
         return self
 
     @property
@@ -120,7 +123,10 @@ def fuse_qkv_weights(layer: dict) -> dict:
 
 
 def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
-    """The inverse of `fuse_qkv_weights` (a no-op for unfused weights)."""
+    """The inverse of `fuse_qkv_weights` and of `k_major_weights` (a no-op for weights in
+    neither layout)."""
+    layer = {k[:-2] if k.endswith(T_SUFFIX) else k: v.T if k.endswith(T_SUFFIX) else v
+             for k, v in layer.items()}
     if "wqkv" not in layer:
         return layer
     out = {k: v for k, v in layer.items() if k != "wqkv"}
@@ -129,10 +135,31 @@ def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = None) -> list[dict]:
+# The weights into the hidden state and the dense MLP's: in the K-major layout each is stored
+# transposed, [N, K], under its name + T_SUFFIX, so that every output column's weights are one
+# contiguous read (`skinny_matmul_gpu.skinny_matmul_kmajor`)
+K_MAJOR = ("wo", "w_gate", "w_up", "w_down")
+T_SUFFIX = "_t"
+
+
+def k_major_weights(layer: dict) -> dict:
+    """One layer's `K_MAJOR` weights -> transposed, each under its name + T_SUFFIX."""
+    return {k + T_SUFFIX if k in K_MAJOR else k: v.T if k in K_MAJOR else v
+            for k, v in layer.items()}
+
+
+def layer_weight(w: dict, name: str):
+    """(weight, transposed): a layer's weight `name` as stored, [K, N] or (K-major) [N, K]."""
+    if name + T_SUFFIX in w:
+        return w[name + T_SUFFIX], True
+    return w[name], False
+
+
+def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = None,
+                 k_major: bool = False) -> list[dict]:
     """Stacked layer weights {name: [L, ...]} -> one dict per layer, freeing each stacked tensor
-    once it is split (so peak memory grows by one tensor, not by the model). fuse_qkv: see
-    `Model.split_layers`.
+    once it is split (so peak memory grows by one tensor, not by the model). fuse_qkv,
+    k_major: see `Model.split_layers` (the transposes run on the device, a layer at a time).
 
     via_host (None: when every weight sits whole on one device): each stacked tensor goes to
     host memory and is freed before its layers' parts come back, so they fill the space it
@@ -144,7 +171,7 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
         via_host = all(isinstance(a, jax.Array) and a.is_fully_addressable
                        and len(a.devices()) == 1 for a in stacked.values())
     if via_host:
-        return _split_via_host(stacked, fuse_qkv)
+        return _to_k_major(_split_via_host(stacked, fuse_qkv), k_major)
     names = list(stacked)
     num = stacked[names[0]].shape[0]
     layers = [{} for _ in range(num)]
@@ -163,6 +190,18 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
         fuse = jax.jit(fuse_qkv_weights)
         for i in range(num):
             layers[i] = fuse(layers[i])
+    return _to_k_major(layers, k_major)
+
+
+def _to_k_major(layers: list[dict], k_major: bool) -> list[dict]:
+    if not k_major:
+        return layers
+    for i, layer in enumerate(layers):
+        names = [n for n in K_MAJOR if n in layer]
+        old = [layer.pop(n) for n in names]
+        for n, w, a in zip(names, jax.jit(lambda ws: [w.T for w in ws])(old), old):
+            layer[n + T_SUFFIX] = w
+            _free(a)
     return layers
 
 
@@ -237,15 +276,16 @@ def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
     return heads == "kernel" and T == 1 and "wqkv" in w and heads_kernels.supported(cfg.head_dim)
 
 
-def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str):
+def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=False):
     """RMSNorm of x by `norm`, then each weight, rounded to x's dtype (the kernel folds the
-    norm into the product: `kernels.skinny_matmul`)."""
+    norm into the product: `kernels.skinny_matmul`); transposed: the weights are [N, K]."""
     return tuple(y.astype(x.dtype) for y in skinny_matmul(
-        x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul))
+        x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul, transposed=transposed))
 
 
-def _proj(x, w, matmul: str):
-    return skinny_matmul(x, (w,), impl=matmul)[0].astype(x.dtype)
+def _proj(x, w: dict, name: str, matmul: str):
+    weight, transposed = layer_weight(w, name)
+    return skinny_matmul(x, (weight,), impl=matmul, transposed=transposed)[0].astype(x.dtype)
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
@@ -287,12 +327,13 @@ def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
     moe: see `moe_mlp`; matmul: see `attention_inputs`."""
     B, T = attn.shape[:2]
-    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w["wo"], matmul)
+    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, "wo", matmul)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
-    gate, up = _normed_matmuls(x, w["mlp_norm"], (w["w_gate"], w["w_up"]), cfg, matmul)
-    return x + _proj(jax.nn.silu(gate) * up, w["w_down"], matmul)
+    (wg, t), (wu, _) = layer_weight(w, "w_gate"), layer_weight(w, "w_up")
+    gate, up = _normed_matmuls(x, w["mlp_norm"], (wg, wu), cfg, matmul, transposed=t)
+    return x + _proj(jax.nn.silu(gate) * up, w, "w_down", matmul)
 
 
 def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul: str,
@@ -323,14 +364,16 @@ def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "
     product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
     fused = skinny_matmul_kernels.skinny_matmul_fused
-    x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (w["wo"],), None, sync,
-                    epilogue="residual", residual=x.reshape(B, -1))
+    wo, t = layer_weight(w, "wo")
+    x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
+                    epilogue="residual", residual=x.reshape(B, -1), transposed=t)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync
-    h, sync = fused(x, (w["w_gate"], w["w_up"]), w["mlp_norm"], sync, epilogue="silu",
-                    eps=cfg.rms_norm_eps)
-    x, sync = fused(h, (w["w_down"],), None, sync, epilogue="residual", residual=x)
+    (wg, t), (wu, _), (wd, _) = (layer_weight(w, n) for n in ("w_gate", "w_up", "w_down"))
+    h, sync = fused(x, (wg, wu), w["mlp_norm"], sync, epilogue="silu", eps=cfg.rms_norm_eps,
+                    transposed=t)
+    x, sync = fused(h, (wd,), None, sync, epilogue="residual", residual=x, transposed=t)
     return x[:, None], sync
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.models.modeling import Model, unfuse_qkv_weights
+from sfi_jax.models.modeling import T_SUFFIX, Model, unfuse_qkv_weights
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import decode, exact, prefill, programs, selection
 from sfi_jax.runtime import mesh as mesh_lib
@@ -206,8 +206,10 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
     if plan is not None and mesh_lib.mesh_of(params) != plan.mesh:
-        if isinstance(params["layers"], list) and "wqkv" in params["layers"][0]:
-            # per-head shardings need q, k, v apart: split each layer's fused weight on the mesh
+        if isinstance(params["layers"], list) and any(
+                k == "wqkv" or k.endswith(T_SUFFIX) for k in params["layers"][0]):
+            # per-head shardings need q, k, v apart and the weights as the shardings name
+            # them: split each layer's fused weight, transpose its K-major ones, on the mesh
             rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
             params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg)
                                 for w in params["layers"]]
