@@ -254,8 +254,9 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
 
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     """With programmatic dependent launch on (a Hopper GPU) the sparse decode kernel, its
-    merge and the fused matmul each signal `griddepcontrol.launch_dependents`, after an operand
-    from the main loop; off (False, and "auto" without such a GPU) none does."""
+    merge, the fused matmul and the K-major one each signal `griddepcontrol.launch_dependents`,
+    after an operand from the main loop; off (False, and "auto" without such a GPU) none
+    does."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
     from sfi_jax.kernels import triton_lowering
 
@@ -278,13 +279,18 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     def fused(x, w, sync, res):
         return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res)
 
+    def kmajor(x, g, u, norm):
+        return sm.skinny_matmul_kmajor(x, (g, u), norm, epilogue="silu")
+
     for setting, signals in ((True, True), (False, False), ("auto", False)):
         monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
         jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
         modules.clear()
         for fn, args in [(_sparse_fn(gpu, 257), sparse_args),
                          (fused, (sds((1, 4096), bf), sds((4096, 2560), bf),
-                                  sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf)))]:
+                                  sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf))),
+                         (kmajor, (sds((1, 2560), bf), sds((9728, 2560), bf),
+                                   sds((9728, 2560), bf), sds((2560,), bf)))]:
             jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
-        assert len(modules) == 3  # sparse decode, its merge, the matmul
-        assert ["griddepcontrol.launch_dependents" in m for m in modules] == [signals] * 3
+        assert len(modules) == 4  # sparse decode, its merge, the two matmuls
+        assert ["griddepcontrol.launch_dependents" in m for m in modules] == [signals] * 4

@@ -157,9 +157,10 @@ def test_smollm2_greedy_matches_transformers(smol_model, smol_tokenizer, smol_hf
 @pytest.mark.parametrize("fuse", [False, True])
 def test_split_layers_via_host_and_on_device(fuse):
     """Both split paths give each layer's slice of the stacked weights (q/k/v concatenated when
-    fused), on the stacked weights' device, and free the stacked tensors."""
+    fused; the o and MLP weights transposed with fuse's K-major layout), on the stacked
+    weights' device, and free the stacked tensors."""
     from sfi_jax.models.config import PRESETS
-    from sfi_jax.models.modeling import QKV, split_layers
+    from sfi_jax.models.modeling import K_MAJOR, QKV, split_layers, unfuse_qkv_weights
     from sfi_jax.models.params import random_params
 
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
@@ -169,15 +170,20 @@ def test_split_layers_via_host_and_on_device(fuse):
     for via_host in (True, False):
         stacked = random_params(cfg, "bfloat16", 5)["layers"]
         kept = dict(stacked)
-        layers = split_layers(stacked, fuse_qkv=fuse, via_host=via_host)
+        layers = split_layers(stacked, fuse_qkv=fuse, via_host=via_host, k_major=fuse)
         assert not stacked and all(a.is_deleted() for a in kept.values())
         assert len(layers) == 3
         for i, layer in enumerate(layers):
             names = [n for n in want if not (fuse and n in QKV)] + (["wqkv"] if fuse else [])
-            assert list(layer) == names, (via_host, list(layer))
+            names = [n + "_t" if fuse and n in K_MAJOR else n for n in names]
+            assert sorted(layer) == sorted(names), (via_host, list(layer))
+            canon = unfuse_qkv_weights(layer, cfg)
+            assert sorted(canon) == sorted(want)
+            for n in want:
+                np.testing.assert_array_equal(np.asarray(canon[n]), want[n][i])
             for n in names:
                 ref = (np.concatenate([want[q][i] for q in QKV], -1) if n == "wqkv"
-                       else want[n][i])
+                       else want[n[:-2]][i].T if n.endswith("_t") else want[n][i])
                 got = layer[n]
                 assert got.dtype == ref.dtype and got.devices() == {jax.devices()[0]}
                 np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{via_host} {n}")

@@ -159,9 +159,10 @@ def check_generation(name, runs, split=True, fused=False):
             model.params["layers"][0]["wq"].sharding.spec, layer0)
         notes.append(same_greedy(run_generate(model, "sfi").tokens, ref.tokens,
                                  ref.stats["logits"], f"{name} sfi {spec} split layers"))
-    if fused:  # one device's split layout (fused q/k/v) on the mesh: generate unfuses it
-        one = Model(cfg, params(name, 1)).split_layers(fuse_qkv=True)
-        assert "wqkv" in one.params["layers"][0]
+    if fused:  # one device's split layout (fused q/k/v, K-major o and MLP weights) on the
+        # mesh: generate unfuses and transposes them back
+        one = Model(cfg, params(name, 1)).split_layers(fuse_qkv=True, k_major=True)
+        assert "wqkv" in one.params["layers"][0] and "wo_t" in one.params["layers"][0]
         notes.append(same_greedy(run_generate(one, "sfi", mesh=mesh).tokens, ref.tokens,
                                  ref.stats["logits"], f"{name} sfi {spec} fused q/k/v"))
         try:

@@ -294,7 +294,7 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     this path)"""
     prompts, forced, runs = per_row_runs
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
-    assert "wqkv" in split.params["layers"][0]
+    assert {"wqkv", "wo_t", "w_gate_t", "w_up_t", "w_down_t"} <= set(split.params["layers"][0])
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
     # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows)
@@ -323,7 +323,8 @@ def test_moe_kernels_in_the_decode_loop(moe, xla_fast_compile):
                       num_q_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256,
                       max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=64)
-    model = Model(cfg, random_params(cfg, "float32", seed=3)).split_layers(fuse_qkv=True)
+    model = Model(cfg, random_params(cfg, "float32", seed=3)).split_layers(fuse_qkv=True,
+                                                                           k_major=True)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (30, 41, 26)]
     kw = dict(max_new_tokens=12, stop_at_eos=False, return_logits=True, trigger_ids=[TRIGGER],
@@ -351,6 +352,7 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
     assert split.layers_split and isinstance(split.params["layers"], list)
     assert "wqkv" in split.params["layers"][0] and "wq" not in split.params["layers"][0]
+    assert "w_down_t" in split.params["layers"][0] and "w_down" not in split.params["layers"][0]
     assert not tiny_qwen3.model.layers_split
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
