@@ -34,6 +34,9 @@ def main(argv=None):
     p.add_argument("--layer-only", action="store_true",
                    help="only the layer chain: fused and each config alike, --rounds times in turn")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--xla-rows", type=int, default=0,
+                   help="also time XLA's layer chain at this many rows with [K, N] and [N, K] "
+                        "weights (the layout's cost where the kernel does not run)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -150,6 +153,31 @@ def main(argv=None):
 
         rec = {"model": name, "layers": L,
                "bytes_per_layer": {"o": 2 * H * Q, "gu": 4 * I * H, "d": 2 * H * I}}
+        if args.xla_rows:
+            from sfi_jax.kernels import skinny_matmul_reference as xref
+
+            def xla_chain(transposed):
+                def run(ws, xa, x):
+                    for w in ws:
+                        def mm(v, names, norm=None):
+                            return [y.astype(bf) for y in xref.skinny_matmul(
+                                v, tuple(w[n] for n in names), norm, eps=eps,
+                                transposed=transposed)]
+                        h = x + mm(xa, ("o",))[0]
+                        g, u = mm(h, ("g", "u"), w["ln"])
+                        x = h + mm((jax.nn.silu(g.astype(jnp.float32)) *
+                                    u.astype(jnp.float32)).astype(bf), ("d",))[0]
+                        xa = glue(xa, x)
+                    return x
+                return jax.jit(run)
+            R = args.xla_rows
+            xr, xar = jnp.tile(x0, (R, 1)), jnp.tile(xa0, (R, 1))
+            rec["xla_layer_us"] = {
+                lab: _common.timeit(xla_chain(t), ws, xar, xr, iters=args.iters,
+                                    repeats=reps) / L
+                for lab, t, ws in (("kn", False, kn), ("nk", True, nk))}
+            rec["xla_rows"] = R
+            print(name, "xla rows", R, rec["xla_layer_us"], flush=True)
         ref = layer_chain("fused")(kn[:1], xa0, x0)
         if args.layer_only:  # each variant compiled once, timed in turn round after round
             fns = {"fused": (layer_chain("fused"), kn)}
