@@ -51,25 +51,25 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0,
-               split_layers: bool | None = None) -> Model:
+               split_layers: bool | None = None, k_major: bool = False) -> Model:
     """Load a model from a preset name, a local HF or Orbax directory, a .gguf file or a hub id.
 
     Presets other than the embedded `smollm2-135m` are config-only: their weights are random,
     created on the device in `dtype` (for benchmarks). `mesh` places each shard on its devices.
     split_layers: keep one weight dict per layer (see `Model.split_layers`); None = on GPU,
     where it makes decode steps faster, and stacked elsewhere (faster compiles). Split weights
-    on one device (mesh None) also get one fused q/k/v projection per layer and the K-major
-    output and MLP weights (`modeling.K_MAJOR`).
+    on one device (mesh None) also get one fused q/k/v projection per layer, and with
+    k_major the output and dense MLP weights stored transposed (`Model.split_layers`).
     """
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
-    return _maybe_split(model, split_layers, mesh)
+    return _maybe_split(model, split_layers, mesh, k_major)
 
 
-def _maybe_split(model: Model, split_layers, mesh) -> Model:
+def _maybe_split(model: Model, split_layers, mesh, k_major=False) -> Model:
     if split_layers is None:
         split_layers = on_gpu()
     one = mesh is None
-    return model.split_layers(fuse_qkv=one, k_major=one) if split_layers else model
+    return model.split_layers(fuse_qkv=one, k_major=one and k_major) if split_layers else model
 
 
 def _load(source: str, *, dtype, mesh, seed) -> Model:

@@ -293,7 +293,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     without the flag (an interpret-mode / XLA CPU artifact; on the GPU the engine check runs
     this path)"""
     prompts, forced, runs = per_row_runs
-    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
+    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True,
+                               k_major=True)
     assert {"wqkv", "wo_t", "w_gate_t", "w_up_t", "w_down_t"} <= set(split.params["layers"][0])
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
@@ -349,7 +350,8 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
     """The per-layer weight layout (the GPU default) computes what the stacked layout does,
     in prefill, dense and SFI decode; Orbax still writes the stacked format."""
     prompts, forced, runs = per_row_runs
-    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
+    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True,
+                               k_major=True)
     assert split.layers_split and isinstance(split.params["layers"], list)
     assert "wqkv" in split.params["layers"][0] and "wq" not in split.params["layers"][0]
     assert "w_down_t" in split.params["layers"][0] and "w_down" not in split.params["layers"][0]
