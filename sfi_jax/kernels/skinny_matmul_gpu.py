@@ -487,8 +487,9 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
         y = g / (1.0 + jnp.exp(-g)) * u
     else:
         y = ys[0]
-    # the dependents' signal after the main loop (its operand: the first row's values)
-    sig = dependents_mask(bn, interpret, y[0])
+    # the dependents' signal after the main loop (its operand: the rows' sums; a row slice
+    # does not lower to Triton)
+    sig = dependents_mask(bn, interpret, jnp.sum(y, axis=0))
     plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(j * bn, bn)], y.astype(dt),
                        mask=rmask[:, None] & (cmask & sig)[None, :])
 
@@ -552,7 +553,7 @@ def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, n
                 y = g / (1.0 + jnp.exp(-g)) * u
             else:
                 y = ys[0]
-            sig = dependents_mask(bn, interpret, y[0])
+            sig = dependents_mask(bn, interpret, jnp.sum(y, axis=0))
             plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)], y.astype(dt),
                                mask=rmask[:, None] & (cmask & sig)[None, :])
 

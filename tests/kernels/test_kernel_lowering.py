@@ -289,7 +289,7 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
         for fn, args in [(_sparse_fn(gpu, 257), sparse_args),
                          (fused, (sds((1, 4096), bf), sds((4096, 2560), bf),
                                   sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf))),
-                         (kmajor, (sds((1, 2560), bf), sds((9728, 2560), bf),
+                         (kmajor, (sds((3, 2560), bf), sds((9728, 2560), bf),
                                    sds((9728, 2560), bf), sds((2560,), bf)))]:
             jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
         assert len(modules) == 4  # sparse decode, its merge, the two matmuls
