@@ -59,17 +59,22 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     split_layers: keep one weight dict per layer (see `Model.split_layers`); None = on GPU,
     where it makes decode steps faster, and stacked elsewhere (faster compiles). Split weights
     on one device (mesh None) also get one fused q/k/v projection per layer, and with
-    k_major the output and dense MLP weights stored transposed (`Model.split_layers`).
+    k_major (which splits the layers on any platform) the output and dense MLP weights stored
+    transposed (`Model.split_layers`).
     """
+    if k_major and mesh is not None:
+        raise ValueError("k_major=True is a one-device layout; it cannot be used with a mesh")
+    if k_major and split_layers is False:
+        raise ValueError("k_major=True needs split layers; split_layers=False was passed")
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
     return _maybe_split(model, split_layers, mesh, k_major)
 
 
 def _maybe_split(model: Model, split_layers, mesh, k_major=False) -> Model:
     if split_layers is None:
-        split_layers = on_gpu()
+        split_layers = on_gpu() or k_major
     one = mesh is None
-    return model.split_layers(fuse_qkv=one, k_major=one and k_major) if split_layers else model
+    return model.split_layers(fuse_qkv=one, k_major=k_major) if split_layers else model
 
 
 def _load(source: str, *, dtype, mesh, seed) -> Model:

@@ -370,6 +370,17 @@ def test_split_layers_give_the_same_tokens_and_logits(tiny_qwen3, per_row_runs, 
         np.testing.assert_array_equal(np.asarray(stacked), np.asarray(want[name]))
 
 
+def test_k_major_load_splits_and_names_bad_combinations(tiny_qwen3):
+    """load_model(k_major=True) splits the layers on any platform; with a mesh or with
+    split_layers=False it says why not."""
+    model = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", k_major=True)
+    assert model.layers_split and "w_up_t" in model.params["layers"][0]
+    with pytest.raises(ValueError, match="needs split layers"):
+        sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", k_major=True, split_layers=False)
+    with pytest.raises(ValueError, match="one-device layout"):
+        sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", k_major=True, mesh="1x1")
+
+
 # ---------------------------------------------------------------- evidence window (W > 1)
 
 def test_window_logits_match_numpy():
