@@ -68,7 +68,8 @@ class EngineOptions:
         in the decode loop's fast loop) or "cond" (behind a `lax.cond`).
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
-        kernel where it beat XLA's gemm: up to 4 rows) or "xla".
+        kernel where it beat XLA's gemm: up to 4 rows) or "xla". K-major weights
+        (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
         heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or

@@ -16,6 +16,10 @@ weight of the same shape (gate and up projections): both read with one load of t
 Fused epilogues (`skinny_matmul_fused`, up to FUSED_MAX_ROWS rows): every program also bumps its
 column block's counter, and the block's last program adds the splits up and applies what would
 otherwise be the next XLA fusion (the heads' norm + rope, a residual add, the SiLU product).
+
+K-major weights ([N, K], `skinny_matmul_kmajor`, up to FUSED_MAX_ROWS rows): each output
+column's weights are contiguous, so a program covers whole columns over all of K and applies
+the residual add or the SiLU product itself, without splits (`modeling.K_MAJOR`).
 """
 
 from __future__ import annotations
@@ -413,12 +417,12 @@ class KMajorConfig:
     """Tiles of the K-major kernel: block_n weight rows (output columns) per program, each
     read over the whole of K in block_k steps."""
 
-    block_n: int = 8
-    block_k: int = 256
+    block_n: int = 4
+    block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
-    programs: int = 0  # > 0: at most that many programs, each walking its column blocks in
-    # one loop (the loads pipelined across blocks); 0: one program per column block
+    programs: int = 0  # the grid: at most that many programs, each walking its column blocks
+    # in one loop (the loads pipelined across blocks); 0: one program per column block
 
 
 # A sweep point: bench_e2e's --kmajor-config sets it before anything is traced (None: the
@@ -438,66 +442,11 @@ def kmajor_default_config(n: int, k: int) -> KMajorConfig:
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
-                   eps, interpret):
-    """Program j: output columns [j * bn, (j + 1) * bn) over the whole of K (weights [N, K], so
-    each weight row is one contiguous read), the epilogue applied to its own columns: no
-    partial sums, no counters."""
-    w_refs, refs = refs[:n_w], refs[n_w:]
-    res_ref = refs[0] if epilogue == "residual" else None
-    out_ref = refs[-1]
-    j = pl.program_id(0)
-    f32 = jnp.float32
-    rmask = jnp.arange(rows) < n_rows
-    cols = j * bn + jnp.arange(bn)
-    cmask = cols < n
-    idx = jnp.arange(bk)
-
-    def body(i, carry):
-        accs, sq = carry
-        k0 = i * bk
-        kmask = k0 + idx < k
-        xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
-                               mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if normed:
-            xf = xb.astype(f32)
-            sq = sq + xf * xf
-            nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
-            xb = (xf * nw.astype(f32)[None, :]).astype(x_ref.dtype)
-        xr = xb.astype(w_refs[0].dtype).astype(f32)[:, None, :]  # [rows, 1, bk]
-        out = []
-        for w_ref, acc in zip(w_refs, accs):
-            wb = plgpu_triton.load(w_ref.at[pl.ds(j * bn, bn), pl.ds(k0, bk)],
-                                   mask=cmask[:, None] & kmask[None, :], other=0.0)
-            out.append(acc + xr * wb.astype(f32)[None])
-        return tuple(out), sq
-
-    zeros = jnp.zeros((rows, bn, bk), f32)
-    accs, sq = lax.fori_loop(0, pl.cdiv(k, bk), body,
-                             (tuple(zeros for _ in w_refs),
-                              jnp.zeros((rows, bk) if normed else (1, 1), f32)))
-    scale = lax.rsqrt(jnp.sum(sq, axis=1) / k + eps)[:, None] if normed else 1.0
-    dt = out_ref.dtype
-    ys = [(jnp.sum(acc, axis=2) * scale).astype(dt).astype(f32) for acc in accs]
-    if epilogue == "residual":
-        res = plgpu_triton.load(res_ref.at[pl.ds(0, rows), pl.ds(j * bn, bn)],
-                                mask=rmask[:, None] & cmask[None, :], other=0.0)
-        y = res.astype(f32) + ys[0]
-    elif epilogue == "silu":
-        g, u = ys
-        y = g / (1.0 + jnp.exp(-g)) * u
-    else:
-        y = ys[0]
-    # the dependents' signal after the main loop (its operand: the rows' sums; a row slice
-    # does not lower to Triton)
-    sig = dependents_mask(bn, interpret, jnp.sum(y, axis=0))
-    plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(j * bn, bn)], y.astype(dt),
-                       mask=rmask[:, None] & (cmask & sig)[None, :])
-
-
-def _kmajor_flat_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed,
-                        epilogue, eps, interpret, n_prog):
-    """Program p: column blocks p, p + n_prog, ... in one loop over (block, K step), so the
-    pipelined loads run on across blocks; the block's last K step applies the epilogue."""
+                   eps, interpret, n_prog):
+    """Program p: output columns [b * bn, (b + 1) * bn) for blocks b = p, p + n_prog, ... over
+    the whole of K (weights [N, K]: each weight row one contiguous read), in one loop over
+    (block, K step) so the pipelined loads run on across blocks; a block's last K step applies
+    the epilogue to its own columns: no partial sums, no counters."""
     w_refs, refs = refs[:n_w], refs[n_w:]
     res_ref = refs[0] if epilogue == "residual" else None
     out_ref = refs[-1]
@@ -592,14 +541,9 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
     common = dict(n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
                   bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
     n_blocks = pl.cdiv(n, cfg.block_n)
-    if cfg.programs:
-        n_prog = min(n_blocks, cfg.programs)
-        kernel = functools.partial(_kmajor_flat_kernel, n_prog=n_prog, **common)
-    else:
-        n_prog = n_blocks
-        kernel = functools.partial(_kmajor_kernel, **common)
+    n_prog = min(n_blocks, cfg.programs) if cfg.programs else n_blocks
     return pl.pallas_call(
-        kernel, grid=(n_prog,),
+        functools.partial(_kmajor_kernel, n_prog=n_prog, **common), grid=(n_prog,),
         out_shape=jax.ShapeDtypeStruct((n_rows, n), x.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
