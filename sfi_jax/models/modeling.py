@@ -123,9 +123,10 @@ def fuse_qkv_weights(layer: dict) -> dict:
 
 
 def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
-    """The inverse of `fuse_qkv_weights` and of `k_major_weights` (a no-op for weights in
-    neither layout)."""
-    layer = {k[:-2] if k.endswith(T_SUFFIX) else k: v.T if k.endswith(T_SUFFIX) else v
+    """The inverse of `fuse_qkv_weights` and of the K-major layout's transposes (a no-op for
+    weights in neither layout)."""
+    t = len(T_SUFFIX)
+    layer = {k[:-t] if k.endswith(T_SUFFIX) else k: v.T if k.endswith(T_SUFFIX) else v
              for k, v in layer.items()}
     if "wqkv" not in layer:
         return layer
@@ -140,12 +141,6 @@ def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
 # contiguous read (`skinny_matmul_gpu.skinny_matmul_kmajor`)
 K_MAJOR = ("wo", "w_gate", "w_up", "w_down")
 T_SUFFIX = "_t"
-
-
-def k_major_weights(layer: dict) -> dict:
-    """One layer's `K_MAJOR` weights -> transposed, each under its name + T_SUFFIX."""
-    return {k + T_SUFFIX if k in K_MAJOR else k: v.T if k in K_MAJOR else v
-            for k, v in layer.items()}
 
 
 def layer_weight(w: dict, name: str):
@@ -194,9 +189,11 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
 
 
 def _to_k_major(layers: list[dict], k_major: bool) -> list[dict]:
+    """Each layer's `K_MAJOR` weights transposed on the device, one layer at a time, each
+    freed once its copy exists."""
     if not k_major:
         return layers
-    for i, layer in enumerate(layers):
+    for layer in layers:
         names = [n for n in K_MAJOR if n in layer]
         old = [layer.pop(n) for n in names]
         for n, w, a in zip(names, jax.jit(lambda ws: [w.T for w in ws])(old), old):
