@@ -63,7 +63,7 @@ def device_bytes():
 
 # --- the engine check's model ----------------------------------------------------------------
 
-def engine_check_model(k_major=True):
+def engine_check_model(k_major=False):
     """(model, prompts) of the e2e engine check: a small random float32 Qwen3-like decoder
     (head dim 128, GQA 4; on a GPU with split layers, fused q/k/v weights and, with k_major,
     the K-major o and MLP weights, so the few-row kernels and their fused epilogues run) and

@@ -353,7 +353,7 @@ def attention_time(cfg, B, ctx, reps=5):
     return timeit(f, q, k, iters=1, repeats=reps) / 1e6
 
 
-def engine_check(k_major=True):
+def engine_check(k_major=False):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
@@ -599,9 +599,10 @@ def main(argv=None):
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
-    p.add_argument("--k-major", choices=("on", "off"), default="on",
+    p.add_argument("--k-major", choices=("on", "off"), default="off",
                    help="the o and dense MLP weights stored [N, K] for the K-major kernel "
-                        "(load_model's single-GPU layout) or [K, N] for the split-K kernel")
+                        "(load_model(k_major=True)) or [K, N] for the split-K kernel (off: "
+                        "load_model's default)")
     p.add_argument("--kmajor-config", default=None, metavar="BN:BK:WARPS:STAGES:PER_SM",
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
                         "of skinny_matmul_gpu.kmajor_default_config")
