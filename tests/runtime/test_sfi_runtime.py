@@ -293,9 +293,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     without the flag (an interpret-mode / XLA CPU artifact; on the GPU the engine check runs
     this path)"""
     prompts, forced, runs = per_row_runs
-    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True,
-                               k_major=True)
-    assert {"wqkv", "wo_t", "w_gate_t", "w_up_t", "w_down_t"} <= set(split.params["layers"][0])
+    split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
+    assert "wqkv" in split.params["layers"][0] and "wo" in split.params["layers"][0]
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
     # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows)
@@ -324,6 +323,7 @@ def test_moe_kernels_in_the_decode_loop(moe, xla_fast_compile):
                       num_q_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256,
                       max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=64)
+    # (the K-major layout: its output projection takes that kernel in the decode loop)
     model = Model(cfg, random_params(cfg, "float32", seed=3)).split_layers(fuse_qkv=True,
                                                                            k_major=True)
     rng = np.random.default_rng(5)
