@@ -188,6 +188,10 @@ def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = 
     return _to_k_major(layers, k_major)
 
 
+# one jitted function for every layer: the layers' shapes match, so it compiles once
+_transposed = jax.jit(lambda ws: [w.T for w in ws])
+
+
 def _to_k_major(layers: list[dict], k_major: bool) -> list[dict]:
     """Each layer's `K_MAJOR` weights transposed on the device, one layer at a time, each
     freed once its copy exists."""
@@ -196,7 +200,7 @@ def _to_k_major(layers: list[dict], k_major: bool) -> list[dict]:
     for layer in layers:
         names = [n for n in K_MAJOR if n in layer]
         old = [layer.pop(n) for n in names]
-        for n, w, a in zip(names, jax.jit(lambda ws: [w.T for w in ws])(old), old):
+        for n, w, a in zip(names, _transposed(old), old):
             layer[n + T_SUFFIX] = w
             _free(a)
     return layers
