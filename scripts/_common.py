@@ -47,6 +47,18 @@ def timeit(fn, *args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kmajor_config(text):
+    """A K-major kernel config from "BN:BK:WARPS:STAGES[:PROGRAMS_PER_SM[:PREFETCH]]"."""
+    from sfi_jax.kernels import skinny_matmul_gpu as sm
+
+    v = [int(t) for t in text.split(":")]
+    if not 4 <= len(v) <= 6:
+        raise ValueError(f"a K-major config is BN:BK:WARPS:STAGES[:PER_SM[:PREFETCH]], got {text!r}")
+    if len(v) > 4:
+        v[4] *= sm._NUM_SMS
+    return sm.KMajorConfig(*v)
+
+
 def copy_bandwidth(n_bytes=2 << 30):
     """Measured device copy bandwidth (read + write bytes per second)."""
     x = jnp.ones((n_bytes // 4,), jnp.float32)

@@ -603,7 +603,8 @@ def main(argv=None):
                    help="the o and dense MLP weights stored [N, K] for the K-major kernel "
                         "(load_model(k_major=True)) or [K, N] for the split-K kernel (off: "
                         "load_model's default)")
-    p.add_argument("--kmajor-config", default=None, metavar="BN:BK:WARPS:STAGES:PER_SM",
+    p.add_argument("--kmajor-config", default=None,
+                   metavar="BN:BK:WARPS:STAGES:PER_SM[:PREFETCH]",
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
                         "of skinny_matmul_gpu.kmajor_default_config")
     p.add_argument("--no-launch-dependents", action="store_true",
@@ -617,9 +618,7 @@ def main(argv=None):
     if args.kmajor_config:
         from sfi_jax.kernels import skinny_matmul_gpu
 
-        v = [int(t) for t in args.kmajor_config.split(":")]
-        skinny_matmul_gpu.KMAJOR_CONFIG = skinny_matmul_gpu.KMajorConfig(
-            *v[:4], programs=v[4] * skinny_matmul_gpu._NUM_SMS)
+        skinny_matmul_gpu.KMAJOR_CONFIG = _common.kmajor_config(args.kmajor_config)
     if args.fused_programs:
         from sfi_jax.kernels import skinny_matmul_gpu
 

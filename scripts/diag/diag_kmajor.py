@@ -28,7 +28,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
     p.add_argument("--configs", default=CONFIGS,
-                   help="bn:bk:warps:stages[:programs per SM], comma-separated")
+                   help="bn:bk:warps:stages[:programs per SM[:tiles loaded ahead]], comma-separated")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--layer-only", action="store_true",
@@ -61,11 +61,7 @@ def main(argv=None):
         models = {m: PRESETS[m] for m in args.models.split(",")}
         reps = 5
         cfgs = {}
-        for c in args.configs.split(","):
-            v = [int(t) for t in c.split(":")]
-            if len(v) > 4:
-                v[4] *= sm._NUM_SMS
-            cfgs[f"kmajor:{c}"] = sm.KMajorConfig(*v)
+        cfgs = {f"kmajor:{c}": _common.kmajor_config(c) for c in args.configs.split(",")}
     bf = jnp.bfloat16
     eps = 1e-6
     results = []
@@ -183,6 +179,11 @@ def main(argv=None):
             fns = {"fused": (layer_chain("fused"), kn)}
             fns.update({lab: (layer_chain("kmajor", {w: c for w in ("o", "gu", "d")}), nk)
                         for lab, c in cfgs.items()})
+            rec["rel_err_vs_fused"] = {
+                lab: float(jnp.max(jnp.abs(fn(ws[:1], xa0, x0).astype(jnp.float32) -
+                                           ref.astype(jnp.float32))) /
+                           jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                for lab, (fn, ws) in fns.items() if lab != "fused"}
             rounds = {lab: [] for lab in fns}
             for _ in range(args.rounds):
                 for lab, (fn, ws) in fns.items():

@@ -423,6 +423,8 @@ class KMajorConfig:
     num_stages: int = 3
     programs: int = 0  # the grid: at most that many programs, each walking its column blocks
     # in one loop (the loads pipelined across blocks); 0: one program per column block
+    prefetch: int = 0  # tiles each program loads ahead of the one it multiplies (its own
+    # software pipeline, whatever Triton's pipeliner makes of the loop); 0: none
 
 
 # A sweep point: bench_e2e's --kmajor-config sets it before anything is traced (None: the
@@ -442,11 +444,13 @@ def kmajor_default_config(n: int, k: int) -> KMajorConfig:
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
-                   eps, interpret, n_prog):
+                   eps, interpret, n_prog, prefetch):
     """Program p: output columns [b * bn, (b + 1) * bn) for blocks b = p, p + n_prog, ... over
     the whole of K (weights [N, K]: each weight row one contiguous read), in one loop over
-    (block, K step) so the pipelined loads run on across blocks; a block's last K step applies
-    the epilogue to its own columns: no partial sums, no counters."""
+    (block, K step) so the loads run on across blocks; a block's last K step applies the
+    epilogue to its own columns: no partial sums, no counters. With `prefetch` the loop
+    carries the next steps' tiles, so each program keeps that many loads in flight while it
+    multiplies."""
     w_refs, refs = refs[:n_w], refs[n_w:]
     res_ref = refs[0] if epilogue == "residual" else None
     out_ref = refs[-1]
@@ -459,43 +463,59 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
     nb = pl.cdiv(n, bn)
     mine = lax.div(nb - p + n_prog - 1, jnp.int32(n_prog))  # (lax: jnp's // and % on signed
     # ints do not lower to Triton here)
+    steps = mine * ks
 
-    def x_block(k0):
-        kmask = k0 + idx < k
-        return kmask, plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
-                                        mask=rmask[:, None] & kmask[None, :], other=0.0)
-
-    scale = 1.0
-    if normed:
-        def sq_body(i, sq):
-            xf = x_block(i * bk)[1].astype(f32)
-            return sq + xf * xf
-        sq = lax.fori_loop(0, ks, sq_body, jnp.zeros((rows, bk), f32))
-        scale = lax.rsqrt(jnp.sum(sq, axis=1) / k + eps)[:, None]
-
-    def body(t, accs):
+    def where(t):  # step t's K step, column block, and their masks
         kk = lax.rem(t, jnp.int32(ks))
         blk = p + lax.div(t, jnp.int32(ks)) * n_prog
+        kmask = kk * bk + idx < k
+        cmask = (blk * bn + jnp.arange(bn) < n) & (t < steps)
+        return kk, blk, kmask, cmask
+
+    def tile(t):  # step t's loads: the rows' block, the norm's, the weights', the residual's
+        kk, blk, kmask, cmask = where(t)
         k0 = kk * bk
-        kmask, xb = x_block(k0)
+        xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
+                               mask=rmask[:, None] & kmask[None, :], other=0.0)
+        nw = (plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0) if normed
+              else None)
+        wbs = tuple(plgpu_triton.load(w_ref.at[pl.ds(blk * bn, bn), pl.ds(k0, bk)],
+                                      mask=cmask[:, None] & kmask[None, :], other=0.0)
+                    for w_ref in w_refs)
+        res = None
+        if epilogue == "residual":  # loaded with the block's last step only
+            res = plgpu_triton.load(res_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)],
+                                    mask=rmask[:, None] & (cmask & (kk == ks - 1))[None, :],
+                                    other=0.0)
+        return xb, nw, wbs, res
+
+    queue = tuple(tile(jnp.int32(i)) for i in range(prefetch))  # first loads before the norm
+    scale = 1.0
+    if normed:  # the whole of each row in one load (the hidden size is small)
+        kp = _pow2(k)
+        xr = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(0, kp)],
+                               mask=rmask[:, None] & (jnp.arange(kp) < k)[None, :], other=0.0)
+        xf = xr.astype(f32)
+        scale = lax.rsqrt(jnp.sum(xf * xf, axis=1) / k + eps)[:, None]
+
+    def body(t, carry):
+        accs, queue = carry
+        if prefetch:
+            cur, queue = queue[0], queue[1:] + (tile(t + prefetch),)
+        else:
+            cur = tile(t)
+        xb, nw, wbs, res = cur
+        kk, blk, _, cmask = where(t)
         if normed:
-            nw = plgpu_triton.load(nw_ref.at[pl.ds(k0, bk)], mask=kmask, other=0.0)
             xb = (xb.astype(f32) * nw.astype(f32)[None, :]).astype(x_ref.dtype)
         xr = xb.astype(w_refs[0].dtype).astype(f32)[:, None, :]
-        cmask = blk * bn + jnp.arange(bn) < n
-        new = []
-        for w_ref, acc in zip(w_refs, accs):
-            wb = plgpu_triton.load(w_ref.at[pl.ds(blk * bn, bn), pl.ds(k0, bk)],
-                                   mask=cmask[:, None] & kmask[None, :], other=0.0)
-            new.append(acc + xr * wb.astype(f32)[None])
+        new = [acc + xr * wb.astype(f32)[None] for wb, acc in zip(wbs, accs)]
         last = kk == ks - 1
 
         @pl.when(last)
         def _():
             ys = [(jnp.sum(a, axis=2) * scale).astype(dt).astype(f32) for a in new]
             if epilogue == "residual":
-                res = plgpu_triton.load(res_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)],
-                                        mask=rmask[:, None] & cmask[None, :], other=0.0)
                 y = res.astype(f32) + ys[0]
             elif epilogue == "silu":
                 g, u = ys
@@ -506,10 +526,10 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
             plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)], y.astype(dt),
                                mask=rmask[:, None] & (cmask & sig)[None, :])
 
-        return tuple(jnp.where(last, 0.0, a) for a in new)
+        return tuple(jnp.where(last, 0.0, a) for a in new), queue
 
     zeros = jnp.zeros((rows, bn, bk), f32)
-    lax.fori_loop(0, mine * ks, body, tuple(zeros for _ in w_refs))
+    lax.fori_loop(0, steps, body, (tuple(zeros for _ in w_refs), queue))
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "eps", "interpret", "config"))
@@ -539,7 +559,8 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
             raise ValueError(f"residual must be [{n_rows}, {n}]")
         args.append(residual)
     common = dict(n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
-                  bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret)
+                  bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret,
+                  prefetch=cfg.prefetch)
     n_blocks = pl.cdiv(n, cfg.block_n)
     n_prog = min(n_blocks, cfg.programs) if cfg.programs else n_blocks
     return pl.pallas_call(

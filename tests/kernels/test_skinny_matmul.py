@@ -211,17 +211,20 @@ def test_fused_epilogues_name_bad_arguments():
     assert not dispatch.uses_fused("xla", 1)
 
 
-@pytest.mark.parametrize("epilogue, dtype, programs", [
-    ("residual", jnp.float32, 0), ("silu", jnp.bfloat16, 0), (None, jnp.float32, 2),
-    ("silu", jnp.bfloat16, 3)])  # 2 / 3 programs walking 5 column blocks (ragged last one)
-def test_kmajor_matches_numpy(epilogue, dtype, programs, xla_fast_compile):
+@pytest.mark.parametrize("epilogue, dtype, programs, prefetch", [
+    ("residual", jnp.float32, 0, 0), ("silu", jnp.bfloat16, 0, 1), (None, jnp.float32, 2, 2),
+    ("silu", jnp.bfloat16, 3, 0), ("residual", jnp.bfloat16, 3, 2)])
+# 2 / 3 programs walking 5 column blocks (ragged last one)
+def test_kmajor_matches_numpy(epilogue, dtype, programs, prefetch, xla_fast_compile):
     """The K-major kernel (weights [N, K]) with each epilogue, three rows, ragged K and N,
-    one program per column block or a few walking several, against float64 numpy."""
+    one program per column block or a few walking several, tiles loaded ahead or not,
+    against float64 numpy."""
     rows, k, n = 3, 200, 72
     n_w, normed = (2 if epilogue == "silu" else 1), epilogue != "residual"
     x, ws, norm = _inputs(23 + programs, rows, k, n, n_w, dtype, normed)
     res = jax.random.normal(jax.random.key(9), (rows, n)).astype(dtype)
-    cfg = gpu.KMajorConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, programs=programs)
+    cfg = gpu.KMajorConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, programs=programs,
+                           prefetch=prefetch)
     got = gpu.skinny_matmul_kmajor(x, tuple(w.T for w in ws), norm, epilogue=epilogue,
                                    residual=res if epilogue == "residual" else None, eps=EPS,
                                    interpret=True, config=cfg)
