@@ -249,3 +249,42 @@ def test_kmajor_names_bad_arguments():
     with pytest.raises(ValueError, match="residual must be"):
         gpu.skinny_matmul_kmajor(x, wt, None, epilogue="residual", residual=jnp.zeros((2, 15)),
                                  interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_merges_attention_partials(dtype, xla_fast_compile):
+    """The output projection reading the sparse attention kernel's unmerged split partials
+    (interpret mode): residual + attention @ wo against float64 numpy over the xla path's
+    attention (rounded to the dtype), three rows, one of them attending to nothing; several
+    column blocks and K splits, K blocks inside one head."""
+    from sfi_jax.kernels import attention_gpu, attention_reference
+
+    rows, hq, hkv, d, s, c, n = 3, 8, 2, 16, 200, 70, 72
+    ks = jax.random.split(jax.random.key(31), 8)
+    q = jax.random.normal(ks[0], (rows, hq, d)).astype(dtype)
+    ck, cv = (jax.random.normal(ks[i], (rows, hkv, c, d)).astype(dtype) for i in (1, 2))
+    k, v = (jax.random.normal(ks[i], (rows, hkv, s, d)).astype(dtype) for i in (3, 4))
+    c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
+    lens = jnp.asarray([200, 5, 97], jnp.int32)
+    rs = jnp.asarray([150, 5, 60], jnp.int32)  # row 1: nothing to attend to
+    wo = (jax.random.normal(ks[5], (hq * d, n)) / np.sqrt(hq * d)).astype(dtype)
+    res = jax.random.normal(ks[6], (rows, n)).astype(dtype)
+    parts = attention_gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, partials=True,
+                                        interpret=True)
+    assert parts[0].shape[1] > 1  # several splits to merge
+    out, sync = gpu.skinny_matmul_fused(None, (wo,), None, gpu.new_sync(), epilogue="residual",
+                                        residual=res, partials=parts, interpret=True,
+                                        config=SMALL)
+    assert np.all(np.asarray(sync) == 0)
+    assert gpu.plan(n, hq * d, dataclasses.replace(SMALL, block_k=d))[1] > 1
+    attn = attention_reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)
+    assert np.all(np.asarray(attn[1]) == 0)
+    want = _f64(res) + _f64(attn.astype(dtype).reshape(rows, -1)) @ _f64(wo)
+    assert out.dtype == dtype and _rel(_f64(out), want) < 2 * TOL[dtype]
+    with pytest.raises(ValueError, match="'residual' epilogue"):
+        gpu.skinny_matmul_fused(None, (wo, wo), None, gpu.new_sync(), epilogue="silu",
+                                partials=parts, interpret=True)
+    with pytest.raises(ValueError, match="x=None"):
+        gpu.skinny_matmul_fused(attn.reshape(rows, -1), (wo,), None, gpu.new_sync(),
+                                epilogue="residual", residual=res, partials=parts,
+                                interpret=True)
