@@ -36,13 +36,12 @@ REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "xla")
 EPILOGUE = ("auto", "fused", "xla")
-ATTENTION_MERGE = ("auto", "kernel", "matmul")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
            "selector_scores": SELECTOR_SCORES,
            "selector_topk": SELECTOR_TOPK, "selector_adjust": SELECTOR_ADJUST, "moe": MOE,
            "heads": HEADS, "repack": REPACK, "refresh": REFRESH, "matmul": MATMUL,
-           "epilogue": EPILOGUE, "attention_merge": ATTENTION_MERGE}
+           "epilogue": EPILOGUE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +74,12 @@ class EngineOptions:
         column block's last program adds up the K splits and applies the next operation: the
         heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or
         "xla" (XLA's fusions after each kernel).
-    attention_merge: how a fast decode step merges the sparse attention kernel's K splits:
-        "kernel" (a small merge kernel) or "matmul" (the output projection's kernel merges them
-        in its row loads: one launch fewer per layer; steps with fused epilogues on one
-        device, outside refreshes; other steps take the merge kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
     "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
-    variants when attention is "pallas_gpu"; epilogue "fused" and attention_merge "matmul"
-    then too.
+    variants when attention is "pallas_gpu"; epilogue "fused" then too.
     """
 
     attention: str = "auto"
@@ -99,7 +93,6 @@ class EngineOptions:
     refresh: str = "auto"
     matmul: str = "auto"
     epilogue: str = "auto"
-    attention_merge: str = "auto"
     layer_unroll: int | str | None = None
 
     def __post_init__(self):
@@ -139,7 +132,6 @@ class EngineOptions:
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
             matmul=pick(self.matmul, "by_shape" if gpu_kernels else "xla"),
             epilogue=pick(self.epilogue, "fused" if gpu_kernels else "xla"),
-            attention_merge=pick(self.attention_merge, "matmul" if gpu_kernels else "kernel"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

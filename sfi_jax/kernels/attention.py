@@ -113,7 +113,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
-                  window=None, new_kv=None, key_norms=None, partials=False):
+                  window=None, new_kv=None, key_norms=None):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -126,8 +126,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
     (out, k, v, key_norms). On GPU one launch does the stores and the attention.
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
-    partials (impl "pallas_gpu" only): `out` is the kernel's unmerged split partials (o, m, l),
-    for `skinny_matmul_fused(partials=...)` to merge in its loads.
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -150,8 +148,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     elif key_norms is not None:
         raise ValueError("key_norms is written only together with new_kv")
     impl = resolve_impl(impl)
-    if partials and impl != "pallas_gpu":
-        raise ValueError(f"partials=True needs impl 'pallas_gpu', got {impl!r}")
     c_len = jnp.asarray(c_len, jnp.int32)
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -160,7 +156,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                  window=window, new_kv=new_kv, key_norms=key_norms,
-                                 interpret=interpret_for(impl), partials=partials)
+                                 interpret=interpret_for(impl))
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
     if c_len.ndim == 3:

@@ -167,16 +167,11 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
                    keep=start < hi)
 
 
-def _load_new_token(kn_ref, vn_ref, r, h, *, dp, dmask):
-    """This step's key and value for (row r, KV head h), loaded before the keys' loop so their
-    latency overlaps it."""
-    kw = {} if dmask is None else dict(mask=dmask, other=0.0)
-    return (plgpu_triton.load(kn_ref.at[r, h, pl.ds(0, dp)], **kw),
-            plgpu_triton.load(vn_ref.at[r, h, pl.ds(0, dp)], **kw))
-
-
-def _new_token(q, kn, vn, carry, use, *, scale, cache_dtype):
+def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_dtype):
     """Online-softmax update with this step's key and value (one position, from registers)."""
+    kw = {} if dmask is None else dict(mask=dmask, other=0.0)
+    kn = plgpu_triton.load(kn_ref.at[r, h, pl.ds(0, dp)], **kw)
+    vn = plgpu_triton.load(vn_ref.at[r, h, pl.ds(0, dp)], **kw)
     kc, vc = kn.astype(cache_dtype), vn.astype(cache_dtype)
     s = jnp.sum(q.astype(jnp.float32) * kc.astype(jnp.float32)[None, :], axis=1) * scale
     s = jnp.where(use, s, -jnp.inf)
@@ -185,12 +180,12 @@ def _new_token(q, kn, vn, carry, use, *, scale, cache_dtype):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
     acc = acc * alpha[:, None] + p[:, None] * vc.astype(jnp.float32)[None, :]
-    return (acc, m_new, l * alpha + p), kc, vc
+    return (acc, m_new, l * alpha + p), kn, kc, vc
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms, clen_stacked, n_layers, interpret):
+                   write_kv, write_norms, clen_stacked, interpret):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
@@ -206,16 +201,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, r, h, group, dp, dmask, k_ref.dtype)
-    if write_kv:
-        kn, vn = _load_new_token(kn_ref, vn_ref, r, h, dp=dp, dmask=dmask)
-    if clen_stacked:  # every layer's count in one load beside the layer's, not after it
-        lp = max(2, _pow2(n_layers))
-        every = plgpu_triton.load(clen_ref.at[pl.ds(0, lp), r, h],
-                                  mask=jnp.arange(lp) < n_layers, other=0)
-        c_len = jnp.sum(jnp.where(jnp.arange(lp) == layer, every, 0))
-    else:
-        c_len = clen_ref[r, h]
-    c_len = jnp.clip(c_len, 0, c_size)
+    c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
     cached = jnp.maximum(length - 1, 0) if write_kv else length  # positions read in place
     rs = jnp.clip(rs_ref[r], 0, cached)
@@ -232,8 +218,8 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
                     rs + jnp.maximum(a - c_pad, 0), rs + b - c_pad, carry, **kw)
     if write_kv:
         first = (j == 0) & (length > 0)
-        carry, kc, vc = _new_token(q, kn, vn, carry, first, scale=scale,
-                                   cache_dtype=k_out.dtype)
+        carry, kn, kc, vc = _new_token(q, kn_ref, vn_ref, r, h, carry, first, dp=dp,
+                                       dmask=dmask, scale=scale, cache_dtype=k_out.dtype)
         at = (layer, r, h, pl.ds(length - 1, 1))
         row = jnp.full((1, dp), True) if dmask is None else dmask[None, :]
         plgpu_triton.store(k_out.at[(*at, pl.ds(0, dp))], kc[None, :], mask=row & first)
@@ -409,14 +395,10 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "partials"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  new_kv=None, key_norms=None, interpret=False, config=None, partials=False):
+                  new_kv=None, key_norms=None, interpret=False, config=None):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode).
-
-    partials: return the splits' float32 partials (o [B, splits, Hq, D], m, l [B, splits, Hq])
-    in place of `out`, unmerged, for a consumer that merges them in its own loads
-    (`skinny_matmul_gpu.skinny_matmul_fused(partials=...)`): one launch fewer.
 
     new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
     k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
@@ -445,8 +427,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
-        write_norms=write_norms, clen_stacked=c_len.ndim == 3, n_layers=c_len.shape[0],
-        interpret=interpret)
+        write_norms=write_norms, clen_stacked=c_len.ndim == 3, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -467,10 +448,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         input_output_aliases=aliases,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(*args)
-    if partials:
-        out = tuple(res[:3])
-    else:
-        out = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0]
+    out = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0]
     if not write_kv:
         return out
     unstack = (lambda x: x) if stacked else (lambda x: x[0])

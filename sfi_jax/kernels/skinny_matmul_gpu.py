@@ -96,41 +96,10 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _merged_rows(po_ref, pm_ref, pl_ref, k0, *, rows, n_rows, bk, merge):
-    """The rows' block [rows, bk] at K offset k0 of an attention output still in its splits'
-    partials (o [R, splits, Hq, D], m and l [R, splits, Hq]: `attention_gpu.sparse_decode`
-    with partials=True): the exact merge of `attention_gpu._combine`, rounded to `dtype`.
-    The block lies inside one head (bk divides D)."""
-    d, n_parts, dtype = merge
-    nsp = max(2, _pow2(n_parts))
-    h, d0 = lax.div(k0, jnp.int32(d)), lax.rem(k0, jnp.int32(d))
-    smask = jnp.arange(nsp) < n_parts
-    ridx = jnp.arange(rows)
-    xb = jnp.zeros((rows, bk), jnp.float32)
-    for row in range(n_rows):
-        r = jnp.int32(row)
-        m = plgpu_triton.load(pm_ref.at[r, pl.ds(0, nsp), h], mask=smask, other=-jnp.inf)
-        l = plgpu_triton.load(pl_ref.at[r, pl.ds(0, nsp), h], mask=smask, other=0.0)
-        o = plgpu_triton.load(po_ref.at[r, pl.ds(0, nsp), h, pl.ds(d0, bk)],
-                              mask=smask[:, None], other=0.0)
-        mx = jnp.max(m)
-        w = jnp.where(smask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-        lsum = jnp.sum(l * w)
-        ok = lsum > 0
-        out = jnp.where(ok, jnp.sum(o * w[:, None], axis=0) / jnp.where(ok, lsum, 1.0), 0.0)
-        xb = jnp.where((ridx == row)[:, None], out.astype(dtype).astype(jnp.float32)[None, :],
-                       xb)
-    return xb.astype(dtype)
-
-
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
-            precision, mode, epilogue, eps, heads, interpret, merge=None):
+            precision, mode, epilogue, eps, heads, interpret):
     """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
-    the counters (aliased, read from the output side), the epilogue's inputs and outputs.
-    merge (d, splits, dtype): x_ref is an attention output's split partials, and the refs start
-    with their m and l (`_merged_rows`)."""
-    if merge is not None:
-        pm_ref, pl_ref, refs = refs[0], refs[1], refs[2:]
+    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
     w_refs, refs = refs[:n_w], refs[n_w:]
     if epilogue is not None:
         n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
@@ -148,12 +117,8 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
         accs, sq = carry
         k0 = start + i * bk
         kmask = k0 + idx < k
-        if merge is None:
-            xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
-                                   mask=rmask[:, None] & kmask[None, :], other=0.0)
-        else:
-            xb = _merged_rows(x_ref, pm_ref, pl_ref, k0, rows=rows, n_rows=n_rows, bk=bk,
-                              merge=merge)
+        xb = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)],
+                               mask=rmask[:, None] & kmask[None, :], other=0.0)
         if normed:  # the norm's weight now, its row scale after the sum over splits
             xf = xb.astype(jnp.float32)
             sq = sq + xf * xf
@@ -329,18 +294,16 @@ def _setup(x, weights, config):
 
 
 def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue=None,
-          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None, partials=None):
-    """partials (o, m, l): x is only the rows' shape and dtype; the kernel merges them."""
+          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None):
     n_rows, k = x.shape
     n = weights[0].shape[1]
-    merge = None if partials is None else (partials[0].shape[3], partials[0].shape[1], x.dtype)
     n_blocks = pl.cdiv(n, cfg.block_n)
     normed = norm is not None
     kernel = functools.partial(
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
         precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
-        heads=heads, interpret=interpret, merge=merge)
+        heads=heads, interpret=interpret)
     # with the epilogue each column block's partials and sums of squares are a region of
     # whole 128-byte lines of their own, so no cache line mixes two blocks' data
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n) if epilogue is None else
@@ -350,8 +313,6 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
                                         (n_blocks, max(32, _pow2(n_splits)), n_rows),
                                         jnp.float32))
     args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights]
-    if partials is not None:
-        args = [partials[0], args[1], partials[1], partials[2], *weights]
     aliases = {}
     if epilogue is not None:
         if n_blocks > SYNC_SIZE:
@@ -393,7 +354,7 @@ def new_sync():
                                              "interpret", "config"))
 def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=None, sin=None,
                         q_norm=None, k_norm=None, num_q_heads=None, num_kv_heads=None, eps=1e-6,
-                        interpret=False, config=None, partials=None):
+                        interpret=False, config=None):
     """x [R, K] (R <= FUSED_MAX_ROWS; RMS-normed by `norm` [K] first, when not None) times the
     weights, with the split sums added up by each column block's last program (a counter per
     block in `sync`), which then applies the epilogue, so no XLA fusion runs after the matmul:
@@ -405,18 +366,9 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         (q [R, Hq, D], k [R, Hkv, D], v, sync)
 
     Each product is rounded to x's dtype before the epilogue, as the unfused path rounds it.
-    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place).
-
-    partials (o [R, splits, Hq, D], m, l [R, splits, Hq] float32; x None): the rows are an
-    attention output still in its splits' partials (`attention_gpu.sparse_decode` with
-    partials=True), merged exactly as its own merge kernel would (rounded to the residual's
-    dtype) by each program for its K block: the merge costs no launch. No norm."""
+    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-    if partials is not None:
-        if epilogue != "residual":
-            raise ValueError(f"partials take the 'residual' epilogue, got {epilogue!r}")
-        x, config = _partials_rows(partials, x, norm, residual, weights, config)
     n_rows = x.shape[0]
     if n_rows > FUSED_MAX_ROWS:
         raise ValueError(f"skinny_matmul_fused takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
@@ -456,25 +408,8 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         extra_out = tuple(jax.ShapeDtypeStruct((n_rows, h, d), x.dtype) for h in (hq, hkv, hkv))
     res = _call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret,
                 epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
-                heads=heads, partials=partials)
+                heads=heads)
     return tuple(res[len(weights) + (norm is not None):])
-
-
-def _partials_rows(partials, x, norm, residual, weights, config):
-    """The checked partials' rows as a shape (their merge's [R, Hq * D] in the residual's
-    dtype) and a config whose K blocks lie inside one head."""
-    o, m, l = partials
-    if x is not None or norm is not None or residual is None:
-        raise ValueError("partials take x=None, norm=None and a residual")
-    if o.ndim != 4 or m.shape != o.shape[:3] or l.shape != m.shape:
-        raise ValueError(f"partials must be o [R, splits, Hq, D], m and l [R, splits, Hq], got "
-                         f"{o.shape}, {m.shape}, {l.shape}")
-    n_rows, _, hq, d = o.shape
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"partials' head dim {d} is not a power of two >= 16")
-    rows_x = jax.ShapeDtypeStruct((n_rows, hq * d), residual.dtype)
-    cfg = config or default_config(weights[0].shape[1], hq * d, n_rows)
-    return rows_x, dataclasses.replace(cfg, block_k=min(cfg.block_k, d))
 
 
 @dataclasses.dataclass(frozen=True)

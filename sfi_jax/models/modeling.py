@@ -362,18 +362,12 @@ def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
 
 def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla"):
     """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
-    product in the matmuls' epilogues. attn: [B, 1, Hq, D], or the sparse attention kernel's
-    unmerged split partials (o, m, l), which the output projection's kernel merges ([K, N]
-    weights). Returns x and the counters."""
+    product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
     fused = skinny_matmul_kernels.skinny_matmul_fused
     wo, t = layer_weight(w, "wo")
-    if isinstance(attn, tuple):
-        x, sync = fused(None, (wo,), None, sync, epilogue="residual",
-                        residual=x.reshape(B, -1), partials=attn)
-    else:
-        x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
-                        epilogue="residual", residual=x.reshape(B, -1), transposed=t)
+    x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
+                    epilogue="residual", residual=x.reshape(B, -1), transposed=t)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync

@@ -25,8 +25,7 @@ from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
                                      decode_attention_inputs, decode_output_and_mlp, embed_tokens,
-                                     fused_decode_layer, layer_weight, output_logits,
-                                     run_layers)
+                                     fused_decode_layer, output_logits, run_layers)
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import mesh
 from sfi_jax.runtime.diagnostics import attention_diagnostics
@@ -84,7 +83,7 @@ class LayerAttention(NamedTuple):
 
 
 def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
-                 head_axis=None, qh=None, step=None, partials=False) -> LayerAttention:
+                 head_axis=None, qh=None, step=None) -> LayerAttention:
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
@@ -99,9 +98,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     On GPU the launches per layer are few: the sparse kernel also stores the new key, value
     and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
     next to nothing), writes its logits into `buf` and its output into the fast rows' output.
-    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch;
-    there with `partials` (GPU kernels) `attn` is the sparse kernel's unmerged split partials
-    (o, m, l), for the output projection's kernel to merge."""
+    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
     B = q.shape[0]
     impl = options.attention
     lengths = pos + 1
@@ -116,7 +113,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
 
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
-    def fast_attention(st, k, v, partials=False):
+    def fast_attention(st, k, v):
         # stacked, the kernel reads layer l; the deferred policies mask the dense rows' counts
         # once per step in `decode_chunk` (here it would be one launch per layer)
         c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
@@ -127,8 +124,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
             return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
                 k, v, st
         out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
-                                         new_kv=(kk, vv), key_norms=st.key_norms,
-                                         partials=partials, **kw)
+                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
         return out, k, v, st._replace(key_norms=norms)
 
     def dense_rows_with_logits():
@@ -157,8 +153,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     if sfi.fixed_selection:
         return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
 
-    # (also stores this step's k, v, key norm)
-    attn, k, v, st = fast_attention(st, k, v, partials=partials and slots is None)
+    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
@@ -209,17 +204,14 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
     if plan is None:  # the query history is single-device only (generate checks)
-        # the output projection's kernel merges the fast read's splits itself
-        partials = (sync is not None and options.attention_merge == "matmul"
-                    and options.attention == "pallas_gpu" and not layer_weight(w, "wo")[1])
         attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
-                                         qh=qh, step=step, partials=partials)
+                                         qh=qh, step=step)
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)
     if sync is not None:
-        x, sync = decode_output_and_mlp(w, cfg, x, attn if isinstance(attn, tuple) else
-                                        attn[:, None], sync, moe=_moe_impl(options, plan))
+        x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
+                                        moe=_moe_impl(options, plan))
     else:
         x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
                                      matmul=matmul_impl(options, plan))
