@@ -74,6 +74,22 @@ def dense_case(ctx, batch, n_slots, occupied, cfg, interpret, layers=2):
     return t, nbytes
 
 
+def plain_case(ctx, batch, cfg, interpret, layers=2):
+    """The dense arm's read: every row at full length, no logits (config DENSE)."""
+    s = ctx + 64
+    k = jax.random.normal(jax.random.key(0), (layers, batch, HKV, s, D), jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(1), k.shape, jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(2), (batch, HQ, D), jnp.bfloat16)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+
+    def fn(q, consts):
+        k, v, lengths = consts
+        return gpu.dense_decode(q, k, v, lengths, layer=1, interpret=interpret, config=cfg)
+
+    t = timed(fn, q, (k, v, lengths))
+    return t, batch * HKV * ctx * D * 2 * 2
+
+
 def sparse_case(ctx, batch, cfg, interpret, layers=2):
     s = ctx + 64
     k = jax.random.normal(jax.random.key(0), (layers, batch, HKV, s, D), jnp.bfloat16)
@@ -106,10 +122,13 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--contexts", default="131072,32768")
     p.add_argument("--budget-s", type=float, default=400.0, help="stop sweeping after this")
-    p.add_argument("--kinds", default="dense,sparse", help="calls to sweep, in this order")
+    p.add_argument("--kinds", default="dense,sparse",
+                   help="calls to sweep, in this order: dense (the refresh slots' read), "
+                        "sparse, plain (the dense arm's read, at --plain-batches)")
     p.add_argument("--heads", default=f"{HQ}/{HKV}",
                    help="query heads / KV heads (qwen3-4b 32/8; qwen3-0.6b 16/8)")
     p.add_argument("--batches", default="6,16", help="batches of the sparse cases")
+    p.add_argument("--plain-batches", default="1", help="batches of the plain cases")
     a = p.parse_args(argv)
     try:
         HQ, HKV = (int(h) for h in a.heads.split("/"))
@@ -123,12 +142,15 @@ def main(argv=None):
     cases_d = [(ctxs[0], 6, 2, 1), (ctxs[0], 6, 2, 0), (ctxs[0], 6, 2, 2)] + \
         [(c, 16, 4, 2) for c in ctxs[1:]]
     cases_s = [(ctxs[-1], int(b)) for b in a.batches.split(",")]
+    cases_p = [(c, int(b)) for b in a.plain_batches.split(",") for c in ctxs]
     if a.smoke:
         ctxs, dense_grid, sparse_grid = [256], DENSE_GRID[:2], SPARSE_GRID[:2]
-        cases_d, cases_s = [(256, 3, 2, 1)], [(256, 3)]
+        cases_d, cases_s, cases_p = [(256, 3, 2, 1)], [(256, 3)], [(256, 1)]
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "heads": [HQ, HKV],
            "default_dense": list(gpu.REFRESH.__dict__.values()),
-           "default_sparse": list(gpu.SPARSE.__dict__.values()), "dense": [], "sparse": []}
+           "default_sparse": list(gpu.SPARSE.__dict__.values()),
+           "default_plain": list(gpu.DENSE.__dict__.values()), "dense": [], "sparse": [],
+           "plain": []}
     os.makedirs(a.out, exist_ok=True)
 
     def save():
@@ -153,16 +175,18 @@ def main(argv=None):
                 print(kind, json.dumps(row), flush=True)
             save()
 
-    d, s = gpu.REFRESH, gpu.SPARSE
+    d, s, pd = gpu.REFRESH, gpu.SPARSE, gpu.DENSE
     sweeps = {"dense": (dense_grid, dense_case, cases_d,
                         (d.block_k, d.num_warps, d.num_stages, d.programs / gpu._NUM_SMS)),
               "sparse": (sparse_grid, sparse_case, cases_s,
-                         (s.block_k, s.num_warps, s.num_stages, s.programs // gpu._NUM_SMS))}
+                         (s.block_k, s.num_warps, s.num_stages, s.programs // gpu._NUM_SMS)),
+              "plain": (dense_grid, plain_case, cases_p,
+                        (pd.block_k, pd.num_warps, pd.num_stages, pd.programs / gpu._NUM_SMS))}
     for kind in a.kinds.split(","):
         run(kind, *sweeps[kind])
     save()
     print("\nkind   case                 default us   best us  best config (bk, warps, stages, waves)")
-    for kind in ("dense", "sparse"):
+    for kind in ("dense", "sparse", "plain"):
         for case in sorted({tuple(r["case"]) for r in res[kind]}):
             rows = [r for r in res[kind] if tuple(r["case"]) == case and "us" in r]
             if not rows:
