@@ -433,14 +433,13 @@ KMAJOR_CONFIG = None
 
 
 def kmajor_default_config(n: int, k: int) -> KMajorConfig:
-    """The H200 layer-chain sweep's best (scripts/diag/diag_kmajor.py; benchmarks/kmajor.md):
-    8 programs per SM walking 4 x 512 tiles, 2 x 1024 for weights of up to 16 MB."""
+    """The H200 layer-chain sweeps' best (scripts/diag/diag_kmajor.py; benchmarks/kmajor.md):
+    8 programs per SM walking 2 x 1024 tiles, each loading the next tile ahead, at every
+    weight size measured (qwen3-0.6b's 4-13 MB, qwen3-4b's 21-100 MB)."""
     if KMAJOR_CONFIG is not None:
         return KMAJOR_CONFIG
-    if 2 * n * k <= 16 << 20:
-        return KMajorConfig(block_n=2, block_k=1024, num_warps=4, num_stages=3,
-                            programs=8 * _NUM_SMS)
-    return KMajorConfig(block_n=4, block_k=512, num_warps=4, num_stages=3, programs=8 * _NUM_SMS)
+    return KMajorConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1,
+                        programs=8 * _NUM_SMS, prefetch=1)
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
