@@ -37,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--k-major", action="store_true",
+    p.add_argument("--k-major", choices=("auto", "on", "off"), default="auto",
                    help="store the output and dense MLP weights transposed for the K-major "
                         "decode kernel (one GPU: faster for small models decoding up to 4 "
-                        "prompts, slower beyond; benchmarks/kmajor.md)")
+                        "prompts, slower for larger ones; benchmarks/kmajor.md). auto: on where "
+                        "it was measured faster (load_model's k_major_pays)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--impl", default=None, choices=("auto", "xla", "pallas_gpu", "pallas_tpu"),
@@ -200,7 +201,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise SystemExit(f"error: --mesh: {e}")
     try:
-        model = sfi_jax.load_model(args.model, dtype=dtype, mesh=mesh, k_major=args.k_major)
+        k_major = {"on": True, "off": False}.get(args.k_major, "auto")
+        model = sfi_jax.load_model(args.model, dtype=dtype, mesh=mesh, k_major=k_major,
+                                   decode_rows=len(prompts))
         tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")

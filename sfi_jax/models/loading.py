@@ -50,8 +50,26 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
+# The largest K-major weight the layout was measured faster with (benchmarks/kmajor.md, batch 1
+# on the H200: qwen3-0.6b's 4-6 MB weights 12 % faster per fast step; qwen3-4b's 21-50 MB 5 %
+# slower)
+K_MAJOR_AUTO_BYTES = 8 << 20
+
+
+def k_major_pays(cfg: ModelConfig, rows: int, dtype="bfloat16", mesh=None) -> bool:
+    """Whether the K-major layout was measured faster for decoding `rows` rows of this model:
+    on one GPU, up to 4 rows (the K-major kernel's; XLA reads the layout beyond, a little
+    slower), every K-major weight (`modeling.K_MAJOR`) at most K_MAJOR_AUTO_BYTES."""
+    if mesh is not None or not on_gpu() or not 1 <= rows <= 4:
+        return False
+    h, q = cfg.hidden_size, cfg.num_q_heads * cfg.head_dim
+    sizes = [q * h] + ([] if cfg.is_moe else [h * cfg.intermediate_size])
+    return max(sizes) * jnp.dtype(_check_dtype(dtype)).itemsize <= K_MAJOR_AUTO_BYTES
+
+
 def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0,
-               split_layers: bool | None = None, k_major: bool = False) -> Model:
+               split_layers: bool | None = None, k_major: bool | str = False,
+               decode_rows: int | None = None) -> Model:
     """Load a model from a preset name, a local HF or Orbax directory, a .gguf file or a hub id.
 
     Presets other than the embedded `smollm2-135m` are config-only: their weights are random,
@@ -60,13 +78,23 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     where it makes decode steps faster, and stacked elsewhere (faster compiles). Split weights
     on one device (mesh None) also get one fused q/k/v projection per layer, and with
     k_major (which splits the layers on any platform) the output and dense MLP weights stored
-    transposed (`Model.split_layers`).
+    transposed (`Model.split_layers`). k_major="auto": that layout where `k_major_pays` for
+    `decode_rows` (the rows you will decode at once; required then).
     """
-    if k_major and mesh is not None:
+    if k_major == "auto":
+        if decode_rows is None:
+            raise ValueError("k_major='auto' needs decode_rows (the rows decoded at once)")
+        if split_layers is False:
+            k_major = False
+    elif k_major not in (True, False):
+        raise ValueError(f"k_major must be True, False or 'auto', got {k_major!r}")
+    if k_major is True and mesh is not None:
         raise ValueError("k_major=True is a one-device layout; it cannot be used with a mesh")
-    if k_major and split_layers is False:
+    if k_major is True and split_layers is False:
         raise ValueError("k_major=True needs split layers; split_layers=False was passed")
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
+    if k_major == "auto":
+        k_major = k_major_pays(model.config, decode_rows, dtype, mesh)
     return _maybe_split(model, split_layers, mesh, k_major)
 
 
