@@ -53,7 +53,8 @@ def kmajor_config(text):
 
     v = [int(t) for t in text.split(":")]
     if not 4 <= len(v) <= 6:
-        raise ValueError(f"a K-major config is BN:BK:WARPS:STAGES[:PER_SM[:PREFETCH]], got {text!r}")
+        raise ValueError(f"a K-major config is BN:BK:WARPS:STAGES[:PER_SM[:PREFETCH]], "
+                         f"got {text!r}")
     if len(v) > 4:
         v[4] *= sm._NUM_SMS
     return sm.KMajorConfig(*v)

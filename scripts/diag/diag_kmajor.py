@@ -28,7 +28,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b")
     p.add_argument("--configs", default=CONFIGS,
-                   help="bn:bk:warps:stages[:programs per SM[:tiles loaded ahead]], comma-separated")
+                   help="bn:bk:warps:stages[:programs per SM[:tiles loaded ahead]], "
+                        "comma-separated")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--layer-only", action="store_true",
@@ -60,7 +61,6 @@ def main(argv=None):
     else:
         models = {m: PRESETS[m] for m in args.models.split(",")}
         reps = 5
-        cfgs = {}
         cfgs = {f"kmajor:{c}": _common.kmajor_config(c) for c in args.configs.split(",")}
     bf = jnp.bfloat16
     eps = 1e-6
