@@ -596,6 +596,9 @@ def main(argv=None):
     p.add_argument("--sparse-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
                    help="a sweep point: this run's sparse decode kernel config (both of "
                         "attention_gpu's SPARSE configs), in place of the tuned ones")
+    p.add_argument("--dense-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
+                   help="a sweep point: the dense arm's decode kernel config (attention_gpu's "
+                        "DENSE), in place of the tuned one")
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
@@ -629,6 +632,12 @@ def main(argv=None):
         bk, w, st, per_sm = (int(v) for v in args.sparse_config.split(":"))
         attention_gpu.SPARSE = attention_gpu.SPARSE_SMALL = attention_gpu.Config(
             block_k=bk, num_warps=w, num_stages=st, programs=per_sm * attention_gpu._NUM_SMS)
+    if args.dense_config:
+        from sfi_jax.kernels import attention_gpu
+
+        bk, w, st, per_sm = (int(v) for v in args.dense_config.split(":"))
+        attention_gpu.DENSE = attention_gpu.Config(
+            block_k=bk, num_warps=w, num_stages=st, programs=per_sm * attention_gpu._NUM_SMS)
     try:
         engine_options(args)
     except ValueError as e:
@@ -652,7 +661,8 @@ def main(argv=None):
                 options=dataclasses.asdict(engine_options(args)),
                 package=os.path.dirname(os.path.abspath(sfi_jax.__file__)),
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
-                sparse_config=args.sparse_config, fused_programs=args.fused_programs,
+                sparse_config=args.sparse_config, dense_config=args.dense_config,
+                fused_programs=args.fused_programs,
                 kmajor_config=args.kmajor_config,
                 launch_dependents=triton_lowering.signals_dependents(),
                 k_major=args.k_major == "on")
