@@ -50,9 +50,8 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
-# The largest K-major weight the layout was measured faster with (benchmarks/kmajor.md, batch 1
-# on the H200: qwen3-0.6b's 4-6 MB weights 12 % faster per fast step; qwen3-4b's 21-50 MB 5 %
-# slower)
+# The largest K-major weight the layout was measured faster with at batch 1
+# (benchmarks/kmajor.md: qwen3-0.6b's 4-6 MB weights, not qwen3-4b's 21-50 MB)
 K_MAJOR_AUTO_BYTES = 8 << 20
 
 
