@@ -50,20 +50,22 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
-# The largest K-major weight the layout was measured faster with at batch 1
-# (benchmarks/kmajor.md: qwen3-0.6b's 4-6 MB weights, not qwen3-4b's 21-50 MB)
-K_MAJOR_AUTO_BYTES = 8 << 20
+# Where the layout was measured faster at batch 1: the largest K-major weight's bytes
+# (benchmarks/kmajor.md: qwen3-0.6b's 6.3 MB; qwen3-4b's 50 MB was slower, smaller models
+# were not measured)
+K_MAJOR_AUTO_BYTES = (4 << 20, 8 << 20)
 
 
 def k_major_pays(cfg: ModelConfig, rows: int, dtype="bfloat16", mesh=None) -> bool:
     """Whether the K-major layout was measured faster for decoding `rows` rows of this model:
     on one GPU, up to 4 rows (the K-major kernel's; XLA reads the layout beyond, a little
-    slower), every K-major weight (`modeling.K_MAJOR`) at most K_MAJOR_AUTO_BYTES."""
+    slower), the largest K-major weight (`modeling.K_MAJOR`) inside K_MAJOR_AUTO_BYTES."""
     if mesh is not None or not on_gpu() or not 1 <= rows <= 4:
         return False
     h, q = cfg.hidden_size, cfg.num_q_heads * cfg.head_dim
     sizes = [q * h] + ([] if cfg.is_moe else [h * cfg.intermediate_size])
-    return max(sizes) * jnp.dtype(_check_dtype(dtype)).itemsize <= K_MAJOR_AUTO_BYTES
+    largest = max(sizes) * jnp.dtype(_check_dtype(dtype)).itemsize
+    return K_MAJOR_AUTO_BYTES[0] <= largest <= K_MAJOR_AUTO_BYTES[1]
 
 
 def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, seed: int = 0,

@@ -389,14 +389,15 @@ def test_k_major_load_splits_and_names_bad_combinations(tiny_qwen3):
 
 
 def test_k_major_auto_follows_the_measured_sizes(monkeypatch):
-    """k_major_pays: on one GPU for up to 4 rows of a model whose K-major weights are at most
-    8 MB (qwen3-0.6b in bf16, measured faster), not for qwen3-4b's (measured slower), float32
-    weights twice the size, more rows, a mesh, an MoE model's 16 MB output projection, or a
-    CPU."""
+    """k_major_pays: on one GPU for up to 4 rows of a model whose largest K-major weight is
+    4-8 MB (qwen3-0.6b in bf16, measured faster), not for qwen3-4b's (measured slower), the
+    embedded SmolLM2's (not measured), float32 weights twice the size, more rows, a mesh, an
+    MoE model's 16 MB output projection, or a CPU."""
     from sfi_jax.models import loading
     from sfi_jax.models.config import PRESETS
 
     small, large, moe = PRESETS["qwen3-0.6b"], PRESETS["qwen3-4b"], PRESETS["qwen3-30b-a3b"]
+    tiny = PRESETS[loading.EMBEDDED_DEFAULT]
     assert not loading.k_major_pays(small, 1)  # this CPU
     monkeypatch.setattr(loading, "on_gpu", lambda: True)
     assert loading.k_major_pays(small, 1) and loading.k_major_pays(small, 4)
@@ -404,6 +405,7 @@ def test_k_major_auto_follows_the_measured_sizes(monkeypatch):
     assert not loading.k_major_pays(small, 1, dtype="float32")
     assert not loading.k_major_pays(small, 1, mesh="1x1")  # (any mesh)
     assert not loading.k_major_pays(large, 1) and not loading.k_major_pays(moe, 1)
+    assert not loading.k_major_pays(tiny, 1)
     from sfi_jax.cli import build_parser
 
     assert build_parser().parse_args([]).k_major == "auto"
