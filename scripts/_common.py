@@ -55,8 +55,8 @@ def kmajor_config(text):
     if not 4 <= len(v) <= 6:
         raise ValueError(f"a K-major config is BN:BK:WARPS:STAGES[:PER_SM[:PREFETCH]], "
                          f"got {text!r}")
-    if len(v) > 4:
-        v[4] *= sm._NUM_SMS
+    v += [0, 0][:6 - len(v)]  # (absent: one program per column block, no tile ahead)
+    v[4] *= sm._NUM_SMS
     return sm.KMajorConfig(*v)
 
 

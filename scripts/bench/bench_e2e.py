@@ -560,6 +560,15 @@ def merge_reports(paths, out, notes=None):
     write_outputs(records, meta, out, notes)
 
 
+def attention_config(text):
+    """An attention kernel config from "BK:WARPS:STAGES:PROGRAMS_PER_SM"."""
+    from sfi_jax.kernels import attention_gpu
+
+    bk, w, st, per_sm = (int(v) for v in text.split(":"))
+    return attention_gpu.Config(block_k=bk, num_warps=w, num_stages=st,
+                                programs=per_sm * attention_gpu._NUM_SMS)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-0.6b,qwen3-30b-a3b")
@@ -609,7 +618,7 @@ def main(argv=None):
     p.add_argument("--kmajor-config", default=None,
                    metavar="BN:BK:WARPS:STAGES:PER_SM[:PREFETCH]",
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
-                        "of skinny_matmul_gpu.kmajor_default_config")
+                        "of skinny_matmul_gpu.KMajorConfig's defaults")
     p.add_argument("--no-launch-dependents", action="store_true",
                    help="an A/B point: the Pallas kernels do not signal "
                         "griddepcontrol.launch_dependents (triton_lowering.LAUNCH_DEPENDENTS)")
@@ -629,15 +638,11 @@ def main(argv=None):
     if args.sparse_config:  # set before anything is traced; the run's meta records it
         from sfi_jax.kernels import attention_gpu
 
-        bk, w, st, per_sm = (int(v) for v in args.sparse_config.split(":"))
-        attention_gpu.SPARSE = attention_gpu.SPARSE_SMALL = attention_gpu.Config(
-            block_k=bk, num_warps=w, num_stages=st, programs=per_sm * attention_gpu._NUM_SMS)
+        attention_gpu.SPARSE = attention_gpu.SPARSE_SMALL = attention_config(args.sparse_config)
     if args.dense_config:
         from sfi_jax.kernels import attention_gpu
 
-        bk, w, st, per_sm = (int(v) for v in args.dense_config.split(":"))
-        attention_gpu.DENSE = attention_gpu.Config(
-            block_k=bk, num_warps=w, num_stages=st, programs=per_sm * attention_gpu._NUM_SMS)
+        attention_gpu.DENSE = attention_config(args.dense_config)
     try:
         engine_options(args)
     except ValueError as e:

@@ -57,7 +57,7 @@ def main(argv=None):
             PRESETS["qwen3-0.6b"], hidden_size=64, intermediate_size=96, num_q_heads=4,
             num_kv_heads=2, head_dim=16)}
         args.layers, args.iters, reps = 2, 1, 1
-        cfgs = {"kmajor:8:32:4:2": sm.KMajorConfig(8, 32, 4, 2)}
+        cfgs = {"kmajor:8:32:4:2": _common.kmajor_config("8:32:4:2")}
     else:
         models = {m: PRESETS[m] for m in args.models.split(",")}
         reps = 5

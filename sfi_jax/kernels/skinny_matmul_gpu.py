@@ -415,31 +415,23 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
 @dataclasses.dataclass(frozen=True)
 class KMajorConfig:
     """Tiles of the K-major kernel: block_n weight rows (output columns) per program, each
-    read over the whole of K in block_k steps."""
+    read over the whole of K in block_k steps. The defaults are the H200 sweeps' best at every
+    weight size measured, qwen3-0.6b's and qwen3-4b's (scripts/diag/diag_kmajor.py,
+    benchmarks/kmajor.md)."""
 
-    block_n: int = 4
-    block_k: int = 512
+    block_n: int = 2
+    block_k: int = 1024
     num_warps: int = 4
-    num_stages: int = 3
-    programs: int = 0  # the grid: at most that many programs, each walking its column blocks
-    # in one loop (the loads pipelined across blocks); 0: one program per column block
-    prefetch: int = 0  # tiles each program loads ahead of the one it multiplies (its own
+    num_stages: int = 1
+    programs: int = 8 * _NUM_SMS  # the grid: at most that many programs, each walking its
+    # column blocks in one loop (the loads run on across blocks); 0: one program per block
+    prefetch: int = 1  # tiles each program loads ahead of the one it multiplies (its own
     # software pipeline, whatever Triton's pipeliner makes of the loop); 0: none
 
 
 # A sweep point: bench_e2e's --kmajor-config sets it before anything is traced (None: the
-# defaults of `kmajor_default_config`)
+# defaults of `KMajorConfig`)
 KMAJOR_CONFIG = None
-
-
-def kmajor_default_config(n: int, k: int) -> KMajorConfig:
-    """The H200 layer-chain sweeps' best (scripts/diag/diag_kmajor.py; benchmarks/kmajor.md):
-    8 programs per SM walking 2 x 1024 tiles, each loading the next tile ahead, at every
-    weight size measured (qwen3-0.6b's 4-13 MB, qwen3-4b's 21-100 MB)."""
-    if KMAJOR_CONFIG is not None:
-        return KMAJOR_CONFIG
-    return KMajorConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1,
-                        programs=8 * _NUM_SMS, prefetch=1)
 
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
@@ -548,7 +540,7 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
         raise ValueError(f"skinny_matmul_kmajor takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
     if len(weights_t) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} weight(s)")
-    cfg = config or kmajor_default_config(n, k)
+    cfg = config or KMAJOR_CONFIG or KMajorConfig()
     rows = _pow2(n_rows)
     bk = min(cfg.block_k, max(16, _pow2(k)))
     normed = norm is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 
 from sfi_jax.models import gguf_loader
 from sfi_jax.models.config import PRESETS, ModelConfig
-from sfi_jax.models.modeling import Model, param_shapes, stack_layers
+from sfi_jax.models.modeling import K_MAJOR, Model, param_shapes, stack_layers
 from sfi_jax.models.params import params_from_getter, random_params, safetensors_getter
 from sfi_jax.options import on_gpu
 
@@ -62,9 +63,9 @@ def k_major_pays(cfg: ModelConfig, rows: int, dtype="bfloat16", mesh=None) -> bo
     slower), the largest K-major weight (`modeling.K_MAJOR`) inside K_MAJOR_AUTO_BYTES."""
     if mesh is not None or not on_gpu() or not 1 <= rows <= 4:
         return False
-    h, q = cfg.hidden_size, cfg.num_q_heads * cfg.head_dim
-    sizes = [q * h] + ([] if cfg.is_moe else [h * cfg.intermediate_size])
-    largest = max(sizes) * jnp.dtype(_check_dtype(dtype)).itemsize
+    shapes = param_shapes(cfg)["layers"]
+    largest = max(math.prod(shapes[n][1:]) for n in K_MAJOR if n in shapes) \
+        * jnp.dtype(_check_dtype(dtype)).itemsize
     return K_MAJOR_AUTO_BYTES[0] <= largest <= K_MAJOR_AUTO_BYTES[1]
 
 
