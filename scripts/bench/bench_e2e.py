@@ -353,24 +353,22 @@ def attention_time(cfg, B, ctx, reps=5):
     return timeit(f, q, k, iters=1, repeats=reps) / 1e6
 
 
-def engine_check(k_major=False, l2_prefetch="auto"):
+def engine_check(k_major=False):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
     near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py).
-    k_major: the model's weight layout (`Model.split_layers`); l2_prefetch: the kernels'
-    EngineOptions.l2_prefetch."""
+    k_major: the model's weight layout (`Model.split_layers`)."""
     with jax.default_matmul_precision("highest"):
-        return _engine_check(k_major, EngineOptions(l2_prefetch=l2_prefetch))
+        return _engine_check(k_major)
 
 
-def _engine_check(k_major, kernels):
+def _engine_check(k_major):
     model, prompts = _common.engine_check_model(k_major)
     out = {}
-    dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False,
-                             options=kernels)
+    dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False)
     full = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
-                            sfi=SFIConfig(k_select=2048), options=kernels)
+                            sfi=SFIConfig(k_select=2048))
     out["full_budget_equals_dense"] = full.tokens == dense.tokens
     small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
     # the xla arm: every operation in jnp; the other the platform's kernels
@@ -378,7 +376,7 @@ def _engine_check(k_major, kernels):
     a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
                          options=xla, trigger_ids=[5, 6, 7])
     b = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
-                         trigger_ids=[5, 6, 7], options=kernels)
+                         trigger_ids=[5, 6, 7])
     out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
     out["small_budget_differs_from_dense"] = a.tokens != dense.tokens
     out["slow_steps"] = b.stats["slow_steps"]
@@ -621,9 +619,6 @@ def main(argv=None):
                    metavar="BN:BK:WARPS:STAGES:PER_SM[:PREFETCH]",
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
                         "of skinny_matmul_gpu.KMajorConfig's defaults")
-    p.add_argument("--l2-prefetch-mb", type=float, default=None, metavar="MB",
-                   help="a sweep point: the L2 prefetch's bytes per next weight "
-                        "(modeling.L2_PREFETCH_BYTES) for --opt l2_prefetch=on")
     p.add_argument("--no-launch-dependents", action="store_true",
                    help="an A/B point: the Pallas kernels do not signal "
                         "griddepcontrol.launch_dependents (triton_lowering.LAUNCH_DEPENDENTS)")
@@ -632,10 +627,6 @@ def main(argv=None):
 
     if args.no_launch_dependents:
         triton_lowering.LAUNCH_DEPENDENTS = False
-    if args.l2_prefetch_mb is not None:
-        from sfi_jax.models import modeling
-
-        modeling.L2_PREFETCH_BYTES = int(args.l2_prefetch_mb * (1 << 20))
     if args.kmajor_config:
         from sfi_jax.kernels import skinny_matmul_gpu
 
@@ -677,12 +668,11 @@ def main(argv=None):
                 new_tokens=args.new_tokens, trigger_every=args.trigger_every, t_max=args.t_max,
                 sparse_config=args.sparse_config, dense_config=args.dense_config,
                 fused_programs=args.fused_programs,
-                kmajor_config=args.kmajor_config, l2_prefetch_mb=args.l2_prefetch_mb,
+                kmajor_config=args.kmajor_config,
                 launch_dependents=triton_lowering.signals_dependents(),
                 k_major=args.k_major == "on")
     if not args.smoke and not args.no_check:
-        meta["engine_check"] = engine_check(k_major=args.k_major == "on",
-                                            l2_prefetch=engine_options(args).l2_prefetch)
+        meta["engine_check"] = engine_check(k_major=args.k_major == "on")
         print("engine check:", meta["engine_check"], flush=True)
     records = []
     models = args.models.split(",")

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
-                                             l2_prefetch, launch_dependents, plgpu_triton)
+                                             launch_dependents, plgpu_triton)
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MODES = ("dot", "fma", "fma_defer")
@@ -96,80 +96,8 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-@dataclasses.dataclass(frozen=True)
-class Prefetch:
-    """What a fused matmul asks L2 to hold for the kernel after it: the first `rows` rows of
-    each of that kernel's K splits (`k_split` rows apart, `n_splits` of them) of its `n_w`
-    weights [k, n], the rows its programs read first, as chunks of `chunk_rows` rows."""
-
-    k: int
-    n: int
-    k_split: int
-    n_splits: int
-    rows: int
-    chunk_rows: int
-    n_w: int
-    itemsize: int
-
-    @property
-    def chunks(self) -> int:  # per weight
-        return self.n_splits * (self.rows // self.chunk_rows)
-
-    @property
-    def nbytes(self) -> int:
-        return self.chunks * self.chunk_rows * self.n * self.itemsize * self.n_w
-
-
-_PREFETCH_CHUNK = 32 * 1024  # bytes per prefetch instruction, at most (whole rows: at least one)
-
-
-def prefetch_spec(plan_of_next: tuple[int, int], shape: tuple[int, int], n_w: int, itemsize: int,
-                  nbytes: int | None, max_chunks: int) -> Prefetch | None:
-    """The `Prefetch` of about `nbytes` (None: all of it) of the next fused matmul's weights
-    (`n_w` of `shape` [k, n]) that it reads with K splits `plan_of_next` (k_split, n_splits), in
-    at most `max_chunks` chunks per weight (the issuing kernel's threads). None when that is
-    nothing or the rows are not 16-byte multiples."""
-    k_split, n_splits = plan_of_next
-    k, n = shape
-    row = n * itemsize
-    if row % 16 or (nbytes is not None and nbytes <= 0):
-        return None
-    chunk_rows = 1 << max(0, (_PREFETCH_CHUNK // row).bit_length() - 1)
-    chunk_rows = min(chunk_rows, k_split & -k_split)  # a power of two dividing k_split
-    rows = k_split if nbytes is None else nbytes // (n_splits * row * n_w)
-    rows = min(k_split, rows, max_chunks // n_splits * chunk_rows)
-    rows = rows // chunk_rows * chunk_rows
-    if rows <= 0:
-        return None
-    return Prefetch(k=k, n=n, k_split=k_split, n_splits=n_splits, rows=rows,
-                    chunk_rows=chunk_rows, n_w=n_w, itemsize=itemsize)
-
-
-def prefetch_chunks(pf: Prefetch, program, n_programs: int, threads: int):
-    """Program `program` of `n_programs`' share of `pf`'s chunks, one per thread: chunk q goes
-    to thread q // n_programs of program q % n_programs. Returns (element offsets, valid), each
-    int32 / bool [threads]."""
-    t = jnp.arange(threads, dtype=jnp.int32)
-    q = t * n_programs + program
-    per_split = pf.rows // pf.chunk_rows
-    split, c = q // per_split, q % per_split
-    row = split * pf.k_split + c * pf.chunk_rows
-    valid = (split < pf.n_splits) & (row + pf.chunk_rows <= pf.k)
-    return jnp.where(valid, row * pf.n, 0), valid
-
-
-def _prefetch(pf_refs, pf: Prefetch, program, n_programs, after, interpret):
-    """This program's chunks of `pf` (`prefetch_chunks`), one L2 prefetch per chunk and weight."""
-    offsets, valid = prefetch_chunks(pf, program, n_programs, after.shape[0])
-    for ref in pf_refs:
-        after = l2_prefetch(ref, offsets, valid.astype(jnp.int32), after,
-                            pf.chunk_rows * pf.n * pf.itemsize, interpret)
-    return after
-
-
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
-            precision, mode, epilogue, eps, heads, interpret, prefetch=None, threads=128,
-            n_blocks=1):
+            precision, mode, epilogue, eps, heads, interpret):
     """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
     the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
     w_refs, refs = refs[:n_w], refs[n_w:]
@@ -177,8 +105,6 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
         n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
         refs = refs[1:]  # the counters' input side
         ep_in, refs = refs[:n_in], refs[n_in:]
-        n_pf = prefetch.n_w if prefetch is not None else 0
-        pf_refs, refs = refs[:n_pf], refs[n_pf:]
     o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(rows) < n_rows
@@ -237,15 +163,9 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     if not interpret:
         plgpu_triton.debug_barrier()
     done = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(1, jnp.int32))
-    # the next kernel's first weights into L2 (one element per thread), then the dependents'
-    # signal, both after this program's stores (their operand: the counter); the signal's
-    # always-true test keeps it
-    width = threads if prefetch is not None else 16
-    after = jnp.zeros((width,), jnp.int32) + done
-    if prefetch is not None:
-        after = _prefetch(pf_refs, prefetch, j * n_splits + s, n_blocks * n_splits, after,
-                          interpret)
-    sig = launch_dependents(jnp.arange(width), interpret, after=after)
+    # the dependents' signal after this program's stores (its operand: the counter); its
+    # result's always-true test keeps it
+    sig = launch_dependents(jnp.arange(16), interpret, after=jnp.zeros((16,), jnp.int32) + done)
 
     @pl.when((done == n_splits - 1) & (jnp.min(sig) >= 0))
     def _():
@@ -374,8 +294,7 @@ def _setup(x, weights, config):
 
 
 def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue=None,
-          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None, prefetch=None,
-          prefetch_weights=()):
+          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None):
     n_rows, k = x.shape
     n = weights[0].shape[1]
     n_blocks = pl.cdiv(n, cfg.block_n)
@@ -384,8 +303,7 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
         precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
-        heads=heads, interpret=interpret, prefetch=prefetch, threads=32 * cfg.num_warps,
-        n_blocks=n_blocks)
+        heads=heads, interpret=interpret)
     # with the epilogue each column block's partials and sums of squares are a region of
     # whole 128-byte lines of their own, so no cache line mixes two blocks' data
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n) if epilogue is None else
@@ -403,7 +321,7 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
             raise ValueError(f"sync must be int32 [{SYNC_SIZE}] zeros (new_sync()), got "
                              f"{None if sync is None else (sync.shape, sync.dtype)}")
         aliases = {len(args): len(out) + len(extra_out)}
-        args += [sync, *extra_in, *(prefetch_weights if prefetch is not None else ())]
+        args += [sync, *extra_in]
         out += [*extra_out, jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
     return pl.pallas_call(
         kernel, grid=(n_blocks, n_splits), out_shape=out, input_output_aliases=aliases,
@@ -432,31 +350,11 @@ def new_sync():
     return jnp.zeros((SYNC_SIZE,), jnp.int32)
 
 
-def fused_plan(n_rows: int, x_dtype, w_shape: tuple[int, int], w_dtype, n_w: int,
-               head_dim: int | None = None, config: Config | None = None):
-    """(cfg, padded rows, K per split, splits) of `skinny_matmul_fused` for x [n_rows, K] and
-    `n_w` weights of `w_shape` [K, N]; head_dim: the "heads" epilogue's (its blocks hold whole
-    heads)."""
-    x = jax.ShapeDtypeStruct((n_rows, w_shape[0]), x_dtype)
-    weights = [jax.ShapeDtypeStruct(tuple(w_shape), w_dtype)] * n_w
-    if config is None and FUSED_PROGRAMS_PER_SM is not None:
-        config = dataclasses.replace(default_config(w_shape[1], w_shape[0], n_rows),
-                                     programs=FUSED_PROGRAMS_PER_SM * _NUM_SMS)
-    cfg, rows, k_split, n_splits = _setup(x, weights, config)
-    if head_dim is not None:
-        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, head_dim))
-        cfg = _fit(cfg, rows, n_w, x.dtype.itemsize, jnp.dtype(w_dtype).itemsize)
-        k_split, n_splits = plan(w_shape[1], w_shape[0], cfg)
-    return cfg, rows, k_split, n_splits
-
-
 @functools.partial(jax.jit, static_argnames=("epilogue", "eps", "num_q_heads", "num_kv_heads",
-                                             "interpret", "config", "prefetch_head_dim",
-                                             "prefetch_bytes"))
+                                             "interpret", "config"))
 def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=None, sin=None,
                         q_norm=None, k_norm=None, num_q_heads=None, num_kv_heads=None, eps=1e-6,
-                        interpret=False, config=None, prefetch=None, prefetch_head_dim=None,
-                        prefetch_bytes=None):
+                        interpret=False, config=None):
     """x [R, K] (R <= FUSED_MAX_ROWS; RMS-normed by `norm` [K] first, when not None) times the
     weights, with the split sums added up by each column block's last program (a counter per
     block in `sync`), which then applies the epilogue, so no XLA fusion runs after the matmul:
@@ -468,13 +366,7 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         (q [R, Hq, D], k [R, Hkv, D], v, sync)
 
     Each product is rounded to x's dtype before the epilogue, as the unfused path rounds it.
-    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place).
-
-    prefetch: the weights of the next fused matmul on these rows (one or two [K', N']; its
-    "heads" epilogue's head dim in prefetch_head_dim): as each program finishes it asks L2 to
-    fetch its share of the rows that matmul's programs read first, about `prefetch_bytes` (None:
-    all of it), so those reads hit L2 while this kernel's tail and the next launch leave the
-    memory idle (`triton_lowering.l2_prefetch`; nothing on other platforms). Values unchanged."""
+    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     n_rows = x.shape[0]
@@ -483,9 +375,12 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
     if len(weights) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
                          f"weight(s), got {len(weights)}")
+    if config is None and FUSED_PROGRAMS_PER_SM is not None:
+        config = dataclasses.replace(default_config(weights[0].shape[1], x.shape[1], n_rows),
+                                     programs=FUSED_PROGRAMS_PER_SM * _NUM_SMS)
+    cfg, rows, k_split, n_splits = _setup(x, weights, config)
     n = weights[0].shape[1]
     heads = None
-    d = None
     if epilogue == "residual":
         if residual is None or residual.shape != (n_rows, n):
             raise ValueError(f"residual must be [{n_rows}, {n}], got "
@@ -502,30 +397,18 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
                              "dim >= 16")
         if cos is None or cos.shape != (n_rows, d // 2) or sin is None or sin.shape != cos.shape:
             raise ValueError(f"cos and sin must be [{n_rows}, {d // 2}]")
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, d))  # whole heads per block
+        cfg = _fit(cfg, rows, 1, x.dtype.itemsize, weights[0].dtype.itemsize)
+        k_split, n_splits = plan(n, x.shape[1], cfg)
         qk_norm = q_norm is not None
         if not qk_norm:
             q_norm = k_norm = jnp.ones((d,), x.dtype)
         heads = dict(hq=hq, hkv=hkv, d=d, qk_norm=qk_norm)
         extra_in = (cos.astype(jnp.float32), sin.astype(jnp.float32), q_norm, k_norm)
         extra_out = tuple(jax.ShapeDtypeStruct((n_rows, h, d), x.dtype) for h in (hq, hkv, hkv))
-    _setup(x, weights, config)  # the shape checks
-    cfg, rows, k_split, n_splits = fused_plan(n_rows, x.dtype, weights[0].shape,
-                                              weights[0].dtype, len(weights), d, config)
-    spec = None
-    if prefetch:
-        nxt = prefetch[0]
-        if len(prefetch) not in (1, 2) or any(w.shape != nxt.shape for w in prefetch):
-            raise ValueError(f"prefetch takes one or two weights of one shape, got "
-                             f"{[w.shape for w in prefetch]}")
-        _, _, nk_split, nn_splits = fused_plan(n_rows, x.dtype, nxt.shape, nxt.dtype,
-                                               len(prefetch), prefetch_head_dim)
-        n_programs = pl.cdiv(weights[0].shape[1], cfg.block_n) * n_splits
-        spec = prefetch_spec((nk_split, nn_splits), nxt.shape, len(prefetch),
-                             nxt.dtype.itemsize, prefetch_bytes,
-                             max_chunks=32 * cfg.num_warps * n_programs)
     res = _call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret,
                 epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
-                heads=heads, prefetch=spec, prefetch_weights=tuple(prefetch or ()))
+                heads=heads)
     return tuple(res[len(weights) + (norm is not None):])
 
 

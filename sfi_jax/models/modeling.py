@@ -346,63 +346,35 @@ def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul:
             and heads == "kernel" and "wqkv" in w and heads_kernels.supported(cfg.head_dim))
 
 
-# The L2 prefetch's share of each next weight (EngineOptions.l2_prefetch): the output projection,
-# two launches after q/k/v, whole; the others' first rows, about this many bytes
-L2_PREFETCH_BYTES = 8 << 20
-NEXT_WQKV = "next_wqkv"  # a split layer's view of the next layer's q/k/v weight (the prefetch)
-
-
-def _prefetch_args(weights, nbytes, head_dim=None) -> dict:
-    """skinny_matmul_fused's prefetch arguments for the next matmul's `weights` (split-K
-    layout; none for K-major or absent weights)."""
-    if weights is None or any(w is None or w.ndim != 2 for w in weights):
-        return {}
-    return dict(prefetch=tuple(weights), prefetch_bytes=nbytes, prefetch_head_dim=head_dim)
-
-
-def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync,
-                            prefetch: bool = False):
+def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
     """`attention_inputs` for one decode step (x [B, 1, H]) with q/k/v from the matmul's
     epilogue: the split sums, the RMSNorm's row scale, the heads' norms and rope in the
-    kernel. sync: the kernels' counters. prefetch: the kernel asks L2 for the output
-    projection's weight. Returns q, k, v and the counters."""
+    kernel. sync: the kernels' counters. Returns q, k, v and the counters."""
     B = x.shape[0]
     cos, sin = rope_cos_sin(positions, cfg)
-    wo, t = layer_weight(w, "wo")
-    pf = _prefetch_args((wo,), None) if prefetch and not t else {}
     q, k, v, sync = skinny_matmul_kernels.skinny_matmul_fused(
         x.reshape(B, -1), (w["wqkv"],), w["attn_norm"], sync, epilogue="heads", cos=cos[:, 0],
         sin=sin[:, 0], q_norm=w.get("q_norm") if cfg.qk_norm else None,
         k_norm=w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, **pf)
+        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
     return q[:, None], k[:, None], v[:, None], sync
 
 
-def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla",
-                          prefetch: bool = False):
+def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla"):
     """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
-    product in the matmuls' epilogues. prefetch: each split-K kernel asks L2 for the first
-    rows of the next one's weights (the last, down, for the next layer's q/k/v when `w` holds
-    them as NEXT_WQKV). Returns x and the counters."""
+    product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
     fused = skinny_matmul_kernels.skinny_matmul_fused
-    nbytes = L2_PREFETCH_BYTES
-    wo, to = layer_weight(w, "wo")
-    mlp = None if cfg.is_moe else [layer_weight(w, n) for n in ("w_gate", "w_up", "w_down")]
-    pf = {}
-    if prefetch and not to and mlp is not None and not mlp[0][1]:
-        pf = _prefetch_args((mlp[0][0], mlp[1][0]), nbytes)
+    wo, t = layer_weight(w, "wo")
     x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
-                    epilogue="residual", residual=x.reshape(B, -1), transposed=to, **pf)
+                    epilogue="residual", residual=x.reshape(B, -1), transposed=t)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync
-    (wg, t), (wu, _), (wd, _) = mlp
-    pf = _prefetch_args((wd,), nbytes) if prefetch and not t else {}
+    (wg, t), (wu, _), (wd, _) = (layer_weight(w, n) for n in ("w_gate", "w_up", "w_down"))
     h, sync = fused(x, (wg, wu), w["mlp_norm"], sync, epilogue="silu", eps=cfg.rms_norm_eps,
-                    transposed=t, **pf)
-    pf = _prefetch_args((w.get(NEXT_WQKV),), nbytes, cfg.head_dim) if prefetch and not t else {}
-    x, sync = fused(h, (wd,), None, sync, epilogue="residual", residual=x, transposed=t, **pf)
+                    transposed=t)
+    x, sync = fused(h, (wd,), None, sync, epilogue="residual", residual=x, transposed=t)
     return x[:, None], sync
 
 

@@ -23,7 +23,7 @@ from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.attention import write_new_token
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import (NEXT_WQKV, attention_inputs, attention_output_and_mlp,
+from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
                                      decode_attention_inputs, decode_output_and_mlp, embed_tokens,
                                      fused_decode_layer, output_logits, run_layers)
 from sfi_jax.options import EngineOptions
@@ -196,10 +196,8 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     x, k, v, st, diag, buf, qh, sync = carry
     w, l = xs
     B = x.shape[0]
-    prefetch = options.l2_prefetch == "on"
     if sync is not None:
-        q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync,
-                                                  prefetch=prefetch)
+        q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
     else:
         q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
                                      matmul=matmul_impl(options, plan))
@@ -213,7 +211,7 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
                                           dense_rows, slots)
     if sync is not None:
         x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
-                                        moe=_moe_impl(options, plan), prefetch=prefetch)
+                                        moe=_moe_impl(options, plan))
     else:
         x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
                                      matmul=matmul_impl(options, plan))
@@ -292,12 +290,6 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         st = state.sfi
         return (st.pending | (state.lengths == sfi.budget)) & ~state.done
 
-    step_layers = params["layers"]
-    if options.l2_prefetch == "on" and isinstance(step_layers, list):
-        # each layer's down projection prefetches the next layer's q/k/v weight
-        step_layers = [dict(w, **({NEXT_WQKV: nxt["wqkv"]} if "wqkv" in nxt else {}))
-                       for w, nxt in zip(step_layers, step_layers[1:])] + step_layers[-1:]
-
     def step(carry, refresh=True):
         """One decode step; refresh=False: a step in which no row refreshes (the fast loop's),
         so no refresh-slot launch at all."""
@@ -329,7 +321,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                                  pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
         (x, k, v, st, diag, buf, q_hist, sync), ys = run_layers(
             body, (x, state.k, state.v, st, state.diag, buf, state.q_hist, sync),
-            step_layers, cfg.num_layers, options.unroll)
+            params["layers"], cfg.num_layers, options.unroll)
         if deferred:
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
