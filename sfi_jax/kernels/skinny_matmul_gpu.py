@@ -157,6 +157,9 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     if epilogue is None:
         return
     *ep_out, sync_ref = refs
+    # the epilogue's own inputs (the residual's columns, the rope's and the head norms' rows)
+    # come now, in every program, so the last one waits on nothing but the other splits
+    pre = _preload(ep_in, epilogue, n_rows=n_rows, c0=j * bn, bn=bn, n=n, heads=heads)
     # the block's last program to finish adds the splits up: every thread's stores happen
     # before the counter's (release) increment; its acquire orders the other splits' stores
     # before this program's loads
@@ -169,73 +172,99 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
 
     @pl.when((done == n_splits - 1) & (jnp.min(sig) >= 0))
     def _():
-        # back to zero for the next call
-        plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(-n_splits, jnp.int32))
-        _epilogue(o_refs, ss_ref, ep_in, ep_out, j=j, n_rows=n_rows, n_splits=n_splits, k=k,
+        _epilogue(o_refs, ss_ref, pre, ep_out, j=j, n_rows=n_rows, n_splits=n_splits, k=k,
                   n=n, bn=bn, normed=normed, epilogue=epilogue, eps=eps, heads=heads)
+        # back to zero for the next call: no other program touches the counter now, and the
+        # next kernel to read it starts after this one ends (a plain store, not an atomic that
+        # would hold up the loads above)
+        plgpu_triton.store(sync_ref.at[pl.ds(j, 1)], jnp.zeros((1,), jnp.int32))
 
 
-def _epilogue(o_refs, ss_ref, ep_in, ep_out, *, j, n_rows, n_splits, k, n, bn, normed,
-              epilogue, eps, heads):
+def _preload(ep_in, epilogue, *, n_rows, c0, bn, n, heads):
+    """The epilogue's inputs that no other program writes, per row: the residual's columns
+    [c0, c0 + bn), or the rope's cos and sin with the head norms' two halves."""
+    rows = [jnp.int32(r) for r in range(n_rows)]  # (interpret mode takes array indices only)
+    if epilogue == "residual":
+        res_ref, = ep_in
+        cmask = c0 + jnp.arange(bn) < n
+        return [plgpu_triton.load(res_ref.at[r, pl.ds(c0, bn)], mask=cmask, other=0.0)
+                for r in rows]
+    if epilogue == "silu":
+        return None
+    cos_ref, sin_ref, qn_ref, kn_ref = ep_in
+    half = heads["d"] // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    rope = [(plgpu_triton.load(cos_ref.at[r, lo]), plgpu_triton.load(sin_ref.at[r, lo]))
+            for r in rows]
+    norms = None
+    if heads["qk_norm"]:
+        norms = [[plgpu_triton.load(ref.at[at]).astype(jnp.float32) for at in (lo, hi)]
+                 for ref in (qn_ref, kn_ref)]
+    return rope, norms
+
+
+def _epilogue(o_refs, ss_ref, pre, ep_out, *, j, n_rows, n_splits, k, n, bn, normed, epilogue,
+              eps, heads):
     """Column block j's products (split sums times the norm's row scale, rounded to the
-    activation dtype as the unfused path rounds them), then the epilogue, row by row."""
+    activation dtype as the unfused path rounds them), then the epilogue, row by row. Each
+    row's loads all come before its first sum, so they are one round trip, not one each."""
     sp = max(2, _pow2(n_splits))
     smask = jnp.arange(sp) < n_splits
     f32 = jnp.float32
     dt = ep_out[0].dtype
 
-    def product(o_ref, r, off, width, scale):  # columns [off, off + width) of the block
+    def partials(o_ref, r, off, width):  # columns [off, off + width) of the block
         cm = j * bn + off + jnp.arange(width) < n
-        p = plgpu_triton.load(o_ref.at[j, pl.ds(0, sp), r, pl.ds(off, width)],
-                              mask=smask[:, None] & cm[None, :], other=0.0)
+        return plgpu_triton.load(o_ref.at[j, pl.ds(0, sp), r, pl.ds(off, width)],
+                                 mask=smask[:, None] & cm[None, :], other=0.0)
+
+    def total(p, scale):
         return (jnp.sum(p, axis=0) * scale).astype(dt).astype(f32)
 
     c0 = j * bn
     cmask = c0 + jnp.arange(bn) < n
     for row in range(n_rows):
         r = jnp.int32(row)  # (interpret mode takes array indices only)
-        scale = 1.0
         if normed:
             sq = plgpu_triton.load(ss_ref.at[j, pl.ds(0, sp), r], mask=smask, other=0.0)
-            scale = lax.rsqrt(jnp.sum(sq) / k + eps)
+        if epilogue == "heads":
+            d = heads["d"]
+            parts = [(partials(o_refs[0], r, i * d, d // 2),
+                      partials(o_refs[0], r, i * d + d // 2, d // 2)) for i in range(bn // d)]
+        else:
+            parts = [partials(o_ref, r, 0, bn) for o_ref in o_refs]
+        scale = lax.rsqrt(jnp.sum(sq) / k + eps) if normed else 1.0
         if epilogue == "residual":  # x + o(attn) or x + down(h)
-            res_ref, = ep_in
-            y = product(o_refs[0], r, 0, bn, scale)
-            res = plgpu_triton.load(res_ref.at[r, pl.ds(c0, bn)], mask=cmask, other=0.0)
+            y = total(parts[0], scale)
             plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
-                               (res.astype(f32) + y).astype(dt), mask=cmask)
+                               (pre[row].astype(f32) + y).astype(dt), mask=cmask)
         elif epilogue == "silu":  # silu(gate) * up
-            g = product(o_refs[0], r, 0, bn, scale)
-            u = product(o_refs[1], r, 0, bn, scale)
+            g, u = (total(p, scale) for p in parts)
             plgpu_triton.store(ep_out[0].at[r, pl.ds(c0, bn)],
                                (g / (1.0 + jnp.exp(-g)) * u).astype(dt), mask=cmask)
         else:
-            _heads(lambda c, w: product(o_refs[0], r, c, w, scale), ep_in, ep_out, r, j, bn=bn,
-                   eps=eps, **heads)
+            rope, norms = pre
+            _heads([(total(a, scale), total(b, scale)) for a, b in parts], rope[row], norms,
+                   ep_out, r, j, bn=bn, eps=eps, **heads)
 
 
-def _heads(product, ep_in, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
-    """The heads of column block j (whole heads: bn is a multiple of d) for row r: q and k
-    heads RMS-normed per head and rotated (rotate-half), v heads as they are (`heads_gpu`)."""
-    cos_ref, sin_ref, qn_ref, kn_ref = ep_in
+def _heads(halves, rope, norms, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
+    """The heads of column block j (whole heads: bn is a multiple of d) for row r, from their
+    halves' products: q and k heads RMS-normed per head (norms: the q and k norms' halves) and
+    rotated (rotate-half, rope: cos and sin), v heads as they are (`heads_gpu`)."""
     q_out, k_out, v_out = ep_out
     half = d // 2
     f32 = jnp.float32
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    cos = plgpu_triton.load(cos_ref.at[r, lo])
-    sin = plgpu_triton.load(sin_ref.at[r, lo])
+    cos, sin = rope
     every = jnp.arange(half) >= 0
-    # every load before the first store (a load after a store waits for it)
-    halves = [(product(i * d, half), product(i * d + half, half)) for i in range(bn // d)]
-    if qk_norm:
-        qn = [plgpu_triton.load(qn_ref.at[at]).astype(f32) for at in (lo, hi)]
-        kn = [plgpu_triton.load(kn_ref.at[at]).astype(f32) for at in (lo, hi)]
     for i, (x1, x2) in enumerate(halves):
         h = j * (bn // d) + i
         is_q, is_k = h < hq, (h >= hq) & (h < hq + hkv)
         is_v = (h >= hq + hkv) & (h < hq + 2 * hkv)  # (a last block may pass the heads)
         y1, y2 = x1, x2
         if qk_norm:
+            qn, kn = norms
             w1, w2 = jnp.where(is_q, qn[0], kn[0]), jnp.where(is_q, qn[1], kn[1])
             inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + eps)
             y1 = (y1 * inv * w1).astype(q_out.dtype).astype(f32)
