@@ -44,6 +44,20 @@ SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
 # The fused epilogues' grid aim in programs per SM in place of the tuned configs' (None): a
 # sweep point that bench_e2e's --fused-programs sets before anything is traced
 FUSED_PROGRAMS_PER_SM = None
+# A diagnostic (scripts/diag/diag_phases.py sets it before tracing): each fused kernel also
+# returns every program's %globaltimer stamps int32 [programs, 4, 16] (the 16 copies alike):
+# its first instruction, its K loop's end, its counter bump, and (the block's last program)
+# its epilogue's stores made visible
+PHASE_STAMPS = False
+
+
+def _timer(dep):
+    """%globaltimer_lo (ns, wrapping at 2**32) as int32 [len(dep)], read once `dep` (int32) is
+    computed."""
+    out, = plgpu_triton.elementwise_inline_asm(
+        "mov.u32 $0, %globaltimer_lo;", args=[dep], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(dep.shape, jnp.int32)])
+    return out
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -107,6 +121,9 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
         ep_in, refs = refs[:n_in], refs[n_in:]
     o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
+    stamp = PHASE_STAMPS and epilogue is not None and not interpret
+    if stamp:
+        t0 = _timer(jnp.zeros((16,), jnp.int32) + j * n_splits + s)
     rmask = jnp.arange(rows) < n_rows
     cmask = j * bn + jnp.arange(bn) < n
     idx = jnp.arange(bk)
@@ -145,6 +162,9 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
                                                          jnp.float32)))
     if mode == "fma_defer":
         accs = tuple(jnp.sum(acc, axis=1) for acc in accs)
+    if stamp:
+        t1 = _timer(jnp.zeros((16,), jnp.int32)
+                    + lax.bitcast_convert_type(jnp.sum(accs[0]), jnp.int32))
     for o_ref, acc in zip(o_refs, accs):  # (block-major for the epilogue: see `_call`)
         at = (s, pl.ds(0, rows), pl.ds(j * bn, bn)) if epilogue is None else \
             (j, s, pl.ds(0, rows), pl.ds(0, bn))
@@ -156,7 +176,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
                            mask=rmask & ((j == 0) | (epilogue is not None)))
     if epilogue is None:
         return
-    *ep_out, sync_ref = refs
+    *ep_out, sync_ref, st_ref = refs if stamp else (*refs, None)
     # the epilogue's own inputs (the residual's columns, the rope's and the head norms' rows)
     # come now, in every program, so the last one waits on nothing but the other splits
     pre = _preload(ep_in, epilogue, n_rows=n_rows, c0=j * bn, bn=bn, n=n, heads=heads)
@@ -169,11 +189,19 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     # the dependents' signal after this program's stores (its operand: the counter); its
     # result's always-true test keeps it
     sig = launch_dependents(jnp.arange(16), interpret, after=jnp.zeros((16,), jnp.int32) + done)
+    if stamp:
+        t2 = _timer(jnp.zeros((16,), jnp.int32) + done)
+        for i, t in enumerate((t0, t1, t2, t2)):
+            plgpu_triton.store(st_ref.at[j * n_splits + s, i, pl.ds(0, 16)], t)
 
     @pl.when((done == n_splits - 1) & (jnp.min(sig) >= 0))
     def _():
         _epilogue(o_refs, ss_ref, pre, ep_out, j=j, n_rows=n_rows, n_splits=n_splits, k=k,
                   n=n, bn=bn, normed=normed, epilogue=epilogue, eps=eps, heads=heads)
+        if stamp:  # the epilogue's stores visible (an atomic's release after them)
+            fin = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(0, jnp.int32))
+            plgpu_triton.store(st_ref.at[j * n_splits + s, 3, pl.ds(0, 16)],
+                               _timer(jnp.zeros((16,), jnp.int32) + fin))
         # back to zero for the next call: no other program touches the counter now, and the
         # next kernel to read it starts after this one ends (a plain store, not an atomic that
         # would hold up the loads above)
@@ -352,6 +380,8 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
         aliases = {len(args): len(out) + len(extra_out)}
         args += [sync, *extra_in]
         out += [*extra_out, jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
+        if PHASE_STAMPS and not interpret:
+            out.append(jax.ShapeDtypeStruct((n_blocks * n_splits, 4, 16), jnp.int32))
     return pl.pallas_call(
         kernel, grid=(n_blocks, n_splits), out_shape=out, input_output_aliases=aliases,
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,

@@ -226,14 +226,20 @@ def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype, k, n):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("epilogue, rows, k, n", [
-    ("heads", 1, 2560, 6144),     # q/k/v, normed and rotated per head
-    ("silu", 1, 2560, 9728),      # gate + up, the SiLU product
-    ("residual", 4, 9728, 2560)])  # down (the N < K tiles), the residual add
-def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
+@pytest.mark.parametrize("epilogue, rows, k, n, stamps", [
+    ("heads", 1, 2560, 6144, False),     # q/k/v, normed and rotated per head
+    ("silu", 1, 2560, 9728, False),      # gate + up, the SiLU product
+    ("residual", 4, 9728, 2560, False),  # down (the N < K tiles), the residual add
+    ("heads", 1, 2560, 6144, True),      # with the phase stamps (diag_phases.py)
+    ("silu", 1, 2560, 9728, True)])
+def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps, monkeypatch):
     """The fused epilogues (a counter per column block, its last program adds the splits)
-    compile for CUDA at Qwen3-4B's shapes."""
+    compile for CUDA at Qwen3-4B's shapes; with PHASE_STAMPS each call also returns its
+    programs' four timer stamps."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
+
+    monkeypatch.setattr(sm, "PHASE_STAMPS", stamps)
+    jax.clear_caches()  # (the kernels' bodies are traced once per jit cache entry)
 
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -250,6 +256,11 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n):
         sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),
         sds((rows, n), bf), sds((rows, 64), jnp.float32), sds((128,), bf))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    last = exp.out_avals[-1]
+    if stamps:
+        assert last.dtype == jnp.int32 and last.shape[1:] == (4, 16) and last.shape[0] > 1
+    else:
+        assert last.shape == (sm.SYNC_SIZE,)  # the counters come last
 
 
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
