@@ -1,14 +1,18 @@
 """Where a batch-1 fused matmul's time goes, from %globaltimer stamps each program takes
 (skinny_matmul_gpu.PHASE_STAMPS): t0 at its first instruction (after XLA's entry wait), t1 after
-its K loop, t2 after its counter bump. Chain: q/k/v (heads epilogue) -> glue -> o -> gate/up ->
-down -> glue, 36 layers on distinct random weights, one row.
+its K loop, t2 after its counter bump, t3 (the column block's last program) once its epilogue's
+stores are visible. Chain: q/k/v (heads epilogue) -> a glue fusion standing in for the attention
+-> o -> gate/up -> down -> the next layer's q/k/v, 36 layers on distinct random weights, one
+row. Medians over the layers, us, per kernel (benchmarks/phases_batch1.json).
 
-    python scripts/diag/diag_phases.py --out /tmp/phases.json   # GPU only
+    python scripts/diag/diag_phases.py --model qwen3-4b --out /tmp/phases.json   # GPU only
+    python scripts/diag/diag_phases.py --gate-up-programs 4,3,8 ...   # gate/up grid variants
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -74,8 +78,6 @@ def main(argv=None):
                                                  residual=h)
             stamps.append(st)
         return x, stamps
-
-    import dataclasses
 
     def measure(gu_cfg):
         f = jax.jit(functools.partial(run, gu_cfg=gu_cfg))

@@ -49,15 +49,6 @@ FUSED_PROGRAMS_PER_SM = None
 # its first instruction, its K loop's end, its counter bump, and (the block's last program)
 # its epilogue's stores made visible
 PHASE_STAMPS = False
-
-
-def _timer(dep):
-    """%globaltimer_lo (ns, wrapping at 2**32) as int32 [len(dep)], read once `dep` (int32) is
-    computed."""
-    out, = plgpu_triton.elementwise_inline_asm(
-        "mov.u32 $0, %globaltimer_lo;", args=[dep], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(dep.shape, jnp.int32)])
-    return out
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -108,6 +99,15 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
     want = max(1, min(-(-config.programs // n_blocks), -(-k // bk)))
     k_split = -(-(-(-k // want)) // bk) * bk
     return k_split, -(-k // k_split)
+
+
+def _timer(dep):
+    """%globaltimer_lo (ns, wrapping at 2**32) as int32 [len(dep)], read once `dep` (int32) is
+    computed (PHASE_STAMPS)."""
+    out, = plgpu_triton.elementwise_inline_asm(
+        "mov.u32 $0, %globaltimer_lo;", args=[dep], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(dep.shape, jnp.int32)])
+    return out
 
 
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
