@@ -179,7 +179,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     *ep_out, sync_ref, st_ref = refs if stamp else (*refs, None)
     # the epilogue's own inputs (the residual's columns, the rope's and the head norms' rows)
     # come now, in every program, so the last one waits on nothing but the other splits
-    pre = _preload(ep_in, epilogue, n_rows=n_rows, c0=j * bn, bn=bn, n=n, heads=heads)
+    pre = _preload(ep_in, epilogue, n_rows=n_rows, c0=j * bn, bn=bn, cmask=cmask, heads=heads)
     # the block's last program to finish adds the splits up: every thread's stores happen
     # before the counter's (release) increment; its acquire orders the other splits' stores
     # before this program's loads
@@ -208,13 +208,13 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
         plgpu_triton.store(sync_ref.at[pl.ds(j, 1)], jnp.zeros((1,), jnp.int32))
 
 
-def _preload(ep_in, epilogue, *, n_rows, c0, bn, n, heads):
+def _preload(ep_in, epilogue, *, n_rows, c0, bn, cmask, heads):
     """The epilogue's inputs that no other program writes, per row: the residual's columns
-    [c0, c0 + bn), or the rope's cos and sin with the head norms' two halves."""
+    [c0, c0 + bn) (cmask: those within N), or the rope's cos and sin with the head norms' two
+    halves."""
     rows = [jnp.int32(r) for r in range(n_rows)]  # (interpret mode takes array indices only)
     if epilogue == "residual":
         res_ref, = ep_in
-        cmask = c0 + jnp.arange(bn) < n
         return [plgpu_triton.load(res_ref.at[r, pl.ds(c0, bn)], mask=cmask, other=0.0)
                 for r in rows]
     if epilogue == "silu":
