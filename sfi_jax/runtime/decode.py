@@ -80,10 +80,11 @@ class LayerAttention(NamedTuple):
     st: SFIState | None
     buf: jax.Array | None  # the refreshed rows' logits scratch
     qh: jax.Array | None = None  # the query history (evidence_window > 1)
+    sync: jax.Array | None = None  # the kernels' counters, when the attention took them
 
 
 def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
-                 head_axis=None, qh=None, step=None) -> LayerAttention:
+                 head_axis=None, qh=None, step=None, sync=None) -> LayerAttention:
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
@@ -98,7 +99,9 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     On GPU the launches per layer are few: the sparse kernel also stores the new key, value
     and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
     next to nothing), writes its logits into `buf` and its output into the fast rows' output.
-    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
+    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch.
+    sync: the fused kernels' counters (`EngineOptions.attention_merge="last_split"`): the fast
+    read (or the dense arm's read) merges its splits in its own launch; returned in `sync`."""
     B = q.shape[0]
     impl = options.attention
     lengths = pos + 1
@@ -109,7 +112,11 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
         if sfi is not None:
             st = st._replace(key_norms=norms)
     if sfi is None:
-        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf)
+        if sync is None:
+            return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st,
+                                  buf)
+        out, sync = dense_decode(q, k, v, lengths, layer=l, impl=impl, sync=sync)
+        return LayerAttention(out, k, v, st, buf, sync=sync)
 
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
@@ -119,13 +126,15 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
         c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
         # dense rows (context within the budget) read [0, length) as their "recent" window,
         # so no row reads more than `budget` cache positions in place
-        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
+        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]), sync=sync)
         if not deferred:
-            return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
-                k, v, st
-        out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
-                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
-        return out, k, v, st._replace(key_norms=norms)
+            res = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw)
+            out, new_sync = res if sync is not None else (res, None)
+            return out, k, v, st, new_sync
+        out, k, v, norms, *tail = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start,
+                                                lengths, new_kv=(kk, vv),
+                                                key_norms=st.key_norms, **kw)
+        return out, k, v, st._replace(key_norms=norms), (tail or [None])[0]
 
     def dense_rows_with_logits():
         return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
@@ -149,11 +158,13 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
                          positions=st.positions.at[l, slots].set(positions, mode="drop"))
-        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
+        out, _, _, _, sync = fast_attention(st, k, v)
+        return LayerAttention(out, k, v, st, buf, sync=sync)
     if sfi.fixed_selection:
-        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
+        out, _, _, _, sync = fast_attention(st, k, v)
+        return LayerAttention(out, k, v, st, buf, sync=sync)
 
-    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
+    attn, k, v, st, sync = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
@@ -162,7 +173,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     if qh is not None:  # evidence_window > 1: remember this step's query
         qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
     if slots is None:  # a step of `decode_chunk`'s fast loop: no row refreshes, no dense launch
-        return LayerAttention(attn, k, v, st, buf, qh)
+        return LayerAttention(attn, k, v, st, buf, qh, sync)
 
     def refresh(buf):
         if qh is None:
@@ -186,7 +197,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     else:
         buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
         attn = attn.at[slots].set(out_d, mode="drop")
-    return LayerAttention(attn, k, v, st, buf, qh)
+    return LayerAttention(attn, k, v, st, buf, qh, sync)
 
 
 def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
@@ -204,8 +215,11 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
     if plan is None:  # the query history is single-device only (generate checks)
-        attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
-                                         qh=qh, step=step)
+        merge = sync is not None and options.attention_merge == "last_split"
+        attn, k, v, st, buf, qh, att_sync = attend(q, kk, vv, k, v, st, buf, l, pos,
+                                                   dense_rows, slots, qh=qh, step=step,
+                                                   sync=sync if merge else None)
+        sync = att_sync if merge else sync
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)

@@ -282,10 +282,12 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
 
 
-def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
+@pytest.mark.parametrize("merge", ["separate", "last_split"])
+def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs, merge):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
-    included (the GPU defaults): the xla path's logits, in SFI and in dense decoding.
+    included (the GPU defaults), the attention's split merge in its own kernel or in the
+    attention's launch: the xla path's logits, in SFI and in dense decoding.
     It compiles with XLA's full optimisations (not `fast_compile`): with
     jax_disable_most_optimizations the decode loop's top-k by the radix kernel (interpret mode)
     kept 7 of 8 positions in one call, though the kernel's k-th keys equal the jnp radix
@@ -297,8 +299,9 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     assert "wqkv" in split.params["layers"][0] and "wo" in split.params["layers"][0]
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
-    # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows)
-    gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel")
+    # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows); the
+    # attention's split merge in a kernel of its own or by the last split
+    gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel", attention_merge=merge)
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               options=gpu_defaults)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
