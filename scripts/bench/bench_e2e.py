@@ -353,22 +353,24 @@ def attention_time(cfg, B, ctx, reps=5):
     return timeit(f, q, k, iters=1, repeats=reps) / 1e6
 
 
-def engine_check(k_major=False):
+def engine_check(k_major=False, options=None):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
     near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py).
-    k_major: the model's weight layout (`Model.split_layers`)."""
+    k_major: the model's weight layout (`Model.split_layers`); options: the run's engine
+    options (`--opt`), for every arm but the xla one."""
     with jax.default_matmul_precision("highest"):
-        return _engine_check(k_major)
+        return _engine_check(k_major, options or EngineOptions())
 
 
-def _engine_check(k_major):
+def _engine_check(k_major, options):
     model, prompts = _common.engine_check_model(k_major)
     out = {}
-    dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False)
+    dense = sfi_jax.generate(model, prompts, max_new_tokens=24, mode="dense", stop_at_eos=False,
+                             options=options)
     full = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False,
-                            sfi=SFIConfig(k_select=2048))
+                            sfi=SFIConfig(k_select=2048), options=options)
     out["full_budget_equals_dense"] = full.tokens == dense.tokens
     small = SFIConfig(n_sink=4, k_select=64, n_recent=32, t_max=8)
     # the xla arm: every operation in jnp; the other the platform's kernels
@@ -376,7 +378,7 @@ def _engine_check(k_major):
     a = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
                          options=xla, trigger_ids=[5, 6, 7])
     b = sfi_jax.generate(model, prompts, max_new_tokens=24, stop_at_eos=False, sfi=small,
-                         trigger_ids=[5, 6, 7])
+                         trigger_ids=[5, 6, 7], options=options)
     out["small_budget_kernels_equal_xla"] = a.tokens == b.tokens
     out["small_budget_differs_from_dense"] = a.tokens != dense.tokens
     out["slow_steps"] = b.stats["slow_steps"]
@@ -672,7 +674,8 @@ def main(argv=None):
                 launch_dependents=triton_lowering.signals_dependents(),
                 k_major=args.k_major == "on")
     if not args.smoke and not args.no_check:
-        meta["engine_check"] = engine_check(k_major=args.k_major == "on")
+        meta["engine_check"] = engine_check(k_major=args.k_major == "on",
+                                            options=engine_options(args))
         print("engine check:", meta["engine_check"], flush=True)
     records = []
     models = args.models.split(",")
