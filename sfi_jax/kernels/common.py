@@ -7,6 +7,10 @@ from jax import lax
 
 from sfi_jax.options import platform
 
+# The GPU kernels' int32 counters (`skinny_matmul.new_sync`): the fused matmuls' column blocks
+# and the decode reads' (row, KV head) pairs of any one call use at most this many.
+SYNC_SIZE = 1024
+
 
 def interpret_for(impl: str):
     """pallas_call's `interpret` for a kernel of implementation `impl` ("pallas_gpu" or

@@ -21,6 +21,7 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.attention import write_new_token
+from sfi_jax.kernels.common import SYNC_SIZE
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
@@ -201,13 +202,15 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
 
 
 def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
-                plan=None):
+                plan=None, fused=None):
     """One layer of one decode step for the whole batch (attention under shard_map on a mesh).
-    The carry's `sync` is the fused matmul epilogues' counters (None: unfused)."""
+    The carry's `sync` is the kernels' counters: the fused matmul epilogues' (`fused`; None:
+    whenever there are counters) and, with attention_merge "last_split", the attention's."""
     x, k, v, st, diag, buf, qh, sync = carry
     w, l = xs
     B = x.shape[0]
-    if sync is not None:
+    fused = sync is not None if fused is None else fused
+    if fused:
         q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
     else:
         q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
@@ -223,7 +226,7 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)
-    if sync is not None:
+    if fused:
         x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
                                         moe=_moe_impl(options, plan))
     else:
@@ -332,7 +335,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                 jnp.where(dense_rows[None, :, None], 0, c_len)))
 
         body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
-                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
+                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan,
+                                 fused=fused)
         (x, k, v, st, diag, buf, q_hist, sync), ys = run_layers(
             body, (x, state.k, state.v, st, state.diag, buf, state.q_hist, sync),
             params["layers"], cfg.num_layers, options.unroll)
@@ -383,7 +387,10 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     fused = plan is None and fused_decode_layer(
         layers if isinstance(layers, dict) else layers[0], cfg, B, options.heads,
         options.matmul, options.epilogue)
-    sync = new_sync() if fused else None
+    # (the attention's split merge by its last split takes them too, at any batch they cover)
+    merge = (plan is None and options.attention_merge == "last_split"
+             and options.attention == "pallas_gpu" and B * cfg.num_kv_heads <= SYNC_SIZE)
+    sync = new_sync() if fused or merge else None
     carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, sync, buf)
     if buf is None or options.refresh != "unconditional":
         # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,

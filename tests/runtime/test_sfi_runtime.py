@@ -261,19 +261,21 @@ def _compiles_its_own_program(options, run):
     return out
 
 
-@pytest.mark.parametrize("refresh, repack", [("unconditional", "xla"), ("cond", "xla"),
-                                             ("unconditional", "kernel")],
-                         ids=["unconditional", "cond", "repack-kernel"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack,
+@pytest.mark.parametrize("refresh, repack, merge", [("unconditional", "xla", "separate"),
+                                                    ("cond", "xla", "separate"),
+                                                    ("unconditional", "kernel", "last_split")],
+                         ids=["unconditional", "cond", "repack-kernel-last-split"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack, merge,
                                         xla_fast_compile):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
     or behind a condition (refresh="cond"), with the repack kernel (the GPU default) or the XLA
-    repack, and the selector's scores kernel; each compiles its own program and all give the
-    xla path's logits."""
+    repack, the fast read's split merge in a kernel of its own or by its last split (counters
+    without the fused matmuls: these weights are not split), and the selector's scores kernel;
+    each compiles its own program and all give the xla path's logits."""
     prompts, forced, runs = per_row_runs
     options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
-                                    refresh=refresh, repack=repack)
+                                    refresh=refresh, repack=repack, attention_merge=merge)
     got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
         tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL, trigger_ids=[TRIGGER],
         forced_tokens=forced, stop_at_eos=False, return_logits=True, options=options))
