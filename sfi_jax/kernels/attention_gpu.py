@@ -123,8 +123,9 @@ def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, g
                 n_splits, d, dp, interpret):
     """After this program's partial is stored: count it on the (row, KV head)'s counter; the
     pair's last program merges its first n_valid splits exactly (as `_combine_kernel`) into
-    out_ref [R, Hq, D] and sets the counter back to zero. Every load of the merge is issued
-    before the first sum, so they cost one round trip."""
+    out_ref [R, Hq, D] and sets the counter back to zero. A query row's loads are issued
+    before the previous row's sums, so the rows' round trips overlap while at most two rows'
+    partials are held in registers."""
     if not interpret:
         plgpu_triton.debug_barrier()  # every thread's partial stores before the release
     pair = r * hkv + h
@@ -135,15 +136,18 @@ def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, g
         nsp = max(2, _pow2(n_splits))
         jmask = jnp.arange(nsp) < n_valid
         dmask = jnp.arange(dp) < d
-        parts = []
-        for g in range(group):
+
+        def load(g):
             row = h * group + g
-            parts.append((
+            return (
                 plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), row], mask=jmask, other=-jnp.inf),
                 plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), row], mask=jmask, other=0.0),
                 plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), row, pl.ds(0, dp)],
-                                  mask=jmask[:, None] & dmask[None, :], other=0.0)))
-        for g, (m, l, o) in enumerate(parts):
+                                  mask=jmask[:, None] & dmask[None, :], other=0.0))
+
+        ahead = load(0)
+        for g in range(group):
+            (m, l, o), ahead = ahead, (load(g + 1) if g + 1 < group else None)
             mx = jnp.max(m)
             w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
             lsum = jnp.sum(l * w)
