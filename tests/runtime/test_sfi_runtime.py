@@ -284,7 +284,9 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
 
 
-@pytest.mark.parametrize("merge", ["separate", "last_split"])
+# the split merge by the last split runs in the default suite without the fused matmuls
+# (test_gpu_kernels_in_the_decode_loop) and here with them in the slow suite
+@pytest.mark.parametrize("merge", ["separate", pytest.param("last_split", marks=pytest.mark.slow)])
 def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs, merge):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
