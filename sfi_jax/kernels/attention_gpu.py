@@ -119,6 +119,17 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
     plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
+def _merge_splits(m, l, o, jmask):
+    """Exact merge of one query row's split partials m, l [nsp], o [nsp, dp] (splits outside
+    jmask ignored): (out [dp], max m, the rescaled l sum, whether any key was seen)."""
+    mx = jnp.max(m)
+    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    lsum = jnp.sum(l * w)
+    acc = jnp.sum(o * w[:, None], axis=0)
+    ok = lsum > 0
+    return jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0), mx, lsum, ok
+
+
 def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, group,
                 n_splits, d, dp, interpret):
     """After this program's partial is stored: count it on the (row, KV head)'s counter; the
@@ -148,12 +159,7 @@ def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, g
         ahead = load(0)
         for g in range(group):
             (m, l, o), ahead = ahead, (load(g + 1) if g + 1 < group else None)
-            mx = jnp.max(m)
-            w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-            lsum = jnp.sum(l * w)
-            acc = jnp.sum(o * w[:, None], axis=0)
-            ok = lsum > 0
-            out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
+            out = _merge_splits(m, l, o, jmask)[0]
             plgpu_triton.store(out_ref.at[r, h * group + g, pl.ds(0, dp)],
                                out.astype(out_ref.dtype), mask=dmask)
         # back to zero for the next call (no other program of this pair is left)
@@ -311,12 +317,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
     o = plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), h, pl.ds(0, dp)],
                           mask=jmask[:, None] & dmask[None, :], other=0.0)
-    mx = jnp.max(m)
-    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-    lsum = jnp.sum(l * w)
-    acc = jnp.sum(o * w[:, None], axis=0)
-    ok = lsum > 0
-    out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
+    out, mx, lsum, ok = _merge_splits(m, l, o, jmask)
     dst = dst_ref[r] if into else r
     sig = dependents_mask(dp, interpret, out)
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
