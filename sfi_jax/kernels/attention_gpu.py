@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from sfi_jax.kernels.common import merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 from sfi_jax.kernels.triton_lowering import dependents_mask
 
@@ -50,10 +51,6 @@ SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=2, programs=4 * _NUM_S
 SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
 SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
 PALLAS_COMBINE = True  # False: merge the splits with jnp (several XLA launches)
-
-
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _splits(total, pairs, cfg):
@@ -119,17 +116,6 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
     plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
-def _merge_splits(m, l, o, jmask):
-    """Exact merge of one query row's split partials m, l [nsp], o [nsp, dp] (splits outside
-    jmask ignored): (out [dp], max m, the rescaled l sum, whether any key was seen)."""
-    mx = jnp.max(m)
-    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-    lsum = jnp.sum(l * w)
-    acc = jnp.sum(o * w[:, None], axis=0)
-    ok = lsum > 0
-    return jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0), mx, lsum, ok
-
-
 def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, group,
                 n_splits, d, dp, interpret):
     """After this program's partial is stored: count it on the (row, KV head)'s counter; the
@@ -144,7 +130,7 @@ def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, g
 
     @pl.when(done == n_splits - 1)
     def _():
-        nsp = max(2, _pow2(n_splits))
+        nsp = max(2, pow2(n_splits))
         jmask = jnp.arange(nsp) < n_valid
         dmask = jnp.arange(dp) < d
 
@@ -159,7 +145,7 @@ def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, g
         ahead = load(0)
         for g in range(group):
             (m, l, o), ahead = ahead, (load(g + 1) if g + 1 < group else None)
-            out = _merge_splits(m, l, o, jmask)[0]
+            out = merge_splits(m, l, o, jmask)[0]
             plgpu_triton.store(out_ref.at[r, h * group + g, pl.ds(0, dp)],
                                out.astype(out_ref.dtype), mask=dmask)
         # back to zero for the next call (no other program of this pair is left)
@@ -195,24 +181,23 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
     idx = jnp.arange(bk)
-    store = None
-    if logits:
-        at, limit = ((layer, r), hi) if into else ((r,), end)
+    at, limit = ((layer, r), hi) if into else ((r,), end)
 
-        def store(blk, s):
-            cmask = (blk + idx) < limit
-            plgpu_triton.store(logit_ref.at[(*at, pl.ds(h * group, _ROWS), pl.ds(blk, bk))], s,
-                               mask=gmask[:, None] & cmask[None, :])
+    def store_logits(blk, s):
+        cmask = (blk + idx) < limit
+        plgpu_triton.store(logit_ref.at[(*at, pl.ds(h * group, _ROWS), pl.ds(blk, bk))], s,
+                           mask=gmask[:, None] & cmask[None, :])
 
     carry = _attend(q, k_ref, v_ref, (layer, row, h), start, hi, _init(dp), bk=bk, dp=dp,
-                    dmask=dmask, scale=scale, precision=precision, logits=store)
+                    dmask=dmask, scale=scale, precision=precision,
+                    logits=store_logits if logits else None)
     if logits and not into:
         # Blocks of this split past the row's length: -inf, without reading K.
         done = start + pl.cdiv(jnp.maximum(hi - start, 0), bk) * bk
         neg = jnp.full((_ROWS, bk), -jnp.inf, jnp.float32)
 
         def fill(i, c):
-            store(done + i * bk, neg)
+            store_logits(done + i * bk, neg)
             return c
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
@@ -317,7 +302,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
     l = plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), h], mask=jmask, other=0.0)
     o = plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), h, pl.ds(0, dp)],
                           mask=jmask[:, None] & dmask[None, :], other=0.0)
-    out, mx, lsum, ok = _merge_splits(m, l, o, jmask)
+    out, mx, lsum, ok = merge_splits(m, l, o, jmask)
     dst = dst_ref[r] if into else r
     sig = dependents_mask(dp, interpret, out)
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
@@ -360,7 +345,7 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
         if into:
             out = out_into.at[out_rows].set(out.astype(out_into.dtype), mode="drop")
         return out, lse
-    nsp, dp = max(2, _pow2(n_splits)), _pow2(d)
+    nsp, dp = max(2, pow2(n_splits)), pow2(d)
     n_out = out_into.shape[0] if into else n_rows
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
                                n_out=n_out, into=into, all_valid=all_valid, interpret=interpret)
@@ -440,8 +425,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         raise ValueError(f"logits_into has shape {logits_into.shape}; expected "
                          f"{(k.shape[0], n_rows, hq, s_len)}")
     lengths = lengths.astype(jnp.int32)
-    dp = _pow2(d)
-    bk = min(cfg.block_k, max(16, _pow2(s_len)))
+    dp = pow2(d)
+    bk = min(cfg.block_k, max(16, pow2(s_len)))
     pairs = hkv if cfg.per_row else n_rows * hkv
     split, n_splits = _splits(s_len, pairs, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
@@ -507,10 +492,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     group = hq // hkv
     if group > _ROWS:
         raise ValueError(f"GQA group {group} > {_ROWS} is not supported by the GPU kernel")
-    dp = _pow2(d)
+    dp = pow2(d)
     est = c_size + (s_len if window is None else min(window, s_len))
     cfg = config or (SPARSE_SMALL if est <= SMALL_KEYS else SPARSE)
-    bk = min(cfg.block_k, max(16, _pow2(est)))
+    bk = min(cfg.block_k, max(16, pow2(est)))
     _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
@@ -583,7 +568,7 @@ def repack(ck, cv, k, v, positions, slots, *, interpret=False, block=64):
     kernels.attention.repack): one launch, in place, that does no work for empty slots."""
     n_layers, n_rows, hkv, c_size, d = ck.shape
     n_slots = slots.shape[0]
-    dp = _pow2(d)
+    dp = pow2(d)
     kernel = functools.partial(_repack_kernel, n_rows=n_rows, block=block, c_size=c_size, d=d,
                                dp=dp)
     return pl.pallas_call(

@@ -12,6 +12,22 @@ from sfi_jax.options import platform
 SYNC_SIZE = 1024
 
 
+def pow2(n):
+    """The smallest power of two >= n (1 for n <= 1): the kernels' padded block sizes."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def merge_splits(m, l, o, jmask):
+    """Exact merge of one query row's split partials m, l [nsp], o [nsp, dp] (splits outside
+    jmask ignored): (out [dp], max m, the rescaled l sum, whether any key was seen)."""
+    mx = jnp.max(m)
+    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    lsum = jnp.sum(l * w)
+    acc = jnp.sum(o * w[:, None], axis=0)
+    ok = lsum > 0
+    return jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0), mx, lsum, ok
+
+
 def interpret_for(impl: str):
     """pallas_call's `interpret` for a kernel of implementation `impl` ("pallas_gpu" or
     "pallas_tpu") on this platform: off the kernel's own platform it runs in interpret mode, so

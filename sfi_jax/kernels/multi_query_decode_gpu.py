@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from sfi_jax.kernels.common import merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
@@ -45,10 +46,6 @@ def default_config(rows: int, logits: bool) -> Config:
     if rows <= 32:
         return Config(128, 8, 2, (16 if logits else 8) * _NUM_SMS)
     return Config(64 if rows <= 64 else 32, 8, 2, 8 * _NUM_SMS)
-
-
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _splits(total, pairs, bk, programs):
@@ -148,12 +145,7 @@ def _combine_kernel(qs_ref, len_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n
     l = plgpu_triton.load(l_ref.at[b, pl.ds(0, nsp), i], mask=jmask, other=0.0)
     o = plgpu_triton.load(o_ref.at[b, pl.ds(0, nsp), i, pl.ds(0, dp)],
                           mask=jmask[:, None] & dmask[None, :], other=0.0)
-    mx = jnp.max(m)
-    w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-    lsum = jnp.sum(l * w)
-    acc = jnp.sum(o * w[:, None], axis=0)
-    ok = lsum > 0
-    out = jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0)
+    out, mx, lsum, ok = merge_splits(m, l, o, jmask)
     # out is [B, T * Hq, D]: query t of head i // T
     plgpu_triton.store(out_ref.at[b, (i % n_q) * hq + i // n_q, pl.ds(0, dp)],
                        out.astype(out_ref.dtype), mask=dmask)
@@ -180,13 +172,13 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     n_rows, n_q, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv
-    rows = max(_MIN_ROWS, _pow2(group * n_q))
+    rows = max(_MIN_ROWS, pow2(group * n_q))
     if rows > MAX_ROWS:
         raise ValueError(f"GQA group {group} x {n_q} queries = {group * n_q} rows per KV head; "
                          f"the GPU kernel takes at most {MAX_ROWS}")
     cfg = config or default_config(rows, return_logits)
-    dp = _pow2(d)
-    bk = min(cfg.block_k, max(16, _pow2(s_len)))
+    dp = pow2(d)
+    bk = min(cfg.block_k, max(16, pow2(s_len)))
     split, n_splits = _splits(s_len, n_rows * hkv, bk, cfg.programs)
     q_start = q_start.astype(jnp.int32)
     kv_len = kv_len.astype(jnp.int32)
@@ -205,7 +197,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_multi_query_decode",
     )(layer_arr, q_start, kv_len, q.reshape(n_rows, n_q * hq, d), k, v)
-    nsp = max(2, _pow2(n_splits))
+    nsp = max(2, pow2(n_splits))
     combine = functools.partial(_combine_kernel, n_q=n_q, hq=hq, split=split,
                                 n_splits=n_splits, nsp=nsp, s_len=s_len, d=d, dp=dp)
     out, lse = pl.pallas_call(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from sfi_jax.kernels.common import pow2
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
 _LOG2E = 1.4426950408889634
@@ -40,14 +41,10 @@ DEFAULT = {64: Config(rows=128, block_k=64, num_warps=4, num_stages=3),
            128: Config(rows=128, block_k=128, num_warps=8, num_stages=3)}
 
 
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def default_config(d, dtype=jnp.bfloat16) -> Config:
     """The tuned half-precision blocks; float32 keeps 64-key blocks (twice the bytes per key
     block in shared memory)."""
-    cfg = DEFAULT[64] if _pow2(d) <= 64 else DEFAULT[128]
+    cfg = DEFAULT[64] if pow2(d) <= 64 else DEFAULT[128]
     if jnp.dtype(dtype).itemsize > 2:
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, 64))
     return cfg
@@ -126,11 +123,11 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
         layer = jnp.asarray(layer, jnp.int32).reshape(1)
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
-    gp, dp = _pow2(group), max(_MIN_DOT, _pow2(d))
+    gp, dp = pow2(group), max(_MIN_DOT, pow2(d))
     cfg = config or default_config(d, q.dtype)
     bq = block_q or max(1, cfg.rows // gp)
-    bq = max(min(bq, _pow2(t)), -(-_MIN_DOT // gp))  # no bigger than the chunk; M >= 16
-    bk = max(_MIN_DOT, min(block_k or cfg.block_k, _pow2(s_len)))
+    bq = max(min(bq, pow2(t)), -(-_MIN_DOT // gp))  # no bigger than the chunk; M >= 16
+    bk = max(_MIN_DOT, min(block_k or cfg.block_k, pow2(s_len)))
     nq = -(-t // bq)
     kernel = functools.partial(
         _kernel, t_len=t, s_len=s_len, nq=nq, group=group, gp=gp, bq=bq, bk=bk, d=d, dp=dp,

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import SYNC_SIZE
+from sfi_jax.kernels.common import SYNC_SIZE, pow2
 from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
                                              launch_dependents, plgpu_triton)
 
@@ -86,10 +86,6 @@ def default_config(n: int, k: int, rows: int = 1) -> Config:
         return Config(block_n=256, block_k=32, num_warps=4, num_stages=3, programs=4 * _NUM_SMS,
                       mode="fma")
     return Config(block_n=256, block_k=64, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
-
-
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def plan(n: int, k: int, config: Config) -> tuple[int, int]:
@@ -236,7 +232,7 @@ def _epilogue(o_refs, ss_ref, pre, ep_out, *, j, n_rows, n_splits, k, n, bn, nor
     """Column block j's products (split sums times the norm's row scale, rounded to the
     activation dtype as the unfused path rounds them), then the epilogue, row by row. Each
     row's loads all come before its first sum, so they are one round trip, not one each."""
-    sp = max(2, _pow2(n_splits))
+    sp = max(2, pow2(n_splits))
     smask = jnp.arange(sp) < n_splits
     f32 = jnp.float32
     dt = ep_out[0].dtype
@@ -342,9 +338,9 @@ def _setup(x, weights, config):
         raise ValueError(f"x [{n_rows}, {k}] does not match weight {shape}")
     n = shape[1]
     cfg = config or default_config(n, k, n_rows)
-    rows = _pow2(n_rows) if cfg.mode != "dot" else max(_MIN_ROWS, _pow2(n_rows))
-    cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, _pow2(n))),
-                              block_k=min(cfg.block_k, max(16, _pow2(k))))
+    rows = pow2(n_rows) if cfg.mode != "dot" else max(_MIN_ROWS, pow2(n_rows))
+    cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, pow2(n))),
+                              block_k=min(cfg.block_k, max(16, pow2(k))))
     cfg = _fit(cfg, rows, len(weights), x.dtype.itemsize, weights[0].dtype.itemsize)
     k_split, n_splits = plan(n, k, cfg)
     return cfg, rows, k_split, n_splits
@@ -367,7 +363,7 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
                                 (n_blocks, n_splits, n_rows, cfg.block_n), jnp.float32)] * len(weights)
     if normed:
         out.append(jax.ShapeDtypeStruct((n_splits, n_rows) if epilogue is None else
-                                        (n_blocks, max(32, _pow2(n_splits)), n_rows),
+                                        (n_blocks, max(32, pow2(n_splits)), n_rows),
                                         jnp.float32))
     args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights]
     aliases = {}
@@ -542,7 +538,7 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
     queue = tuple(tile(jnp.int32(i)) for i in range(prefetch))  # first loads before the norm
     scale = 1.0
     if normed:  # the whole of each row in one load (the hidden size is small)
-        kp = _pow2(k)
+        kp = pow2(k)
         xr = plgpu_triton.load(x_ref.at[pl.ds(0, rows), pl.ds(0, kp)],
                                mask=rmask[:, None] & (jnp.arange(kp) < k)[None, :], other=0.0)
         xf = xr.astype(f32)
@@ -600,8 +596,8 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
     if len(weights_t) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} weight(s)")
     cfg = config or KMAJOR_CONFIG or KMajorConfig()
-    rows = _pow2(n_rows)
-    bk = min(cfg.block_k, max(16, _pow2(k)))
+    rows = pow2(n_rows)
+    bk = min(cfg.block_k, max(16, pow2(k)))
     normed = norm is not None
     args = [x, norm if normed else jnp.zeros((1,), x.dtype), *weights_t]
     if epilogue == "residual":
