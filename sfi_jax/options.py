@@ -36,13 +36,12 @@ REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "xla")
 EPILOGUE = ("auto", "fused", "xla")
-ATTENTION_MERGE = ("auto", "separate", "last_split")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
            "selector_scores": SELECTOR_SCORES,
            "selector_topk": SELECTOR_TOPK, "selector_adjust": SELECTOR_ADJUST, "moe": MOE,
            "heads": HEADS, "repack": REPACK, "refresh": REFRESH, "matmul": MATMUL,
-           "epilogue": EPILOGUE, "attention_merge": ATTENTION_MERGE}
+           "epilogue": EPILOGUE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +74,6 @@ class EngineOptions:
         column block's last program adds up the K splits and applies the next operation: the
         heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or
         "xla" (XLA's fusions after each kernel).
-    attention_merge: how the GPU decode read (the sparse read, or the dense arm's) merges its
-        K splits where the epilogues are fused: "separate" (a second small kernel) or
-        "last_split" (each row and KV head's last split, in the same launch, with a counter).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
 
@@ -97,7 +93,6 @@ class EngineOptions:
     refresh: str = "auto"
     matmul: str = "auto"
     epilogue: str = "auto"
-    attention_merge: str = "auto"
     layer_unroll: int | str | None = None
 
     def __post_init__(self):
@@ -137,7 +132,6 @@ class EngineOptions:
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
             matmul=pick(self.matmul, "by_shape" if gpu_kernels else "xla"),
             epilogue=pick(self.epilogue, "fused" if gpu_kernels else "xla"),
-            attention_merge=pick(self.attention_merge, "separate"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

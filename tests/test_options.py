@@ -16,7 +16,7 @@ from sfi_jax.options import EngineOptions, resolve
                                           ("selector_topk", "sort"), ("selector_adjust", "auto"),
                                           ("moe", "yes"), ("heads", "pallas"),
                                           ("repack", "pallas"), ("refresh", "true"), ("matmul", "triton"),
-                                          ("epilogue", "kernel"), ("attention_merge", "combine"),
+                                          ("epilogue", "kernel"),
                                           ("layer_unroll", 0), ("layer_unroll", "x"),
                                           ("layer_unroll", True)])
 def test_bad_values_name_field_and_allowed(field, value):
@@ -32,13 +32,12 @@ def test_resolved_per_platform():
                                 selector_topk="radix_kernel", selector_adjust="xla",
                                 moe="tokens", heads="kernel", repack="kernel",
                                 refresh="unconditional", matmul="by_shape", epilogue="fused",
-                                attention_merge="separate", layer_unroll=6)
+                                layer_unroll=6)
     cpu = EngineOptions().resolved(platform="cpu")
     assert cpu == EngineOptions(attention="xla", prefill_attention="xla", selector_scores="xla",
                                 selector_topk="lax",
                                 moe="xla", heads="xla", repack="xla", refresh="cond",
-                                matmul="xla", epilogue="xla", attention_merge="separate",
-                                layer_unroll=1)
+                                matmul="xla", epilogue="xla", layer_unroll=1)
     tpu = EngineOptions().resolved(platform="tpu")
     assert tpu.attention == tpu.prefill_attention == "pallas_tpu"
     assert tpu.moe == "xla" and tpu.refresh == "cond"

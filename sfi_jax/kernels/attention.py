@@ -47,7 +47,7 @@ def _check(q, k, v, lengths, layer, n_rows=None):
 
 
 def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
-                 logits_into=None, out_into=None, gather_q=False, sync=None):
+                 logits_into=None, out_into=None, gather_q=False):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
@@ -64,14 +64,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     Buffers passed in are updated in place inside a jitted caller that owns them.
     gather_q: q has one row per cache row and row i of the result uses q[rows[i]] (the kernel
     reads it there: no gathered copy); lengths, the outputs and buffers then have R rows.
-    sync: the fused kernels' int32 counters (`skinny_matmul.new_sync`; no logits, rows or
-    out_into then): on GPU the kernel's splits are merged in the same launch, by the last split
-    of each row and KV head; returns (out, sync), sync zero again (other implementations return
-    it as it came).
     """
-    if sync is not None and (return_logits or logits_into is not None or rows is not None
-                             or out_into is not None):
-        raise ValueError("sync is taken without return_logits, logits_into, rows or out_into")
     if gather_q and rows is None:
         raise ValueError("gather_q=True needs rows")
     n_rows = rows.shape[0] if gather_q else q.shape[0]
@@ -99,7 +92,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         buf, dest = out_into if out_into is not None else (None, None)
         return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
                                 logits_into=logits_into, out_into=buf, out_rows=dest,
-                                gather_q=gather_q, interpret=interpret_for(impl), sync=sync)
+                                gather_q=gather_q, interpret=interpret_for(impl))
     if gather_q:
         q = q[rows]
     with_logits = return_logits or logits_into is not None
@@ -116,13 +109,11 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         out = out_into[0].at[out_into[1]].set(out.astype(out_into[0].dtype), mode="drop")
     if logits_into is not None:
         extra = (logits_into.at[0 if layer is None else layer].set(extra[0]), extra[1])
-    if sync is not None:
-        return out, sync
     return (out, *extra) if with_logits else out
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
-                  window=None, new_kv=None, key_norms=None, sync=None):
+                  window=None, new_kv=None, key_norms=None):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -135,7 +126,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
     (out, k, v, key_norms). On GPU one launch does the stores and the attention.
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
-    sync: the fused kernels' counters, as in `dense_decode`: appended to what is returned.
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -166,7 +156,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                  window=window, new_kv=new_kv, key_norms=key_norms,
-                                 interpret=interpret_for(impl), sync=sync)
+                                 interpret=interpret_for(impl))
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
     if c_len.ndim == 3:
@@ -179,9 +169,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
         out = tpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                 window=window, interpret=interpret_for(impl))
-    res = (out,) if new_kv is None else (out, k, v, key_norms)
-    res = res if sync is None else (*res, sync)
-    return res[0] if len(res) == 1 else res
+    return out if new_kv is None else (out, k, v, key_norms)
 
 
 def write_new_token(k, v, key_norms, new_kv, pos, layer=None):

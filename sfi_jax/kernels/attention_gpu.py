@@ -6,9 +6,7 @@ lowering is deprecated upstream in favour of Mosaic GPU, so it stays behind this
 Layout: one program per (query row, KV head, split). The program loads the KV head's
 query group padded to 16 rows (the smallest tl.dot), walks the key blocks of its split
 that lie inside the row's valid range, and writes a partial (acc, m, l); a second small
-kernel merges the splits exactly, or (`sync` given) the last split of each (row, KV head) to
-finish merges them in the same launch (a counter per pair). Split counts aim at a few waves of
-the 132 SMs.
+kernel merges the splits exactly. Split counts aim at a few waves of the 132 SMs.
 """
 
 from __future__ import annotations
@@ -116,59 +114,16 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
     plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
-def _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, *, hkv, group,
-                n_splits, d, dp, interpret):
-    """After this program's partial is stored: count it on the (row, KV head)'s counter; the
-    pair's last program merges its first n_valid splits exactly (as `_combine_kernel`) into
-    out_ref [R, Hq, D] and sets the counter back to zero. A query row's loads are issued
-    before the previous row's sums, so the rows' round trips overlap while at most two rows'
-    partials are held in registers."""
-    if not interpret:
-        plgpu_triton.debug_barrier()  # every thread's partial stores before the release
-    pair = r * hkv + h
-    done = plgpu_triton.atomic_add(sync_ref, (pair,), jnp.array(1, jnp.int32))
-
-    @pl.when(done == n_splits - 1)
-    def _():
-        nsp = max(2, pow2(n_splits))
-        jmask = jnp.arange(nsp) < n_valid
-        dmask = jnp.arange(dp) < d
-
-        def load(g):
-            row = h * group + g
-            return (
-                plgpu_triton.load(m_ref.at[r, pl.ds(0, nsp), row], mask=jmask, other=-jnp.inf),
-                plgpu_triton.load(l_ref.at[r, pl.ds(0, nsp), row], mask=jmask, other=0.0),
-                plgpu_triton.load(o_ref.at[r, pl.ds(0, nsp), row, pl.ds(0, dp)],
-                                  mask=jmask[:, None] & dmask[None, :], other=0.0))
-
-        ahead = load(0)
-        for g in range(group):
-            (m, l, o), ahead = ahead, (load(g + 1) if g + 1 < group else None)
-            out = merge_splits(m, l, o, jmask)[0]
-            plgpu_triton.store(out_ref.at[r, h * group + g, pl.ds(0, dp)],
-                               out.astype(out_ref.dtype), mask=dmask)
-        # back to zero for the next call (no other program of this pair is left)
-        plgpu_triton.store(sync_ref.at[pl.ds(pair, 1)], jnp.zeros((1,), jnp.int32))
-
-
 def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, merge,
-                  n_splits, hkv, interpret):
+                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, interpret):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
-    program r reads cache row r: no index array to build per call). merge (neither of
-    those): the last split merges (`_merge_last`; refs: the counters' input, the partials,
-    the counters, the output)."""
-    if merge:
-        _, o_ref, m_ref, l_ref, sync_ref, out_ref = refs
-    elif with_rows:  # inputs ([logits_into,] rows), then the outputs
+    program r reads cache row r: no index array to build per call)."""
+    if with_rows:  # inputs ([logits_into,] rows), then the outputs
         rows_ref = refs[int(into)]
         refs = refs[:int(into)] + refs[int(into) + 1:]
-    if merge:
-        logit_ref = None
-    elif into:
+    if into:
         _, o_ref, m_ref, l_ref, logit_ref = refs  # refs[0] is the aliased input
     else:
         o_ref, m_ref, l_ref = refs[:3]
@@ -206,10 +161,6 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     sig = dependents_mask(_ROWS, interpret, carry[1])
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask,
                    keep=start < hi)
-    if merge:
-        n_valid = pl.cdiv(jnp.clip(len_ref[r], 0, s_len), split)
-        _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_valid, hkv=hkv,
-                    group=group, n_splits=n_splits, d=d, dp=dp, interpret=interpret)
 
 
 def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_dtype):
@@ -230,22 +181,18 @@ def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_d
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms, clen_stacked, merge, hkv, interpret):
+                   write_kv, write_norms, clen_stacked, interpret):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
-    another one writes. merge: the last split merges (`_merge_last`; the counters' input
-    after the other inputs, the counters and the output after the other outputs)."""
+    another one writes."""
     if write_kv:
         kn_ref, vn_ref = refs[:2]
         refs = refs[3:] if write_norms else refs[2:]  # skip the aliased norms input
-    refs = refs[1:] if merge else refs  # skip the counters' input
-    o_ref, m_ref, l_ref = refs[:3]
-    if write_kv:
-        k_out, v_out = refs[3:5]
+        o_ref, m_ref, l_ref, k_out, v_out = refs[:5]
         n_out = refs[5] if write_norms else None
-    if merge:
-        sync_ref, out_ref = refs[-2:]
+    else:
+        o_ref, m_ref, l_ref = refs
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     dmask = None if dp == d else jnp.arange(dp) < d
@@ -279,9 +226,6 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
             plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
     sig = dependents_mask(_ROWS, interpret, carry[1])  # (as in the dense kernel)
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask)
-    if merge:
-        _merge_last(sync_ref, o_ref, m_ref, l_ref, out_ref, r, h, n_splits, hkv=hkv,
-                    group=group, n_splits=n_splits, d=d, dp=dp, interpret=interpret)
 
 
 def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpret):
@@ -380,17 +324,10 @@ def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _check_sync(sync, pairs):
-    if sync is None or sync.ndim != 1 or sync.dtype != jnp.int32 or sync.shape[0] < pairs:
-        raise ValueError(f"sync must be int32 zeros with at least {pairs} counters (one per row "
-                         f"and KV head), got "
-                         f"{None if sync is None else (sync.shape, sync.dtype)}")
-
-
 @functools.partial(jax.jit, static_argnames=("return_logits", "gather_q", "interpret", "config"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  logits_into=None, out_into=None, out_rows=None, gather_q=False, interpret=False,
-                 config=None, sync=None):
+                 config=None):
     """Dense decode attention (see kernels.attention.dense_decode); one pass over K and V.
 
     logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
@@ -400,15 +337,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     out_into [N, Hq, D], out_rows [R]: row r's output goes to out_into[out_rows[r]] in place
     (rows >= N dropped), and that buffer is returned as `out`.
     gather_q: q has the cache's rows and row r uses q[rows[r]] (no gathered copy of q).
-    sync: int32 counters, zeros (at least rows x KV heads; `skinny_matmul.new_sync`): the
-    splits are merged by each (row, KV head)'s last split in this launch, not by a second
-    kernel; returns (out, sync), the counters zero again (only without logits, rows or
-    out_into).
     """
-    merge = sync is not None
-    if merge and (return_logits or logits_into is not None or rows is not None
-                  or out_into is not None):
-        raise ValueError("sync (the merge in the same launch) takes no logits, rows or out_into")
     into = logits_into is not None
     cfg = config or (REFRESH if into else DENSE_LOGITS if return_logits else DENSE)
     k, layer_arr = _as_stack(k, layer)
@@ -433,7 +362,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
         logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None,
-        merge=merge, n_splits=n_splits, hkv=hkv, interpret=interpret)
+        interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -445,20 +374,11 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         out_shape.append(jax.ShapeDtypeStruct((n_rows, hq, s_len), jnp.float32))
     if rows is not None:
         args.append(rows.astype(jnp.int32))
-    aliases = {5: 3} if into else {}
-    if merge:
-        _check_sync(sync, n_rows * hkv)
-        aliases = {len(args): 3}
-        args.append(sync)
-        out_shape += [jax.ShapeDtypeStruct(sync.shape, sync.dtype),
-                      jax.ShapeDtypeStruct((n_rows, hq, d), q.dtype)]
     res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
-        input_output_aliases=aliases,
+        input_output_aliases={5: 3} if into else {},
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
-    if merge:
-        return res[4], res[3]
     valid = -(-jnp.clip(lengths, 0, s_len) // split)
     out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows)
     if return_logits or into:
@@ -468,17 +388,15 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
 
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  new_kv=None, key_norms=None, interpret=False, config=None, sync=None):
+                  new_kv=None, key_norms=None, interpret=False, config=None):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode).
 
     new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
     k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
     returns (out, k, v, key_norms), updated in place inside a jitted caller that owns them.
     c_len may be stacked [L, B, Hkv] like the caches (layer `layer` is read).
-    sync: int32 counters as in `dense_decode`: the splits merged in this launch, and the
-    counters (zero again) appended to what is returned.
     """
-    write_kv, write_norms, merge = new_kv is not None, key_norms is not None, sync is not None
+    write_kv, write_norms = new_kv is not None, key_norms is not None
     if write_norms and not write_kv:
         raise ValueError("key_norms is written only together with new_kv")
     stacked = layer is not None
@@ -500,8 +418,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
-        write_norms=write_norms, clen_stacked=c_len.ndim == 3, merge=merge, hkv=hkv,
-        interpret=interpret)
+        write_norms=write_norms, clen_stacked=c_len.ndim == 3, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -517,26 +434,17 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
             out_shape.append(jax.ShapeDtypeStruct(norms.shape, norms.dtype))
             args.append(norms)
             aliases[11] = 5
-    if merge:
-        _check_sync(sync, n_rows * hkv)
-        aliases[len(args)] = len(out_shape)
-        args.append(sync)
-        out_shape += [jax.ShapeDtypeStruct(sync.shape, sync.dtype),
-                      jax.ShapeDtypeStruct((n_rows, hq, d), q.dtype)]
     res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(*args)
-    if merge:
-        out, tail = res[-1], (res[-2],)
-    else:
-        out, tail = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0], ()
+    out = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0]
     if not write_kv:
-        return (out, *tail) if merge else out
+        return out
     unstack = (lambda x: x) if stacked else (lambda x: x[0])
     return (out, unstack(res[3]), unstack(res[4]),
-            unstack(res[5]) if write_norms else None, *tail)
+            unstack(res[5]) if write_norms else None)
 
 
 def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, _ck_in, _cv_in, ck_out, cv_out, *, n_rows,

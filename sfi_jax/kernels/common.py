@@ -7,8 +7,8 @@ from jax import lax
 
 from sfi_jax.options import platform
 
-# The GPU kernels' int32 counters (`skinny_matmul.new_sync`): the fused matmuls' column blocks
-# and the decode reads' (row, KV head) pairs of any one call use at most this many.
+# The fused matmuls' int32 counters (`skinny_matmul.new_sync`): the column blocks of any one
+# call use at most this many.
 SYNC_SIZE = 1024
 
 

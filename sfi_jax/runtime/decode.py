@@ -21,7 +21,6 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.attention import write_new_token
-from sfi_jax.kernels.common import SYNC_SIZE
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
@@ -81,11 +80,10 @@ class LayerAttention(NamedTuple):
     st: SFIState | None
     buf: jax.Array | None  # the refreshed rows' logits scratch
     qh: jax.Array | None = None  # the query history (evidence_window > 1)
-    sync: jax.Array | None = None  # the kernels' counters, when the attention took them
 
 
 def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
-                 head_axis=None, qh=None, step=None, sync=None) -> LayerAttention:
+                 head_axis=None, qh=None, step=None) -> LayerAttention:
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
@@ -100,9 +98,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     On GPU the launches per layer are few: the sparse kernel also stores the new key, value
     and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
     next to nothing), writes its logits into `buf` and its output into the fast rows' output.
-    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch.
-    sync: the fused kernels' counters (`EngineOptions.attention_merge="last_split"`): the fast
-    read (or the dense arm's read) merges its splits in its own launch; returned in `sync`."""
+    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
     B = q.shape[0]
     impl = options.attention
     lengths = pos + 1
@@ -113,11 +109,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
         if sfi is not None:
             st = st._replace(key_norms=norms)
     if sfi is None:
-        if sync is None:
-            return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st,
-                                  buf)
-        out, sync = dense_decode(q, k, v, lengths, layer=l, impl=impl, sync=sync)
-        return LayerAttention(out, k, v, st, buf, sync=sync)
+        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf)
 
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
@@ -127,15 +119,13 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
         c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
         # dense rows (context within the budget) read [0, length) as their "recent" window,
         # so no row reads more than `budget` cache positions in place
-        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]), sync=sync)
+        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
         if not deferred:
-            res = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw)
-            out, new_sync = res if sync is not None else (res, None)
-            return out, k, v, st, new_sync
-        out, k, v, norms, *tail = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start,
-                                                lengths, new_kv=(kk, vv),
-                                                key_norms=st.key_norms, **kw)
-        return out, k, v, st._replace(key_norms=norms), (tail or [None])[0]
+            return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
+                k, v, st
+        out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
+                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
+        return out, k, v, st._replace(key_norms=norms)
 
     def dense_rows_with_logits():
         return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
@@ -159,13 +149,11 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
                          cv=st.cv.at[l, slots].set(cv, mode="drop"),
                          c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
                          positions=st.positions.at[l, slots].set(positions, mode="drop"))
-        out, _, _, _, sync = fast_attention(st, k, v)
-        return LayerAttention(out, k, v, st, buf, sync=sync)
+        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
     if sfi.fixed_selection:
-        out, _, _, _, sync = fast_attention(st, k, v)
-        return LayerAttention(out, k, v, st, buf, sync=sync)
+        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
 
-    attn, k, v, st, sync = fast_attention(st, k, v)  # also stores this step's k, v, key norm
+    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
     # The condition has the identity as its other branch and updates only `buf` in place:
     # a condition whose both branches update a buffer in place (e.g. around the whole layer
     # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
@@ -174,7 +162,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     if qh is not None:  # evidence_window > 1: remember this step's query
         qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
     if slots is None:  # a step of `decode_chunk`'s fast loop: no row refreshes, no dense launch
-        return LayerAttention(attn, k, v, st, buf, qh, sync)
+        return LayerAttention(attn, k, v, st, buf, qh)
 
     def refresh(buf):
         if qh is None:
@@ -198,19 +186,17 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     else:
         buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
         attn = attn.at[slots].set(out_d, mode="drop")
-    return LayerAttention(attn, k, v, st, buf, qh, sync)
+    return LayerAttention(attn, k, v, st, buf, qh)
 
 
 def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
-                plan=None, fused=None):
+                plan=None):
     """One layer of one decode step for the whole batch (attention under shard_map on a mesh).
-    The carry's `sync` is the kernels' counters: the fused matmul epilogues' (`fused`; None:
-    whenever there are counters) and, with attention_merge "last_split", the attention's."""
+    The carry's `sync` is the fused matmul epilogues' counters (None: unfused)."""
     x, k, v, st, diag, buf, qh, sync = carry
     w, l = xs
     B = x.shape[0]
-    fused = sync is not None if fused is None else fused
-    if fused:
+    if sync is not None:
         q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
     else:
         q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
@@ -218,15 +204,12 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
     if plan is None:  # the query history is single-device only (generate checks)
-        merge = sync is not None and options.attention_merge == "last_split"
-        attn, k, v, st, buf, qh, att_sync = attend(q, kk, vv, k, v, st, buf, l, pos,
-                                                   dense_rows, slots, qh=qh, step=step,
-                                                   sync=sync if merge else None)
-        sync = att_sync if merge else sync
+        attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
+                                         qh=qh, step=step)
     else:
         attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
                                           dense_rows, slots)
-    if fused:
+    if sync is not None:
         x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
                                         moe=_moe_impl(options, plan))
     else:
@@ -335,8 +318,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                 jnp.where(dense_rows[None, :, None], 0, c_len)))
 
         body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
-                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan,
-                                 fused=fused)
+                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
         (x, k, v, st, diag, buf, q_hist, sync), ys = run_layers(
             body, (x, state.k, state.v, st, state.diag, buf, state.q_hist, sync),
             params["layers"], cfg.num_layers, options.unroll)
@@ -387,10 +369,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
     fused = plan is None and fused_decode_layer(
         layers if isinstance(layers, dict) else layers[0], cfg, B, options.heads,
         options.matmul, options.epilogue)
-    # (the attention's split merge by its last split takes them too, at any batch they cover)
-    merge = (plan is None and options.attention_merge == "last_split"
-             and options.attention == "pallas_gpu" and B * cfg.num_kv_heads <= SYNC_SIZE)
-    sync = new_sync() if fused or merge else None
+    sync = new_sync() if fused else None
     carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, sync, buf)
     if buf is None or options.refresh != "unconditional":
         # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,

@@ -91,8 +91,7 @@ def test_gpu_kernels_export_for_cuda(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gpu_in_place_variants_export_for_cuda(shape):
     """The engine's GPU path: the sparse kernel storing the new key/value/norm into aliased
-    caches (merging its splits itself, with counters), and the dense kernel writing logits and
-    outputs into aliased buffers (or merging its splits itself)."""
+    caches, and the dense kernel writing logits and outputs into aliased buffers."""
     hq, hkv, d, s, c, dtype = shape
     sp = _specs(*shape)
     sds = jax.ShapeDtypeStruct
@@ -104,22 +103,12 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=257,
                                  new_kv=(kn, vn), key_norms=n)
 
-    def sparse_merged(q, ck, cv, c_len, k, v, rs, lens, layer, kn, vn, n, sync):
-        return gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=257,
-                                 new_kv=(kn, vn), key_norms=n, sync=sync)
-
     def dense(q, k, v, lens, layer, rows, buf, out):
         return gpu.dense_decode(q, k, v, lens, layer, rows, logits_into=buf, out_into=out,
                                 out_rows=rows)
 
-    def dense_merged(q, k, v, lens, layer, sync):
-        return gpu.dense_decode(q, k, v, lens, layer, sync=sync)
-
-    sync = sds((1024,), jnp.int32)
-    sparse_args = (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"], sp["vec"],
-                   sp["vec"], sp["layer"], new, new, norms)
-    cases = [(sparse, sparse_args), (sparse_merged, sparse_args + (sync,)),
-             (dense_merged, (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sync)),
+    cases = [(sparse, (sp["q"], sp["ckv"], sp["ckv"], sp["clen"], sp["kv"], sp["kv"],
+                       sp["vec"], sp["vec"], sp["layer"], new, new, norms)),
              (dense, (sp["q"], sp["kv"], sp["kv"], sp["vec"], sp["layer"], sp["vec"],
                       sds((L, B, hq, s), jnp.float32), sds((B + 3, hq, d), dtype))),
              (gpu.repack, (sp["ckv"], sp["ckv"], sp["kv"], sp["kv"],

@@ -268,53 +268,6 @@ def test_sparse_writes_the_new_token(impl, dtype):
     assert _rel(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_sparse_merges_its_splits_in_the_launch(dtype):
-    """sync: each (row, KV head)'s last split merges the splits in the same launch (the
-    engine's path: the new token stored too). The reference's result, the separate merge's
-    result, and the counters zero again: a second call on them gives the same output."""
-    n_layers, b, hq, hkv, s, c, d = 3, 3, 8, 2, 200, 70, 64
-    q, ck, cv, k, v, kn, vn, norms = _new_token_case(23, n_layers, b, hq, hkv, s, c, d, dtype)
-    c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
-    lens, rs = jnp.asarray([200, 1, 97], jnp.int32), jnp.asarray([150, 0, 96], jnp.int32)
-    call = jax.jit(lambda k, v, n, sync: gpu.sparse_decode(
-        q, ck, cv, c_len, k, v, rs, lens, jnp.int32(1), window=64, new_kv=(kn, vn),
-        key_norms=n, config=GPU_CFG, interpret=True, sync=sync))
-    out, k2, v2, n2, sync = call(k, v, norms, jnp.zeros((b * hkv + 5,), jnp.int32))
-    assert not np.asarray(sync).any()
-    want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
-    ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
-                                  jnp.asarray(want_v[1]), rs, lens)
-    assert _rel(out, ref) <= TOL[dtype]
-    separate = gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, jnp.int32(1), window=64,
-                                 new_kv=(kn, vn), key_norms=norms, config=GPU_CFG,
-                                 interpret=True)[0]
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(separate))
-    again, *_, sync = call(k, v, norms, sync)
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
-    assert not np.asarray(sync).any()
-    with pytest.raises(ValueError, match="counters"):
-        call(k, v, norms, jnp.zeros((b * hkv - 1,), jnp.int32))
-
-
-@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", [DENSE_CASES[0], DENSE_CASES[4]])
-def test_dense_merges_its_splits_in_the_launch(hq, hkv, d, s, dtype, lengths):
-    """sync (the dense arm's read): the splits merged by each (row, KV head)'s last split; rows
-    of length 0 give zeros; the counters come back zero."""
-    b = len(lengths)
-    ks = jax.random.split(jax.random.PRNGKey(hq * 1000 + s + 1), 3)
-    q = _rand(ks[0], (b, hq, d), dtype)
-    k, v = _rand(ks[1], (b, hkv, s, d), dtype), _rand(ks[2], (b, hkv, s, d), dtype)
-    lens = jnp.asarray(lengths, jnp.int32)
-    out, sync = gpu.dense_decode(q, k, v, lens, config=GPU_CFG, interpret=True,
-                                 sync=jnp.zeros((b * hkv,), jnp.int32))
-    assert _rel(out, reference.dense_decode(q, k, v, lens)) <= TOL[dtype]
-    assert not np.asarray(out)[np.asarray(lens) == 0].any()
-    assert not np.asarray(sync).any()
-    with pytest.raises(ValueError, match="sync"):
-        api.dense_decode(q, k, v, lens, return_logits=True, sync=sync)
-
-
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
 def test_dense_output_into_rows(impl):
     """out_into: row i's output lands in row dest[i] of the given buffer (dest out of range:

@@ -261,21 +261,19 @@ def _compiles_its_own_program(options, run):
     return out
 
 
-@pytest.mark.parametrize("refresh, repack, merge", [("unconditional", "xla", "separate"),
-                                                    ("cond", "xla", "separate"),
-                                                    ("unconditional", "kernel", "last_split")],
-                         ids=["unconditional", "cond", "repack-kernel-last-split"])
-def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack, merge,
+@pytest.mark.parametrize("refresh, repack", [("unconditional", "xla"), ("cond", "xla"),
+                                             ("unconditional", "kernel")],
+                         ids=["unconditional", "cond", "repack-kernel"])
+def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repack,
                                         xla_fast_compile):
     """The Triton kernels (interpret mode) in the decode loop: the refresh slots' dense read
     runs every step and writes the logits straight into the scratch buffer (the GPU default),
     or behind a condition (refresh="cond"), with the repack kernel (the GPU default) or the XLA
-    repack, the fast read's split merge in a kernel of its own or by its last split (counters
-    without the fused matmuls: these weights are not split), and the selector's scores kernel;
-    each compiles its own program and all give the xla path's logits."""
+    repack, and the selector's scores kernel; each compiles its own program and all give the
+    xla path's logits."""
     prompts, forced, runs = per_row_runs
     options = sfi_jax.EngineOptions(attention="pallas_gpu", selector_scores="pallas_gpu",
-                                    refresh=refresh, repack=repack, attention_merge=merge)
+                                    refresh=refresh, repack=repack)
     got = _compiles_its_own_program(options, lambda: sfi_jax.generate(
         tiny_qwen3.model, prompts, max_new_tokens=NEW, sfi=SMALL, trigger_ids=[TRIGGER],
         forced_tokens=forced, stop_at_eos=False, return_logits=True, options=options))
@@ -284,14 +282,10 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
 
 
-# the split merge by the last split runs in the default suite without the fused matmuls
-# (test_gpu_kernels_in_the_decode_loop) and here with them in the slow suite
-@pytest.mark.parametrize("merge", ["separate", pytest.param("last_split", marks=pytest.mark.slow)])
-def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs, merge):
+def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
-    included (the GPU defaults), the attention's split merge in its own kernel or in the
-    attention's launch: the xla path's logits, in SFI and in dense decoding.
+    included (the GPU defaults): the xla path's logits, in SFI and in dense decoding.
     It compiles with XLA's full optimisations (not `fast_compile`): with
     jax_disable_most_optimizations the decode loop's top-k by the radix kernel (interpret mode)
     kept 7 of 8 positions in one call, though the kernel's k-th keys equal the jnp radix
@@ -303,9 +297,8 @@ def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_run
     assert "wqkv" in split.params["layers"][0] and "wo" in split.params["layers"][0]
     gpu_defaults = sfi_jax.EngineOptions().resolved(platform="gpu")
     assert gpu_defaults.heads == "kernel" and gpu_defaults.selector_topk == "radix_kernel"
-    # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows); the
-    # attention's split merge in a kernel of its own or by the last split
-    gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel", attention_merge=merge)
+    # the weight matmuls' kernel for every row count (by_shape takes it up to 4 rows)
+    gpu_defaults = dataclasses.replace(gpu_defaults, matmul="kernel")
     kw = dict(max_new_tokens=NEW, forced_tokens=forced, stop_at_eos=False, return_logits=True,
               options=gpu_defaults)
     sfi = sfi_jax.generate(split, prompts, sfi=SMALL, trigger_ids=[TRIGGER], **kw)
