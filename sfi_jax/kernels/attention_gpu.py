@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import merge_splits, pow2
+from sfi_jax.kernels.common import dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 from sfi_jax.kernels.triton_lowering import dependents_mask
 
@@ -316,10 +316,6 @@ def _as_stack(k, layer):
     return k, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -360,7 +356,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     split, n_splits = _splits(s_len, pairs, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
-        scale=1.0 / math.sqrt(d), precision=_precision(k.dtype),
+        scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype),
         logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None,
         interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
@@ -417,7 +413,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
-        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype), write_kv=write_kv,
+        bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype), write_kv=write_kv,
         write_norms=write_norms, clen_stacked=c_len.ndim == 3, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),

@@ -17,6 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sfi_jax.kernels.common import dot_precision
+
 BLOCK_K = 512
 _LANES = 128
 
@@ -31,10 +33,6 @@ def _last(n, bk):
     return jnp.maximum(pl.cdiv(n, bk) - 1, 0)
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _init(m_sc, l_sc, acc_sc):
     m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
@@ -46,7 +44,7 @@ def _update(q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, start, lo, hi, scale):
     bk = k_ref.shape[0]
     q = q_ref[...]
     k = k_ref[...]
-    prec = _precision(k.dtype)
+    prec = dot_precision(k.dtype)
     s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
                         preferred_element_type=jnp.float32) * scale
     pos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)

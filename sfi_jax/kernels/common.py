@@ -12,6 +12,12 @@ from sfi_jax.options import platform
 SYNC_SIZE = 1024
 
 
+def dot_precision(dtype):
+    """The kernels' and references' matmul precision for operands of `dtype`: float32 at full
+    precision (the GPU would take TF32 otherwise), lower precisions as they are."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
 def pow2(n):
     """The smallest power of two >= n (1 for n <= 1): the kernels' padded block sizes."""
     return 1 << max(int(n) - 1, 0).bit_length()

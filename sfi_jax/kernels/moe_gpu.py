@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from sfi_jax.kernels.common import dot_precision
 from sfi_jax.kernels.triton_lowering import plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
@@ -28,6 +29,10 @@ BLOCK_K = 64  # sweeps them
 # Tiles the models use, fastest first (128 x 64 for both layouts at Qwen3-30B-A3B's expert
 # shapes: docs/findings.md).
 TILES = ((128, 64), (BLOCK_N, BLOCK_K))
+
+
+def _dot(a, b):
+    return plgpu_triton.dot(a, b, precision=dot_precision(b.dtype))
 
 
 def supported(hidden: int, inter: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> bool:
@@ -89,10 +94,10 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu,
         kk = i * block_k
         x = plgpu_triton.load(x_ref.at[src[:, None], kk + jnp.arange(block_k)[None, :]],
                               mask=rmask[:, None], other=0.0)
-        a = acc[0] + plgpu_triton.dot(x, plgpu_triton.load(w_ref.at[e, pl.ds(kk, block_k), cols]))
+        a = acc[0] + _dot(x, plgpu_triton.load(w_ref.at[e, pl.ds(kk, block_k), cols]))
         if not swiglu:
             return (a,)
-        return a, acc[1] + plgpu_triton.dot(
+        return a, acc[1] + _dot(
             x, plgpu_triton.load(w2_ref.at[e, pl.ds(kk, block_k), cols]))
 
     # a block past the step's rows loads nothing. (Arithmetic, not jnp.where: Triton's
@@ -151,9 +156,9 @@ def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block
     def body(i, acc):
         kk = i * block_k
         x = plgpu_triton.load(x_ref.at[pl.ds(0, ROWS), pl.ds(kk, block_k)])
-        return (acc[0] + plgpu_triton.dot(x, plgpu_triton.load(wg_ref.at[e, pl.ds(kk, block_k),
+        return (acc[0] + _dot(x, plgpu_triton.load(wg_ref.at[e, pl.ds(kk, block_k),
                                                                           cols])),
-                acc[1] + plgpu_triton.dot(x, plgpu_triton.load(wu_ref.at[e, pl.ds(kk, block_k),
+                acc[1] + _dot(x, plgpu_triton.load(wu_ref.at[e, pl.ds(kk, block_k),
                                                                           cols])))
 
     n_k = (used_ref[e] > 0).astype(jnp.int32) * (k_dim // block_k)
@@ -179,7 +184,7 @@ def _token_down_kernel(used_ref, wts_ref, h_ref, wd_ref, o_ref, *, k_dim, n_expe
         def body(i, acc):
             kk = i * block_k
             h = plgpu_triton.load(h_ref.at[e, pl.ds(0, ROWS), pl.ds(kk, block_k)])
-            return acc + plgpu_triton.dot(h, plgpu_triton.load(wd_ref.at[e, pl.ds(kk, block_k),
+            return acc + _dot(h, plgpu_triton.load(wd_ref.at[e, pl.ds(kk, block_k),
                                                                            cols]))
 
         n_k = live.astype(jnp.int32) * (k_dim // block_k)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sfi_jax.kernels.common import dot_precision
+
 
 def sort_by_expert(top_e, num_experts: int):
     """Rows of the routed (token, expert) pairs sorted by expert: the order, each row's token,
@@ -31,7 +33,7 @@ def routed_experts(x, we_gate, we_up, we_down, top_p, top_e):
     xs = x[token_of]
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=dot_precision(lhs.dtype),
                                   preferred_element_type=jnp.float32).astype(x.dtype)
 
     hidden = jax.nn.silu(grouped(xs, we_gate)) * grouped(xs, we_up)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import merge_splits, pow2
+from sfi_jax.kernels.common import dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
@@ -153,10 +153,6 @@ def _combine_kernel(qs_ref, len_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n
                        jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf))
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
 def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=False,
                        interpret=False, config=None):
@@ -184,7 +180,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     kv_len = kv_len.astype(jnp.int32)
     kernel = functools.partial(
         _kernel, n_q=n_q, hq=hq, group=group, rows=rows, split=split, s_len=s_len, d=d, dp=dp,
-        bk=bk, scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+        bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype))
     n_out = hq * n_q
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, n_out, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, n_out), jnp.float32),

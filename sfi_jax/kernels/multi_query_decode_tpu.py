@@ -17,6 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sfi_jax.kernels.common import dot_precision
+
 BLOCK_K = 512
 _LANES = 128
 _M_INIT = -1e30  # finite: a padding query row (no valid key anywhere) never makes NaN
@@ -26,10 +28,6 @@ def _row_end(q_start, kv_len, n_queries):
     """Keys a row reads: up to its last valid query (0 when query 0 is already padding)."""
     end = jnp.minimum(q_start + n_queries, kv_len)
     return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
-
-
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, s_len, scale,
@@ -55,7 +53,7 @@ def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, 
     @pl.when(start < hi)
     def _():
         k = k_ref[...]
-        prec = _precision(k.dtype)
+        prec = dot_precision(k.dtype)
         s = lax.dot_general(q_ref[...].astype(k.dtype), k, (((1,), (1,)), ((), ())),
                             precision=prec, preferred_element_type=jnp.float32) * scale
         pos = qs + lax.rem(lax.broadcasted_iota(jnp.int32, (gt, 1), 0), n_q)  # row's query

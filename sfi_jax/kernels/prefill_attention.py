@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.kernels.common import interpret_for
+from sfi_jax.kernels.common import dot_precision, interpret_for
 from sfi_jax.options import platform
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
@@ -155,8 +155,7 @@ def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, *, block_q=XLA_B
     qp = qp.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
     kv_len = jnp.clip(kv_len, 0, s_len)
     scale = 1.0 / math.sqrt(d)
-    f32 = jnp.dtype(k.dtype) == jnp.float32
-    prec = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+    prec = dot_precision(k.dtype)
     key_idx = jnp.arange(bk)
 
     def q_block(args):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import pow2
+from sfi_jax.kernels.common import dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
 _LOG2E = 1.4426950408889634
@@ -48,10 +48,6 @@ def default_config(d, dtype=jnp.bfloat16) -> Config:
     if jnp.dtype(dtype).itemsize > 2:
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, 64))
     return cfg
-
-
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _kernel(layer_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_len, nq, group,
@@ -131,7 +127,7 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
     nq = -(-t // bq)
     kernel = functools.partial(
         _kernel, t_len=t, s_len=s_len, nq=nq, group=group, gp=gp, bq=bq, bk=bk, d=d, dp=dp,
-        scale=1.0 / math.sqrt(d), precision=_precision(k.dtype))
+        scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype))
     return pl.pallas_call(
         kernel, grid=(nq, hkv, b), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,

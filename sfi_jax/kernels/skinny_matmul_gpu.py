@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import SYNC_SIZE, pow2
+from sfi_jax.kernels.common import SYNC_SIZE, dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
                                              launch_dependents, plgpu_triton)
 
@@ -304,10 +304,6 @@ def _heads(halves, rope, norms, ep_out, r, j, *, bn, eps, hq, hkv, d, qk_norm):
             plgpu_triton.store(out.at[r, at, hi], b, mask=every & keep)
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _fit(cfg: Config, rows: int, n_w: int, x_bytes: int, w_bytes: int) -> Config:
     """A config whose pipelined tiles fit in shared memory: fewer stages (down to 2), then a
     smaller block_k (float32 weights, two weights)."""
@@ -355,7 +351,7 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
     kernel = functools.partial(
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
-        precision=_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
+        precision=dot_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
         heads=heads, interpret=interpret)
     # with the epilogue each column block's partials and sums of squares are a region of
     # whole 128-byte lines of their own, so no cache line mixes two blocks' data

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sfi_jax.kernels.common import rms_norm
+from sfi_jax.kernels.common import dot_precision, rms_norm
 
 
 def skinny_matmul(x, weights, norm=None, *, eps=1e-6, transposed=False):
     """x [..., K] -> one float32 [..., N] per weight [K, N] ([N, K] when transposed)."""
     h = x if norm is None else rms_norm(x, norm, eps)
+    prec = dot_precision(h.dtype)
     if transposed:
-        return tuple(jnp.einsum("...k,nk->...n", h, w, preferred_element_type=jnp.float32)
-                     for w in weights)
-    return tuple(jnp.matmul(h, w, preferred_element_type=jnp.float32) for w in weights)
+        return tuple(jnp.einsum("...k,nk->...n", h, w, preferred_element_type=jnp.float32,
+                                precision=prec) for w in weights)
+    return tuple(jnp.matmul(h, w, preferred_element_type=jnp.float32, precision=prec)
+                 for w in weights)

@@ -20,6 +20,7 @@ from sfi_jax.kernels import attention_gpu as gpu
 from sfi_jax.kernels import attention_reference as reference
 from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
+from sfi_jax.options import platform
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
@@ -401,7 +402,9 @@ def test_api_dispatch_and_defaults():
     k = _rand(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
     lens = jnp.asarray([40, 3], jnp.int32)
     want = reference.dense_decode(q, k, k, lens)
-    assert api.resolve_impl("auto") == "xla"  # CPU
+    # "auto" is the platform's kernel ("xla" on a CPU, where CI runs)
+    assert api.resolve_impl("auto") == {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(
+        platform(), "xla")
     for impl in ["auto", "xla"] + IMPLS:
         assert _rel(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
 
