@@ -175,9 +175,42 @@ def hf_greedy(model, prompt, max_new_tokens: int):
     return tokens, logits
 
 
+def host_rng(seed):
+    """A numpy generator for an int seed or a jax key's bits. Random inputs are drawn on the
+    host: jax.random compiles its sampler anew for every shape and dtype on the CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(seed, jax.Array):
+        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+            seed = jax.random.key_data(seed)
+        seed = np.asarray(seed).ravel().tolist()
+    return np.random.default_rng(seed)
+
+
+def normal(seed, shape, dtype):
+    """Standard normal values of `shape`, rounded to `dtype` (seed: as `host_rng`)."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(host_rng(seed).standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
 def rel_err(a, ref) -> float:
+    """||a - ref|| / ||ref|| in float64; a NaN in `a` fails the test."""
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+    assert not np.isnan(a).any(), "NaN in the output"
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close_logits(lg, ref, tol):
+    """The same shape, -inf exactly where the reference has it, the finite rest within tol."""
+    lg, ref = np.asarray(lg), np.asarray(ref)
+    assert lg.shape == ref.shape
+    np.testing.assert_array_equal(np.isneginf(lg), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    assert np.isfinite(lg[fin]).all()
+    if fin.any():
+        assert rel_err(lg[fin], ref[fin]) <= tol
 
 
 def near_tie(logits_row, rel: float = 1e-4) -> bool:
@@ -244,3 +277,22 @@ def tiny_qwen3(tmp_path_factory):
     hf, d = make_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=7,
                                eos_token_id=TINY_EOS)
     return types.SimpleNamespace(hf=hf, model=sfi_jax.load_model(d, dtype="float32"), dir=d)
+
+
+@pytest.fixture
+def verify_triton(monkeypatch):
+    """jax serializes a Triton module without verifying it, so an ill-typed op (an `scf.for`
+    whose bounds differ in type, say) would only fail in the GPU's compile: the kernel tests'
+    CUDA exports verify each one."""
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:  # pragma: no cover - jax without the Triton lowering
+        return
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises naming the op that fails
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)

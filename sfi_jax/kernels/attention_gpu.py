@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import dot_precision, merge_splits, pow2
+from sfi_jax.kernels.common import as_layer_stack, dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 from sfi_jax.kernels.triton_lowering import dependents_mask
 
@@ -309,13 +309,6 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     )(*args)
 
 
-def _as_stack(k, layer):
-    """A 5-D [L, B, Hkv, S, D] view and the layer index (a free reshape when unstacked)."""
-    if layer is None:
-        return k[None], jnp.zeros((1,), jnp.int32)
-    return k, jnp.asarray(layer, jnp.int32).reshape(1)
-
-
 def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -336,8 +329,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     """
     into = logits_into is not None
     cfg = config or (REFRESH if into else DENSE_LOGITS if return_logits else DENSE)
-    k, layer_arr = _as_stack(k, layer)
-    v, _ = _as_stack(v, layer)
+    k, layer_arr = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
     _, hq, d = q.shape
     if gather_q and rows is None:
         raise ValueError("gather_q=True needs `rows` (the cache rows whose q each program uses)")
@@ -396,10 +389,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     if write_norms and not write_kv:
         raise ValueError("key_norms is written only together with new_kv")
     stacked = layer is not None
-    ck, layer_arr = _as_stack(ck, layer)
-    cv, _ = _as_stack(cv, layer)
-    k, _ = _as_stack(k, layer)
-    v, _ = _as_stack(v, layer)
+    ck, layer_arr = as_layer_stack(ck, layer)
+    cv, _ = as_layer_stack(cv, layer)
+    k, _ = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     c_size = ck.shape[3]

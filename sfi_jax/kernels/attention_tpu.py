@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels.common import dot_precision
+from sfi_jax.kernels.common import as_layer_stack, dot_precision
 
 BLOCK_K = 512
 _LANES = 128
@@ -42,13 +42,19 @@ def _init(m_sc, l_sc, acc_sc):
 def _update(q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, start, lo, hi, scale):
     """Fold keys [lo, hi) of the block at `start` into the running softmax; returns scores."""
     bk = k_ref.shape[0]
-    q = q_ref[...]
     k = k_ref[...]
-    prec = dot_precision(k.dtype)
-    s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
-                        preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(q_ref[...].astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                        precision=dot_precision(k.dtype), preferred_element_type=jnp.float32)
     pos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    s = jnp.where((pos >= lo) & (pos < hi), s, -jnp.inf)
+    s = jnp.where((pos >= lo) & (pos < hi), s * scale, -jnp.inf)
+    fold_scores(s, v_ref, m_sc, l_sc, acc_sc, start, lo, hi)
+    return s
+
+
+def fold_scores(s, v_ref, m_sc, l_sc, acc_sc, start, lo, hi):
+    """Online softmax: fold the masked scores s [rows, bk] of the key block at `start` (keys
+    [lo, hi) valid) into the running max m_sc, sum l_sc and output acc_sc."""
+    bk = v_ref.shape[0]
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_new)
@@ -58,13 +64,14 @@ def _update(q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, start, lo, hi, scale):
     # Rows outside [lo, hi) may be padding or stale data: zero them so 0 * NaN cannot leak.
     vpos = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
     v = jnp.where((vpos >= lo) & (vpos < hi), v_ref[...], 0)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                         preferred_element_type=jnp.float32)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=dot_precision(v.dtype), preferred_element_type=jnp.float32)
     acc_sc[...] = acc_sc[...] * alpha[:, :1] + pv
-    return s
 
 
-def _finish(o_ref, lse_ref, m_sc, l_sc, acc_sc):
+def finish_rows(o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    """The softmax's output (acc / l, 0 for a row that saw no key) and, unless lse_ref is
+    None, its log-sum-exp."""
     l = l_sc[...][:, :1]
     ok = l > 0
     safe = jnp.where(ok, l, 1.0)
@@ -102,13 +109,7 @@ def _dense_kernel(len_ref, layer_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *res
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
-        _finish(o_ref, lse_ref, m_sc, l_sc, acc_sc)
-
-
-def _stack(k, layer):
-    if layer is None:
-        return k[None], jnp.zeros((1,), jnp.int32)
-    return k, jnp.asarray(layer, jnp.int32).reshape(1)
+        finish_rows(o_ref, lse_ref, m_sc, l_sc, acc_sc)
 
 
 def _scratch(group, d):
@@ -124,8 +125,8 @@ def _params():
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  interpret=None, block_k=BLOCK_K):
     """Dense decode attention (see kernels.attention.dense_decode)."""
-    k, layer_arr = _stack(k, layer)
-    v, _ = _stack(v, layer)
+    k, layer_arr = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
     n_rows, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
@@ -187,7 +188,7 @@ def _sparse_kernel(clen_ref, rs_ref, len_ref, layer_ref, q_ref, ck_ref, cv_ref, 
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
-        _finish(o_ref, None, m_sc, l_sc, acc_sc)
+        finish_rows(o_ref, None, m_sc, l_sc, acc_sc)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "block_k"))
@@ -198,10 +199,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     The grid covers ceil(C / block) compact steps plus enough recent steps for `window`
     keys at any alignment (the whole cache when window is None).
     """
-    ck, layer_arr = _stack(ck, layer)
-    cv, _ = _stack(cv, layer)
-    k, _ = _stack(k, layer)
-    v, _ = _stack(v, layer)
+    ck, layer_arr = as_layer_stack(ck, layer)
+    cv, _ = as_layer_stack(cv, layer)
+    k, _ = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
     n_rows, hq, d = q.shape
     hkv, s_len, c_size = k.shape[2], k.shape[3], ck.shape[3]
     group = hq // hkv

@@ -18,6 +18,14 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def as_layer_stack(x, layer):
+    """A cache as a 5-D [L, B, Hkv, S, D] stack and the layer index to read, int32 [1] (for
+    an unstacked [B, Hkv, S, D] cache a free reshape and layer 0)."""
+    if layer is None:
+        return x[None], jnp.zeros((1,), jnp.int32)
+    return x, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def pow2(n):
     """The smallest power of two >= n (1 for n <= 1): the kernels' padded block sizes."""
     return 1 << max(int(n) - 1, 0).bit_length()

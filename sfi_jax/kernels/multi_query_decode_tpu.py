@@ -17,7 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels.common import dot_precision
+from sfi_jax.kernels.attention_tpu import finish_rows, fold_scores
+from sfi_jax.kernels.common import as_layer_stack, dot_precision
 
 BLOCK_K = 512
 _LANES = 128
@@ -53,25 +54,14 @@ def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, 
     @pl.when(start < hi)
     def _():
         k = k_ref[...]
-        prec = dot_precision(k.dtype)
         s = lax.dot_general(q_ref[...].astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                            precision=prec, preferred_element_type=jnp.float32) * scale
+                            precision=dot_precision(k.dtype),
+                            preferred_element_type=jnp.float32) * scale
         pos = qs + lax.rem(lax.broadcasted_iota(jnp.int32, (gt, 1), 0), n_q)  # row's query
         limit = jnp.where(pos < kvl, pos + 1, 0)
         cols = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         s = jnp.where(cols < limit, s, -jnp.inf)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.exp(s - m_new[:, :1])
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_sc[...] = m_new
-        # keys past the row's end may be padding or stale: zero them so 0 * NaN cannot leak
-        vpos = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        v = jnp.where(vpos < hi, v_ref[...], 0)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-        acc_sc[...] = acc_sc[...] * alpha[:, :1] + pv
+        fold_scores(s, v_ref, m_sc, l_sc, acc_sc, start, 0, hi)
         if with_logits:
             lg_ref[...] = s
 
@@ -82,12 +72,7 @@ def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, 
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
-        l = l_sc[...][:, :1]
-        ok = l > 0
-        safe = jnp.where(ok, l, 1.0)
-        o_ref[...] = jnp.where(ok, acc_sc[...] / safe, 0.0).astype(o_ref.dtype)
-        if with_logits:
-            lse_ref[...] = jnp.where(ok, m_sc[...][:, :1] + jnp.log(safe), -jnp.inf)
+        finish_rows(o_ref, lse_ref, m_sc, l_sc, acc_sc)
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "block_k"))
@@ -97,10 +82,8 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
 
     block_k: key block, a multiple of 128 (the whole cache when it is shorter).
     """
-    if layer is None:
-        k, v, layer_arr = k[None], v[None], jnp.zeros((1,), jnp.int32)
-    else:
-        layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    v, _ = as_layer_stack(v, layer)
+    k, layer_arr = as_layer_stack(k, layer)
     n_rows, n_q, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv

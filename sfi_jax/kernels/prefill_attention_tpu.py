@@ -19,6 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sfi_jax.kernels.common import as_layer_stack
+
 BLOCK_Q = 128
 BLOCK_K = 512
 _LANES = 128
@@ -93,10 +95,8 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
                       interpret=None):
     """Flash prefill attention (see kernels.prefill_attention.prefill_attention)."""
     b, t, hq, d = q.shape
-    if layer is None:
-        k, v, layer = k[None], v[None], jnp.zeros((1,), jnp.int32)
-    else:
-        layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    v, _ = as_layer_stack(v, layer)
+    k, layer = as_layer_stack(k, layer)
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
     bq = min(block_q or BLOCK_Q, -(-t // 8) * 8)

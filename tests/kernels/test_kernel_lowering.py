@@ -8,28 +8,8 @@ import pytest
 from sfi_jax.kernels import attention_gpu as gpu
 from sfi_jax.kernels import attention_tpu as tpu
 
-# jax serializes a Triton module without verifying it, so an ill-typed op (an `scf.for` whose
-# bounds differ in type, say) would only fail in the GPU's compile. Verify each one here.
-try:
-    from jax._src.pallas.triton import lowering as _triton_lowering
-except ImportError:  # pragma: no cover - jax without the Triton lowering
-    _triton_lowering = None
-
-
-@pytest.fixture(autouse=True)
-def _verify_triton_modules(monkeypatch):
-    if _triton_lowering is None:
-        yield
-        return
-    lower = _triton_lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        result.module.operation.verify()  # raises naming the op that fails
-        return result
-
-    monkeypatch.setattr(_triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    yield
+# every Triton module these exports build is verified (conftest.py)
+pytestmark = pytest.mark.usefixtures("verify_triton")
 
 # (Hq, Hkv, D, S, C, dtype): the Qwen3-4B shape in bf16 and an odd small one in f32.
 SHAPES = [(32, 8, 128, 1000, 300, jnp.bfloat16), (5, 1, 64, 4096, 2052, jnp.float32)]
@@ -271,8 +251,7 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     from sfi_jax.kernels import skinny_matmul_gpu as sm
     from sfi_jax.kernels import triton_lowering
 
-    if _triton_lowering is None:
-        pytest.skip("jax without the Triton lowering")
+    _triton_lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
     assert not triton_lowering.signals_dependents()  # "auto" on this GPU-less machine
     modules = []
     lower = _triton_lowering.lower_jaxpr_to_triton_module

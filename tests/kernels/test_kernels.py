@@ -22,39 +22,13 @@ from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.options import platform
 
+from conftest import assert_close_logits, host_rng, normal, rel_err
+
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
 GPU_CFG = gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
 IMPLS = ["pallas_gpu", "pallas_tpu"]
-
-
-def _rng(key):
-    """A numpy generator seeded with a jax key's bits. The random inputs are drawn on the host:
-    jax.random compiles its sampler anew for every shape and dtype (on the CPU that was a third
-    of this file's time)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    return np.random.default_rng(np.asarray(key).ravel().tolist())
-
-
-def _rand(key, shape, dtype):
-    """Standard normal values of `shape`, rounded to `dtype`."""
-    return jnp.asarray(_rng(key).standard_normal(shape, dtype=np.float32).astype(dtype))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "NaN in kernel output"
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _close_logits(lg, ref, tol):
-    lg, ref = np.asarray(lg), np.asarray(ref)
-    np.testing.assert_array_equal(np.isneginf(lg), np.isneginf(ref))
-    fin = np.isfinite(ref)
-    assert np.isfinite(lg[fin]).all()
-    assert _rel(lg[fin], ref[fin]) <= tol
 
 
 def _dense(impl, q, k, v, lens, **kw):
@@ -89,18 +63,18 @@ DENSE_CASES = [
 def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
     b = len(lengths)
     ks = jax.random.split(jax.random.PRNGKey(hq * 1000 + s), 3)
-    q = _rand(ks[0], (b, hq, d), dtype)
-    k, v = _rand(ks[1], (b, hkv, s, d), dtype), _rand(ks[2], (b, hkv, s, d), dtype)
+    q = normal(ks[0], (b, hq, d), dtype)
+    k, v = normal(ks[1], (b, hkv, s, d), dtype), normal(ks[2], (b, hkv, s, d), dtype)
     lens = jnp.asarray(lengths, jnp.int32)
     out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True)
     r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lg.shape == (b, hq, s) and lg.dtype == jnp.float32
-    assert _rel(out, r_out) <= TOL[dtype]
-    _close_logits(lg, r_lg, 1e-5)
-    _close_logits(lse, r_lse, 1e-5)
+    assert rel_err(out, r_out) <= TOL[dtype]
+    assert_close_logits(lg, r_lg, 1e-5)
+    assert_close_logits(lse, r_lse, 1e-5)
     if s == 130:  # the no-logits variant once per implementation (compiles are slow here)
-        assert _rel(_dense(impl, q, k, v, lens), r_out) <= TOL[dtype]
+        assert rel_err(_dense(impl, q, k, v, lens), r_out) <= TOL[dtype]
     for i, n in enumerate(lengths):
         if n == 0:
             assert not np.asarray(out[i]).any() and np.isneginf(np.asarray(lse[i])).all()
@@ -111,8 +85,8 @@ def _stacked_case(seed, n_keys, dtype):
     split keys (the first three made them)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), n_keys)
     shape = (3, 4, 2, 200, 64)
-    return _rand(ks[0], (3, 8, 64), dtype), _rand(ks[1], shape, dtype), \
-        _rand(ks[2], shape, dtype), ks
+    return normal(ks[0], (3, 8, 64), dtype), normal(ks[1], shape, dtype), \
+        normal(ks[2], shape, dtype), ks
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -124,12 +98,12 @@ def test_dense_layer_and_rows_read_in_place(impl):
     out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True, layer=layer, rows=rows)
     r_out, r_lg, r_lse = reference.dense_decode(q, k[1][rows], v[1][rows], lens,
                                                 return_logits=True)
-    assert _rel(out, r_out) <= 1e-5
-    _close_logits(lg, r_lg, 1e-5)
-    _close_logits(lse, r_lse, 1e-5)
+    assert rel_err(out, r_out) <= 1e-5
+    assert_close_logits(lg, r_lg, 1e-5)
+    assert_close_logits(lse, r_lse, 1e-5)
     # The layer index may be traced (as inside a scan over layers).
     f = jax.jit(lambda l: _dense(impl, q, k, v, lens, layer=l, rows=rows))
-    assert _rel(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
+    assert rel_err(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
@@ -140,7 +114,7 @@ def test_dense_logits_into_buffer(impl):
     q, k, v, ks = _stacked_case(9, 4, jnp.bfloat16)
     rows = jnp.asarray([2, 0, 3], jnp.int32)
     lens = jnp.asarray([200, 0, 71], jnp.int32)
-    buf = _rand(ks[3], (3, 3, 8, 200), jnp.float32)  # [L, rows, Hq, S]
+    buf = normal(ks[3], (3, 3, 8, 200), jnp.float32)  # [L, rows, Hq, S]
     before = np.asarray(buf)
     kw = dict(config=GPU_CFG, interpret=True) if impl == "pallas_gpu" else {}
     fn = gpu.dense_decode if impl == "pallas_gpu" else (
@@ -148,12 +122,12 @@ def test_dense_logits_into_buffer(impl):
     out, new, lse = fn(q, k, v, lens, jnp.int32(1), rows, logits_into=buf, **kw)
     r_out, r_lg, r_lse = reference.dense_decode(q, k[1][rows], v[1][rows], lens,
                                                 return_logits=True)
-    assert _rel(out, r_out) <= TOL[jnp.bfloat16]
-    _close_logits(lse, r_lse, 1e-5)
+    assert rel_err(out, r_out) <= TOL[jnp.bfloat16]
+    assert_close_logits(lse, r_lse, 1e-5)
     new = np.asarray(new)
     np.testing.assert_array_equal(new[[0, 2]], before[[0, 2]])
     for i, n in enumerate(np.asarray(lens)):
-        assert _rel(new[1, i, :, :n], r_lg[i, :, :n]) <= 1e-5 if n else True
+        assert rel_err(new[1, i, :, :n], r_lg[i, :, :n]) <= 1e-5 if n else True
         if impl == "pallas_gpu":
             np.testing.assert_array_equal(new[1, i, :, n:], before[1, i, :, n:])
     assert not np.asarray(out[1]).any() and np.isneginf(np.asarray(lse[1])).all()
@@ -164,10 +138,10 @@ def test_dense_logits_into_buffer(impl):
 def _sparse_inputs(key, *, b, hq, hkv, s, c, d, dtype, layers=None):
     ks = jax.random.split(key, 5)
     pre = (layers,) if layers else ()
-    q = _rand(ks[0], (b, hq, d), dtype)
-    k, v = _rand(ks[1], pre + (b, hkv, s, d), dtype), _rand(ks[2], pre + (b, hkv, s, d), dtype)
-    ck = _rand(ks[3], pre + (b, hkv, c, d), dtype)
-    cv = _rand(ks[4], pre + (b, hkv, c, d), dtype)
+    q = normal(ks[0], (b, hq, d), dtype)
+    k, v = normal(ks[1], pre + (b, hkv, s, d), dtype), normal(ks[2], pre + (b, hkv, s, d), dtype)
+    ck = normal(ks[3], pre + (b, hkv, c, d), dtype)
+    cv = normal(ks[4], pre + (b, hkv, c, d), dtype)
     return q, ck, cv, k, v
 
 
@@ -192,13 +166,13 @@ def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, leng
     out = _sparse(impl, q, ck, cv, c_len, k, v, rs, lens)
     ref = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert _rel(out, ref) <= TOL[dtype]
+    assert rel_err(out, ref) <= TOL[dtype]
     empty = (np.asarray(c_len).sum(1) == 0) & (np.asarray(rs) >= np.asarray(lens))
     assert not np.asarray(out)[empty].any()
     if s == 300:  # a static bound on the window (what the runtime passes) changes nothing
         window = int(np.max(np.asarray(lens) - np.asarray(rs)))
         out = _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, window=window)
-        assert _rel(out, ref) <= TOL[dtype]
+        assert rel_err(out, ref) <= TOL[dtype]
 
 
 def f_stacked(impl, *args):
@@ -214,10 +188,10 @@ def test_sparse_layer_read_in_place(impl):
     f = jax.jit(lambda l: _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, layer=l, window=130))
     out = f(jnp.int32(2))
     ref = reference.sparse_decode(q, ck[2], cv[2], c_len, k[2], v[2], rs, lens)
-    assert _rel(out, ref) <= 1e-5
+    assert rel_err(out, ref) <= 1e-5
     if impl == "pallas_gpu":  # c_len stacked like the caches: layer 2's counts are read
         stacked = jnp.stack([c_len[::-1], c_len[::-1], c_len])
-        assert _rel(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= 1e-5
+        assert rel_err(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= 1e-5
 
 
 def _new_token_case(seed, n_layers, b, hq, hkv, s, c, d, dtype):
@@ -225,8 +199,8 @@ def _new_token_case(seed, n_layers, b, hq, hkv, s, c, d, dtype):
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(seed), b=b, hq=hq, hkv=hkv, s=s, c=c,
                                      d=d, dtype=dtype, layers=n_layers)
     ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
-    kn, vn = _rand(ks[0], (b, hkv, d), dtype), _rand(ks[1], (b, hkv, d), dtype)
-    norms = jnp.asarray(_rng(ks[2]).random((n_layers, b, hkv, s), dtype=np.float32))
+    kn, vn = normal(ks[0], (b, hkv, d), dtype), normal(ks[1], (b, hkv, d), dtype)
+    norms = jnp.asarray(host_rng(ks[2]).random((n_layers, b, hkv, s), dtype=np.float32))
     return q, ck, cv, k, v, kn, vn, norms
 
 
@@ -266,7 +240,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
     ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
                                   jnp.asarray(want_v[1]), rs, lens)
-    assert _rel(out, ref) <= TOL[dtype]
+    assert rel_err(out, ref) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
@@ -275,13 +249,13 @@ def test_dense_output_into_rows(impl):
     dropped); the buffer's other rows stay as they were."""
     b, hq, hkv, s, d = 5, 8, 2, 150, 64
     ks = jax.random.split(jax.random.PRNGKey(31), 4)
-    k = _rand(ks[1], (b, hkv, s, d), jnp.float32)
-    v = _rand(ks[2], (b, hkv, s, d), jnp.float32)
+    k = normal(ks[1], (b, hkv, s, d), jnp.float32)
+    v = normal(ks[2], (b, hkv, s, d), jnp.float32)
     rows = jnp.asarray([4, 1, 0], jnp.int32)
     dest = jnp.asarray([4, 7, 0], jnp.int32)  # 7 >= 5: dropped
-    q = _rand(ks[0], (3, hq, d), jnp.float32)
+    q = normal(ks[0], (3, hq, d), jnp.float32)
     lens = jnp.asarray([150, 20, 0], jnp.int32)
-    base = _rand(ks[3], (b, hq, d), jnp.float32)
+    base = normal(ks[3], (b, hq, d), jnp.float32)
     if impl == "pallas_gpu":
         got = gpu.dense_decode(q, k, v, lens, None, rows, out_into=base, out_rows=dest,
                                config=GPU_CFG, interpret=True)
@@ -290,17 +264,17 @@ def test_dense_output_into_rows(impl):
     ref = reference.dense_decode(q, k[rows], v[rows], lens)
     want = np.array(base)
     want[4], want[0] = np.asarray(ref[0]), np.asarray(ref[2])
-    assert _rel(got, want) <= 1e-5
+    assert rel_err(got, want) <= 1e-5
     np.testing.assert_array_equal(np.asarray(got)[[1, 2, 3]], np.asarray(base)[[1, 2, 3]])
     assert not np.asarray(got[0]).any()  # a row of length 0 gives zeros
     # gather_q: q with the cache's rows, row i using q[rows[i]] (no gathered copy)
-    q_all = _rand(ks[0], (b, hq, d), jnp.float32)
+    q_all = normal(ks[0], (b, hq, d), jnp.float32)
     if impl == "pallas_gpu":
         out = gpu.dense_decode(q_all, k, v, lens, None, rows, gather_q=True, config=GPU_CFG,
                                interpret=True)
     else:
         out = api.dense_decode(q_all, k, v, lens, rows=rows, gather_q=True, impl=impl)
-    assert _rel(out, reference.dense_decode(q_all[rows], k[rows], v[rows], lens)) <= 1e-5
+    assert rel_err(out, reference.dense_decode(q_all[rows], k[rows], v[rows], lens)) <= 1e-5
     with pytest.raises(ValueError, match="gather_q"):
         api.dense_decode(q_all[:3], k, v, lens, rows=rows, gather_q=True)
 
@@ -311,12 +285,12 @@ def test_repack_copies_the_selected_rows(impl):
     nothing on GPU), every other row of the compact buffers stays as it was."""
     n_layers, b, hkv, s, c, d = 3, 4, 2, 50, 37, 64
     ks = jax.random.split(jax.random.PRNGKey(41), 5)
-    k = _rand(ks[0], (n_layers, b, hkv, s, d), jnp.bfloat16)
-    v = _rand(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
-    ck = _rand(ks[2], (n_layers, b, hkv, c, d), jnp.bfloat16)
-    cv = _rand(ks[3], (n_layers, b, hkv, c, d), jnp.bfloat16)
+    k = normal(ks[0], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    v = normal(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
+    ck = normal(ks[2], (n_layers, b, hkv, c, d), jnp.bfloat16)
+    cv = normal(ks[3], (n_layers, b, hkv, c, d), jnp.bfloat16)
     slots = jnp.asarray([2, 0, 5], jnp.int32)  # 5 >= b: an empty slot
-    pos = jnp.asarray(_rng(ks[4]).integers(-1, s, (n_layers, 3, hkv, c), dtype=np.int32))
+    pos = jnp.asarray(host_rng(ks[4]).integers(-1, s, (n_layers, 3, hkv, c), dtype=np.int32))
     if impl == "pallas_gpu":
         got = gpu.repack(ck, cv, k, v, pos, slots, interpret=True, block=16)
     else:
@@ -342,13 +316,13 @@ def test_sparse_equals_dense_over_the_union():
     """The compact buffer holding positions [0, P) plus the window [P, len) is dense attention."""
     b, hq, hkv, s, d, p = 2, 8, 2, 90, 64, 40
     ks = jax.random.split(jax.random.PRNGKey(3), 3)
-    q = _rand(ks[0], (b, hq, d), jnp.float32)
-    k, v = _rand(ks[1], (b, hkv, s, d), jnp.float32), _rand(ks[2], (b, hkv, s, d), jnp.float32)
+    q = normal(ks[0], (b, hq, d), jnp.float32)
+    k, v = normal(ks[1], (b, hkv, s, d), jnp.float32), normal(ks[2], (b, hkv, s, d), jnp.float32)
     lens = jnp.asarray([90, 61], jnp.int32)
     c_len = jnp.full((b, hkv), p, jnp.int32)
     rs = jnp.full((b,), p, jnp.int32)
     got = sparse_decode(q, k[:, :, :p], v[:, :, :p], c_len, k, v, rs, lens, impl="xla")
-    assert _rel(got, reference.dense_decode(q, k, v, lens)) <= 1e-5
+    assert rel_err(got, reference.dense_decode(q, k, v, lens)) <= 1e-5
 
 
 def _np_attention(q, keys, vals):
@@ -394,19 +368,19 @@ def test_reference_window_path_matches_full_path():
     c_len = jnp.asarray([[9, 0], [4, 4], [0, 0]], jnp.int32)
     rs, lens = jnp.asarray([45, 0, 3], jnp.int32), jnp.asarray([50, 6, 3], jnp.int32)
     full = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)
-    assert _rel(reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=6), full) < 1e-6
+    assert rel_err(reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=6), full) < 1e-6
 
 
 def test_api_dispatch_and_defaults():
-    q = _rand(jax.random.PRNGKey(0), (2, 4, 64), jnp.float32)
-    k = _rand(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
+    q = normal(jax.random.PRNGKey(0), (2, 4, 64), jnp.float32)
+    k = normal(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
     lens = jnp.asarray([40, 3], jnp.int32)
     want = reference.dense_decode(q, k, k, lens)
     # "auto" is the platform's kernel ("xla" on a CPU, where CI runs)
     assert api.resolve_impl("auto") == {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(
         platform(), "xla")
     for impl in ["auto", "xla"] + IMPLS:
-        assert _rel(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
+        assert rel_err(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
 
 
 def test_api_rejects_bad_input():
@@ -444,23 +418,23 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
                       rope_theta=1e6, qk_norm=qk_norm)
     ks = jax.random.split(jax.random.key(hq * d), 5)
     width = (hq + 2 * hkv) * d
-    w = {"attn_norm": 1 + 0.1 * _rand(ks[0], (48,), dtype),
-         "wqkv": _rand(ks[1], (48, width), dtype) * 0.3}
+    w = {"attn_norm": 1 + 0.1 * normal(ks[0], (48,), dtype),
+         "wqkv": normal(ks[1], (48, width), dtype) * 0.3}
     if qk_norm:
-        w["q_norm"] = 1 + 0.3 * _rand(ks[2], (d,), dtype)
-        w["k_norm"] = 1 + 0.3 * _rand(ks[3], (d,), dtype)
-    x = _rand(ks[4], (5, 1, 48), dtype)
+        w["q_norm"] = 1 + 0.3 * normal(ks[2], (d,), dtype)
+        w["k_norm"] = 1 + 0.3 * normal(ks[3], (d,), dtype)
+    x = normal(ks[4], (5, 1, 48), dtype)
     pos = jnp.array([[0], [1], [777], [65536], [200003]], jnp.int32)
     want = attention_inputs(w, cfg, x, pos, heads="xla")
     got = attention_inputs(w, cfg, x, pos, heads="kernel")
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     for name, a, b in zip("qkv", got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert _rel(a, b) < tol, (name, _rel(a, b))
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # v: a plain copy
     # a wrong rotation (no sign flip) or a missing norm would not pass
     bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, heads="xla")
-    assert _rel(got[0], bad[0]) > 10 * tol
+    assert rel_err(got[0], bad[0]) > 10 * tol
     # only a decode step (one position per row) with fused q/k/v weights takes the kernel
     def uses_kernel(w, x, pos):
         return "sfi_norm_rope_heads" in str(jax.make_jaxpr(
@@ -492,17 +466,17 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
                       num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
                       num_experts=e, num_experts_per_tok=2, moe_intermediate_size=inter)
     ks = jax.random.split(jax.random.key(n), 5)
-    w = {"router": _rand(ks[0], (h, e), dtype),
-         "we_gate": _rand(ks[1], (e, h, inter), dtype) * 0.1,
-         "we_up": _rand(ks[2], (e, h, inter), dtype) * 0.1,
-         "we_down": _rand(ks[3], (e, inter, h), dtype) * 0.1}
+    w = {"router": normal(ks[0], (h, e), dtype),
+         "we_gate": normal(ks[1], (e, h, inter), dtype) * 0.1,
+         "we_up": normal(ks[2], (e, h, inter), dtype) * 0.1,
+         "we_down": normal(ks[3], (e, inter, h), dtype) * 0.1}
     if skew:  # every token routes to expert 3 first: 40 rows there, three blocks of 16
         w["router"] = w["router"].at[:, 3].add(50.0)
-    x = _rand(ks[4], (n, h), dtype) + (1.0 if skew else 0.0)
+    x = normal(ks[4], (n, h), dtype) + (1.0 if skew else 0.0)
     want = moe_mlp(w, cfg, x, impl="xla")
     got = moe_mlp(w, cfg, x, impl="kernel")
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
+    assert rel_err(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), rel_err(got, want)
     # the kernels ran (and are not the ragged_dot path)
     jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="kernel"))(x))
     assert "sfi_moe_swiglu" in jaxpr and "ragged_dot" not in jaxpr
@@ -525,12 +499,12 @@ def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
 
     e, k, n, m = 4, 128 if block_n == 128 else 64, 96 if block_n == 32 else 128, 21
     ks = jax.random.split(jax.random.key(block_n + block_k), 2)
-    x = _rand(ks[0], (m, k), jnp.float32)
-    w = _rand(ks[1], (e, k, n), jnp.float32)
+    x = normal(ks[0], (m, k), jnp.float32)
+    w = normal(ks[1], (e, k, n), jnp.float32)
     sizes = jnp.array([5, 0, 16, 0], jnp.int32)  # 21 rows: a one-block and a full-block expert
     got = moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_n=block_n, block_k=block_k)
     want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
-    assert _rel(got[:m], want) < 1e-5
+    assert rel_err(got[:m], want) < 1e-5
     with pytest.raises(ValueError, match="multiples of 48"):
         moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_k=48)
 
@@ -556,15 +530,15 @@ def test_moe_token_tiles_match_ragged_dot(n, dtype):
                       num_kv_heads=1, head_dim=64, vocab_size=16, max_position_embeddings=64,
                       num_experts=e, num_experts_per_tok=3, moe_intermediate_size=inter)
     ks = jax.random.split(jax.random.key(100 + n), 5)
-    w = {"router": _rand(ks[0], (h, e), dtype),
-         "we_gate": _rand(ks[1], (e, h, inter), dtype) * 0.1,
-         "we_up": _rand(ks[2], (e, h, inter), dtype) * 0.1,
-         "we_down": _rand(ks[3], (e, inter, h), dtype) * 0.1}
-    x = _rand(ks[4], (n, h), dtype)
+    w = {"router": normal(ks[0], (h, e), dtype),
+         "we_gate": normal(ks[1], (e, h, inter), dtype) * 0.1,
+         "we_up": normal(ks[2], (e, h, inter), dtype) * 0.1,
+         "we_down": normal(ks[3], (e, inter, h), dtype) * 0.1}
+    x = normal(ks[4], (n, h), dtype)
     want = moe_mlp(w, cfg, x, impl="xla")
     got = moe_mlp(w, cfg, x, impl="tokens")
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert _rel(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), _rel(got, want)
+    assert rel_err(got, want) < (2e-2 if dtype == jnp.bfloat16 else 1e-5), rel_err(got, want)
     jaxpr = str(jax.make_jaxpr(lambda x: moe_mlp(w, cfg, x, impl="tokens"))(x))
     assert ("sfi_moe_token_swiglu" in jaxpr) == (n <= 16) and "ragged_dot" not in jaxpr
     with pytest.raises(ValueError, match="moe impl"):

@@ -19,6 +19,8 @@ from sfi_jax.kernels import multi_query_decode_reference as mq_ref
 from sfi_jax.kernels import multi_query_decode_tpu as mq_tpu
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 
+from conftest import assert_close_logits, normal, rel_err
+
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
@@ -27,29 +29,6 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 GPU_CFG = mq_gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
 IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
-
-
-def _rand(seed, shape, dtype):
-    """Standard normal values of `shape`, rounded to `dtype`, drawn on the host (jax.random
-    compiles its sampler anew for every shape on the CPU)."""
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "NaN in kernel output"
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _close_logits(lg, ref, tol):
-    lg, ref = np.asarray(lg), np.asarray(ref)
-    assert lg.shape == ref.shape
-    np.testing.assert_array_equal(np.isneginf(lg), np.isneginf(ref))
-    fin = np.isfinite(ref)
-    assert np.isfinite(lg[fin]).all()
-    if fin.any():
-        assert _rel(lg[fin], ref[fin]) <= tol
 
 
 def _run(impl, q, k, v, qs, kl, **kw):
@@ -91,8 +70,8 @@ def _oracle(q, k, v, qs, kl):
 
 def _case(seed, b, t, hq, hkv, d, s, dtype, layers=None):
     cache = (b, hkv, s, d) if layers is None else (layers, b, hkv, s, d)
-    return (_rand([seed, 0], (b, t, hq, d), dtype), _rand([seed, 1], cache, dtype),
-            _rand([seed, 2], cache, dtype))
+    return (normal([seed, 0], (b, t, hq, d), dtype), normal([seed, 1], cache, dtype),
+            normal([seed, 2], cache, dtype))
 
 
 def test_reference_matches_float64_loops():
@@ -103,9 +82,9 @@ def test_reference_matches_float64_loops():
     out, lg, lse = mq_ref.multi_query_decode(q, k, v, jnp.asarray(qs), jnp.asarray(kl),
                                              return_logits=True)
     o_out, o_lg, o_lse = _oracle(q, k, v, qs, kl)
-    assert _rel(out, o_out) <= 1e-6
-    _close_logits(lg, o_lg, 1e-6)
-    _close_logits(lse, o_lse, 1e-6)
+    assert rel_err(out, o_out) <= 1e-6
+    assert_close_logits(lg, o_lg, 1e-6)
+    assert_close_logits(lse, o_lse, 1e-6)
     assert np.isneginf(o_lse[1, :, 2]).all() and np.isneginf(o_lse[2]).all()
     assert np.isneginf(o_lse[3, :, 0]).all() and np.isfinite(o_lse[3, :, 1]).all()
 
@@ -136,9 +115,9 @@ def test_matches_reference(impl, t, hq, hkv, d, s, dtype, q_start, kv_len):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lg.shape == (b, hq, t, s) and lg.dtype == jnp.float32
     assert lse.shape == (b, hq, t) and lse.dtype == jnp.float32
-    assert _rel(out, r_out) <= TOL[dtype]
-    _close_logits(lg, r_lg, 1e-5)
-    _close_logits(lse, r_lse, 1e-5)
+    assert rel_err(out, r_out) <= TOL[dtype]
+    assert_close_logits(lg, r_lg, 1e-5)
+    assert_close_logits(lse, r_lse, 1e-5)
     # padding queries, rows without a valid query, a query before any key: zeros and -inf
     pos = np.asarray(qs)[:, None] + np.arange(t)[None, :]
     pad = (pos >= np.asarray(kl)[:, None]) | (pos < 0)
@@ -146,7 +125,7 @@ def test_matches_reference(impl, t, hq, hkv, d, s, dtype, q_start, kv_len):
     assert not np.asarray(out, np.float32)[pad].any()
     assert np.isneginf(np.asarray(lse).transpose(0, 2, 1)[pad]).all()
     if t in (2, 5):  # the no-logits variant (compiles are slow in interpret mode)
-        assert _rel(_run(impl, q, k, v, qs, kl), r_out) <= TOL[dtype]
+        assert rel_err(_run(impl, q, k, v, qs, kl), r_out) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -158,9 +137,9 @@ def test_stacked_cache_read_at_traced_layer(impl):
         out, lg, lse = f(jnp.int32(layer))
         r_out, r_lg, r_lse = mq_ref.multi_query_decode(q, k[layer], v[layer], qs, kl,
                                                        return_logits=True)
-        assert _rel(out, r_out) <= 1e-5
-        _close_logits(lg, r_lg, 1e-5)
-        _close_logits(lse, r_lse, 1e-5)
+        assert rel_err(out, r_out) <= 1e-5
+        assert_close_logits(lg, r_lg, 1e-5)
+        assert_close_logits(lse, r_lse, 1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -174,9 +153,9 @@ def test_one_query_equals_dense_decode(impl):
     kl = jnp.asarray([300, 0, 129], jnp.int32)
     out, lg, lse = multi_query_decode(q, k, v, kl - 1, kl, return_logits=True, impl=impl)
     d_out, d_lg, d_lse = dense_decode(q[:, 0], k, v, kl, return_logits=True, impl=impl)
-    assert _rel(out[:, 0], d_out) <= 1e-5
-    _close_logits(lg[:, :, 0], d_lg, 1e-5)
-    _close_logits(lse[:, :, 0], d_lse, 1e-5)
+    assert rel_err(out[:, 0], d_out) <= 1e-5
+    assert_close_logits(lg[:, :, 0], d_lg, 1e-5)
+    assert_close_logits(lse[:, :, 0], d_lse, 1e-5)
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
@@ -185,7 +164,7 @@ def test_dispatcher_runs_kernel_on_cpu(impl):
     q, k, v = _case(3, 2, 4, 8, 2, 64, 130, jnp.bfloat16)
     qs, kl = jnp.asarray([126, 20], jnp.int32), jnp.asarray([130, 22], jnp.int32)
     r_out = mq_ref.multi_query_decode(q, k, v, qs, kl)
-    assert _rel(multi_query_decode(q, k, v, qs, kl, impl=impl), r_out) <= TOL[jnp.bfloat16]
+    assert rel_err(multi_query_decode(q, k, v, qs, kl, impl=impl), r_out) <= TOL[jnp.bfloat16]
 
 
 def _bad(**kw):
@@ -226,27 +205,6 @@ def test_gpu_kernel_rejects_too_many_rows():
 
 
 # --- compiles for the real platforms (interpret mode does not prove it) --------------------
-
-try:
-    from jax._src.pallas.triton import lowering as _triton_lowering
-except ImportError:  # pragma: no cover - jax without the Triton lowering
-    _triton_lowering = None
-
-
-@pytest.fixture
-def verify_triton(monkeypatch):
-    """jax serializes a Triton module without verifying it: verify each one here."""
-    if _triton_lowering is None:
-        return
-    lower = _triton_lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        result.module.operation.verify()
-        return result
-
-    monkeypatch.setattr(_triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-
 
 # (T, Hq, Hkv, D, S, dtype): Qwen3-4B's heads in bf16 (16 and 32 rows), an odd f32 one
 # (group 5: 20 -> 32 rows) and the largest row count (group 16 x 16 queries).

@@ -25,11 +25,6 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 BLOCKS = {"xla": (16, 32), "pallas_gpu": (8, 32), "pallas_tpu": (16, 128)}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-try:  # verify each Triton module jax builds (it serializes them unverified)
-    from jax._src.pallas.triton import lowering as _triton_lowering
-except ImportError:  # pragma: no cover - jax without the Triton lowering
-    _triton_lowering = None
-
 
 def _inputs(seed, b, t, hq, hkv, s, d, dtype, layers=None):
     rng = np.random.default_rng(seed)
@@ -154,16 +149,7 @@ def test_tpu_kernel_lowers_for_tpu(shape):
 
 
 @pytest.mark.parametrize("shape", LOWER)
-def test_gpu_kernel_exports_for_cuda(shape, monkeypatch):
-    if _triton_lowering is not None:
-        lower = _triton_lowering.lower_jaxpr_to_triton_module
-
-        def lower_and_verify(*args, **kwargs):
-            result = lower(*args, **kwargs)
-            result.module.operation.verify()  # raises naming the op that fails
-            return result
-
-        monkeypatch.setattr(_triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+def test_gpu_kernel_exports_for_cuda(shape, verify_triton):
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for cfg in (None, prefill_attention_gpu.Config(rows=64, block_k=128, num_warps=4)):
         fn = jax.jit(lambda q, k, v, qs, kl, layer, c=cfg: prefill_attention_gpu.prefill_attention(

@@ -14,6 +14,8 @@ import pytest
 from sfi_jax.kernels import skinny_matmul as dispatch
 from sfi_jax.kernels import skinny_matmul_gpu as gpu
 
+from conftest import rel_err
+
 EPS = 1e-6
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -25,12 +27,6 @@ def _numpy_reference(x, weights, norm):
         n = np.asarray(norm.astype(jnp.float32), np.float64)
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * n
     return [x @ np.asarray(w.astype(jnp.float32), np.float64) for w in weights]
-
-
-def _rel(a, b):
-    a = np.asarray(a, np.float64)
-    assert np.isfinite(a).all()
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _inputs(seed, rows, k, n, n_w, dtype, normed):
@@ -70,11 +66,11 @@ def test_kernel_matches_numpy(mode, case):
     xla = dispatch.skinny_matmul(x, ws, norm, eps=EPS, impl="xla")
     for g, r, w in zip(got, xla, want):
         assert g.shape == (rows, n) and g.dtype == jnp.float32
-        assert _rel(g, w) < TOL[dtype], _rel(g, w)
-        assert _rel(r, w) < TOL[dtype]
+        assert rel_err(g, w) < TOL[dtype], rel_err(g, w)
+        assert rel_err(r, w) < TOL[dtype]
     if normed:  # the same product without the norm is far off: the test sees a missing norm
         plain = _numpy_reference(x, ws, None)
-        assert _rel(got[0], plain[0]) > 10 * TOL[dtype]
+        assert rel_err(got[0], plain[0]) > 10 * TOL[dtype]
 
 
 def test_dispatcher_keeps_leading_dims_and_default_config():
@@ -82,11 +78,11 @@ def test_dispatcher_keeps_leading_dims_and_default_config():
     x3 = x.reshape(2, 3, 64)
     got, = dispatch.skinny_matmul(x3, ws, norm, eps=EPS, impl="kernel")
     assert got.shape == (2, 3, 96)
-    assert _rel(got.reshape(6, 96), _numpy_reference(x, ws, norm)[0]) < TOL[jnp.float32]
+    assert rel_err(got.reshape(6, 96), _numpy_reference(x, ws, norm)[0]) < TOL[jnp.float32]
     # one row takes the register-product tiles by default
     assert gpu.default_config(96, 64, 1).mode == "fma"
     got, = dispatch.skinny_matmul(x[:1], ws, norm, eps=EPS, impl="kernel")
-    assert _rel(got, _numpy_reference(x[:1], ws, norm)[0]) < TOL[jnp.float32]
+    assert rel_err(got, _numpy_reference(x[:1], ws, norm)[0]) < TOL[jnp.float32]
 
 
 def test_which_rows_take_the_kernel():
@@ -181,10 +177,10 @@ def test_fused_epilogues_match_numpy(epilogue, dtype, hq, hkv):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == dtype
-        assert _rel(_f64(g), w) < 2 * TOL[dtype], _rel(_f64(g), w)
+        assert rel_err(_f64(g), w) < 2 * TOL[dtype], rel_err(_f64(g), w)
     if epilogue == "heads":  # without the per-head norm the q heads are far off
         plain = _numpy_heads(prods[0], _f64(cos), _f64(sin), np.ones(d), np.ones(d), hq, hkv)
-        assert _rel(_f64(got[0]), plain[0]) > 10 * TOL[dtype]
+        assert rel_err(_f64(got[0]), plain[0]) > 10 * TOL[dtype]
 
 
 def test_fused_epilogues_name_bad_arguments():
@@ -232,7 +228,7 @@ def test_kmajor_matches_numpy(epilogue, dtype, programs, prefetch, xla_fast_comp
     want = {"residual": lambda: _f64(res) + prods[0], None: lambda: prods[0],
             "silu": lambda: prods[0] / (1 + np.exp(-prods[0])) * prods[1]}[epilogue]()
     assert got.shape == want.shape and got.dtype == dtype
-    assert _rel(_f64(got), want) < 2 * TOL[dtype], _rel(_f64(got), want)
+    assert rel_err(_f64(got), want) < 2 * TOL[dtype], rel_err(_f64(got), want)
 
 
 def test_kmajor_names_bad_arguments():
