@@ -7,11 +7,6 @@ from jax import lax
 
 from sfi_jax.options import platform
 
-# The fused matmuls' int32 counters (`skinny_matmul.new_sync`): the column blocks of any one
-# call use at most this many.
-SYNC_SIZE = 1024
-
-
 def dot_precision(dtype):
     """The kernels' and references' matmul precision for operands of `dtype`: float32 at full
     precision (the GPU would take TF32 otherwise), lower precisions as they are."""

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import SYNC_SIZE, dot_precision, pow2
+from sfi_jax.kernels.common import dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
                                              launch_dependents, plgpu_triton)
 
@@ -41,6 +41,7 @@ MODES = ("dot", "fma", "fma_defer")
 MAX_ROWS = 64
 FUSED_MAX_ROWS = 4  # the epilogue walks the rows one by one
 EPILOGUES = ("residual", "silu", "heads")
+SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
 # The fused epilogues' grid aim in programs per SM in place of the tuned configs' (None): a
 # sweep point that bench_e2e's --fused-programs sets before anything is traced
 FUSED_PROGRAMS_PER_SM = None
