@@ -175,6 +175,24 @@ def hf_greedy(model, prompt, max_new_tokens: int):
     return tokens, logits
 
 
+# The `gpu` marker (pyproject.toml): tests that run a Triton-lowered (impl="pallas_gpu") kernel,
+# compiled on a GPU and in interpret mode elsewhere, and the engine tests that need a GPU.
+# `python -m pytest -o addopts="" -p no:xdist -m gpu` on a GPU runs them all for real.
+GPU_IMPL = pytest.param("pallas_gpu", marks=pytest.mark.gpu)
+
+
+def on_gpu() -> bool:
+    from sfi_jax.options import platform
+
+    return platform() == "gpu"
+
+
+def gpu_interpret() -> bool:
+    """`interpret` for a pallas_gpu kernel called directly in a test: False on a GPU (the
+    compiled kernel runs), True elsewhere."""
+    return not on_gpu()
+
+
 def host_rng(seed):
     """A numpy generator for an int seed or a jax key's bits. Random inputs are drawn on the
     host: jax.random compiles its sampler anew for every shape and dtype on the CPU."""

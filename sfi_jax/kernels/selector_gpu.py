@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import sortable_keys  # the key order the jnp radix search uses
+from sfi_jax.kernels.common import pow2, sortable_keys  # sortable_keys: the jnp radix search's key order
 
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
@@ -33,17 +33,13 @@ _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 pro
 # (both first guesses, not tuned on a GPU yet)
 
 
-def _pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 class _Plan:
     """Static shapes of one call, and the per-(n, head) helpers the three kernels share."""
 
     def __init__(self, sfi, r, s_len, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
         self.sfi, self.r, self.s_len = sfi, r, s_len
-        self.rp = _pow2(r)
-        self.blk = min(_pow2(s_len), max(16, tile // self.rp))
+        self.rp = pow2(r)
+        self.blk = min(pow2(s_len), max(16, tile // self.rp))
         self.chunk_blocks = chunk_blocks
         self.n_chunks = pl.cdiv(s_len, self.blk * chunk_blocks)
 
@@ -149,12 +145,13 @@ def _write_scores_kernel(lo_ref, hi_ref, fuse_ref, g_ref, *refs, plan, pad):
     lo, hi = lo_ref[n], hi_ref[n]
     gm, inv_s1, inv_p1, lam = (fuse_ref[n, h, k] for k in range(4))
     eps = plan.sfi.eps
-    if pad:
-        neg = jnp.full((pad,), -jnp.inf, jnp.float32)
-        every = jnp.full((pad,), True)
-        plgpu_triton.store(z_ref.at[n, h, pl.ds(0, pad)], neg, mask=every & (c == 0))
-        plgpu_triton.store(z_ref.at[n, h, pl.ds(plan.s_len + pad, pad)], neg,
-                           mask=every & (c == plan.n_chunks - 1))
+    if pad:  # Triton's arrays have power-of-two sizes: each pad by a masked [pow2(pad)]
+        width = pow2(pad)  # store inside the row (width <= 2 pad), at its start and its end
+        neg = jnp.full((width,), -jnp.inf, jnp.float32)
+        lanes = jnp.arange(width)
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(0, width)], neg, mask=(lanes < pad) & (c == 0))
+        plgpu_triton.store(z_ref.at[n, h, pl.ds(plan.s_len + 2 * pad - width, width)], neg,
+                           mask=(lanes >= width - pad) & (c == plan.n_chunks - 1))
 
     def body(i, carry):
         start = i * plan.blk
@@ -209,8 +206,9 @@ def base_scores(logits, key_norms, lo, hi, slot, row, *, sfi, interpret=False, p
     """z [N, H, S] float32 of SFI_METHOD.md §4 steps 1-4 (-inf outside J = [lo[n], hi[n])).
 
     logits [N, M, H, R, S] (read at index `slot` of axis 1), key_norms [N, B, H, S] (read at
-    `row`); lo, hi int32 [N], already clipped to [0, S]. sfi: an SFIConfig. pad > 0 (a power
-    of two): z comes as [N, H, S + 2 pad] with -inf pads on both sides (`adjust_scores`' input).
+    `row`); lo, hi int32 [N], already clipped to [0, S]. sfi: an SFIConfig. pad > 0 (any
+    size, `adjust_pad`): z comes as [N, H, S + 2 pad] with -inf pads on both sides
+    (`adjust_scores`' input).
     num_warps, tile (logits per block), chunk_blocks (blocks per program): tuning knobs
     (scripts/bench/bench_selector_kernels.py times a few).
     """
@@ -322,9 +320,9 @@ def adjust_scores(z_padded, lo, hi, *, sfi, interpret=False, block=512, num_warp
     radius = adjust_pad(sfi)
     n_sets, hkv, padded = z_padded.shape
     s_len = padded - 2 * radius
-    blk = min(_pow2(s_len), block)
+    blk = min(pow2(s_len), block)
     kernel = functools.partial(
-        _adjust_kernel, hkv=hkv, hp=_pow2(hkv), s_len=s_len, blk=blk, radius=radius,
+        _adjust_kernel, hkv=hkv, hp=pow2(hkv), s_len=s_len, blk=blk, radius=radius,
         alpha_soft=sfi.alpha_soft, alpha_cross=sfi.alpha_cross, cross_temp=sfi.cross_temp,
         log_eps=math.log(sfi.eps))
     return pl.pallas_call(
@@ -376,7 +374,7 @@ def kth_largest_key(scores, k: int, *, radix_bits: int = 4, interpret=False, num
     if not 1 <= k <= s_len:
         raise ValueError(f"k={k} must be in [1, {s_len}] (the row length)")
     n_cand = 1 << radix_bits
-    blk = min(_pow2(s_len), max(16, 16384 // n_cand))
+    blk = min(pow2(s_len), max(16, 16384 // n_cand))
     out = pl.pallas_call(
         functools.partial(_kth_key_kernel, k=k, radix_bits=radix_bits, s_len=s_len, blk=blk),
         out_shape=jax.ShapeDtypeStruct((n_rows, n_cand), jnp.uint32), grid=(n_rows,),

@@ -113,7 +113,10 @@ def test_selector_scores_kernel_exports_for_cuda(r):
         fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, sfi=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
-    for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1)):  # steps 5-6
+    # steps 5-6; radii 3 and 5: pads that are not a power of two (stored by masked
+    # power-of-two stores: Triton's arrays have power-of-two sizes)
+    for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
+                SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0)):
         pad = selector_gpu.adjust_pad(cfg)
         fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, sfi=c, pad=p))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
@@ -244,15 +247,16 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps, m
 
 
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
-    """With programmatic dependent launch on (a Hopper GPU) the sparse decode kernel, its
-    merge, the fused matmul and the K-major one each signal `griddepcontrol.launch_dependents`,
-    after an operand from the main loop; off (False, and "auto" without such a GPU) none
-    does."""
+    """With programmatic dependent launch on (True, and "auto" on a GPU of compute capability
+    9.0 or more: the H100/H200) the sparse decode kernel, its merge, the fused matmul and the
+    K-major one each signal `griddepcontrol.launch_dependents`, after an operand from the main
+    loop; off (False, and "auto" on a CPU or an older GPU) none does."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
     from sfi_jax.kernels import triton_lowering
 
     _triton_lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
-    assert not triton_lowering.signals_dependents()  # "auto" on this GPU-less machine
+    device = jax.devices()[0]
+    hopper = device.platform in ("gpu", "cuda") and float(device.compute_capability) >= 9.0
     modules = []
     lower = _triton_lowering.lower_jaxpr_to_triton_module
 
@@ -272,7 +276,7 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     def kmajor(x, g, u, norm):
         return sm.skinny_matmul_kmajor(x, (g, u), norm, epilogue="silu")
 
-    for setting, signals in ((True, True), (False, False), ("auto", False)):
+    for setting, signals in ((True, True), (False, False), ("auto", hopper)):
         monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
         jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
         modules.clear()

@@ -1,4 +1,5 @@
-"""Decode kernels against the jnp reference, on CPU (Pallas in interpret mode).
+"""Decode kernels against the jnp reference: the GPU kernels compiled on a GPU (the tests
+marked `gpu`) and in interpret mode elsewhere, the TPU kernels in interpret mode.
 
 Shapes are small but chosen so that lengths land on block and split edges, caches are
 not multiples of the block, and every GQA group size the models use appears once.
@@ -22,27 +23,28 @@ from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.options import platform
 
-from conftest import assert_close_logits, host_rng, normal, rel_err
+from conftest import GPU_IMPL, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
 GPU_CFG = gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
 IMPLS = ["pallas_gpu", "pallas_tpu"]
+IMPL_PARAMS = [GPU_IMPL, "pallas_tpu"]  # the GPU kernel's tests marked `gpu`
 
 
 def _dense(impl, q, k, v, lens, **kw):
     if impl == "pallas_gpu":
         return gpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
-                                config=GPU_CFG, interpret=True, **kw)
+                                config=GPU_CFG, interpret=gpu_interpret(), **kw)
     return tpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
                             interpret=pltpu.InterpretParams(), block_k=TPU_BLOCK, **kw)
 
 
 def _sparse(impl, *args, **kw):
     if impl == "pallas_gpu":
-        return gpu.sparse_decode(*args, kw.pop("layer", None), config=GPU_CFG, interpret=True,
-                                 **kw)
+        return gpu.sparse_decode(*args, kw.pop("layer", None), config=GPU_CFG,
+                                 interpret=gpu_interpret(), **kw)
     return tpu.sparse_decode(*args, kw.pop("layer", None), interpret=pltpu.InterpretParams(),
                              block_k=TPU_BLOCK, **kw)
 
@@ -58,7 +60,7 @@ DENSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", DENSE_CASES)
 def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
     b = len(lengths)
@@ -89,7 +91,7 @@ def _stacked_case(seed, n_keys, dtype):
         normal(ks[2], shape, dtype), ks
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_dense_layer_and_rows_read_in_place(impl):
     q, k, v, _ = _stacked_case(5, 3, jnp.float32)
     rows = jnp.asarray([3, 0, 3], jnp.int32)
@@ -106,7 +108,7 @@ def test_dense_layer_and_rows_read_in_place(impl):
     assert rel_err(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
 def test_dense_logits_into_buffer(impl):
     """Logits written into layer l of a stacked buffer: the valid positions equal the
     reference, other layers stay as they were; the GPU kernel also leaves positions past a
@@ -116,7 +118,7 @@ def test_dense_logits_into_buffer(impl):
     lens = jnp.asarray([200, 0, 71], jnp.int32)
     buf = normal(ks[3], (3, 3, 8, 200), jnp.float32)  # [L, rows, Hq, S]
     before = np.asarray(buf)
-    kw = dict(config=GPU_CFG, interpret=True) if impl == "pallas_gpu" else {}
+    kw = dict(config=GPU_CFG, interpret=gpu_interpret()) if impl == "pallas_gpu" else {}
     fn = gpu.dense_decode if impl == "pallas_gpu" else (
         lambda *a, **k_: api.dense_decode(*a[:4], layer=a[4], rows=a[5], impl="xla", **k_))
     out, new, lse = fn(q, k, v, lens, jnp.int32(1), rows, logits_into=buf, **kw)
@@ -156,7 +158,7 @@ SPARSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths", SPARSE_CASES)
 def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
     b = len(lengths)
@@ -179,7 +181,7 @@ def f_stacked(impl, *args):
     return _sparse(impl, *args, layer=jnp.int32(2), window=130)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_sparse_layer_read_in_place(impl):
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=260, c=140,
                                      d=64, dtype=jnp.float32, layers=3)
@@ -218,7 +220,7 @@ def _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2, layer=1):
     return want_k, want_v
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_writes_the_new_token(impl, dtype):
     """new_kv: the step's key/value land at position lengths - 1 of layer l (norm too), nothing
@@ -233,7 +235,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     if impl == "pallas_gpu":
         out, k2, v2, n2 = jax.jit(lambda k, v, n: gpu.sparse_decode(
             q, ck, cv, c_len, k, v, rs, lens, layer, window=64, new_kv=(kn, vn), key_norms=n,
-            config=GPU_CFG, interpret=True))(k, v, norms)
+            config=GPU_CFG, interpret=gpu_interpret()))(k, v, norms)
     else:
         out, k2, v2, n2 = sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer=layer,
                                         window=64, new_kv=(kn, vn), key_norms=norms, impl=impl)
@@ -243,7 +245,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
 def test_dense_output_into_rows(impl):
     """out_into: row i's output lands in row dest[i] of the given buffer (dest out of range:
     dropped); the buffer's other rows stay as they were."""
@@ -258,7 +260,7 @@ def test_dense_output_into_rows(impl):
     base = normal(ks[3], (b, hq, d), jnp.float32)
     if impl == "pallas_gpu":
         got = gpu.dense_decode(q, k, v, lens, None, rows, out_into=base, out_rows=dest,
-                               config=GPU_CFG, interpret=True)
+                               config=GPU_CFG, interpret=gpu_interpret())
     else:
         got = api.dense_decode(q, k, v, lens, rows=rows, out_into=(base, dest), impl=impl)
     ref = reference.dense_decode(q, k[rows], v[rows], lens)
@@ -271,7 +273,7 @@ def test_dense_output_into_rows(impl):
     q_all = normal(ks[0], (b, hq, d), jnp.float32)
     if impl == "pallas_gpu":
         out = gpu.dense_decode(q_all, k, v, lens, None, rows, gather_q=True, config=GPU_CFG,
-                               interpret=True)
+                               interpret=gpu_interpret())
     else:
         out = api.dense_decode(q_all, k, v, lens, rows=rows, gather_q=True, impl=impl)
     assert rel_err(out, reference.dense_decode(q_all[rows], k[rows], v[rows], lens)) <= 1e-5
@@ -279,7 +281,7 @@ def test_dense_output_into_rows(impl):
         api.dense_decode(q_all[:3], k, v, lens, rows=rows, gather_q=True)
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
 def test_repack_copies_the_selected_rows(impl):
     """repack: occupied slots get the cache rows at their positions (entries at -1 move
     nothing on GPU), every other row of the compact buffers stays as it was."""
@@ -292,7 +294,7 @@ def test_repack_copies_the_selected_rows(impl):
     slots = jnp.asarray([2, 0, 5], jnp.int32)  # 5 >= b: an empty slot
     pos = jnp.asarray(host_rng(ks[4]).integers(-1, s, (n_layers, 3, hkv, c), dtype=np.int32))
     if impl == "pallas_gpu":
-        got = gpu.repack(ck, cv, k, v, pos, slots, interpret=True, block=16)
+        got = gpu.repack(ck, cv, k, v, pos, slots, interpret=gpu_interpret(), block=16)
     else:
         got = api.repack(ck, cv, k, v, pos, slots, impl=impl)
     pos_np = np.asarray(pos)
@@ -405,8 +407,9 @@ def test_api_rejects_bad_input():
                          [(True, 8, 2, 32, jnp.bfloat16), (True, 4, 4, 16, jnp.float32),
                           (False, 3, 1, 64, jnp.bfloat16)],
                          ids=["qwen3-bf16", "mha-f32", "llama-odd-heads"])
+@pytest.mark.gpu
 def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
-    """The one-launch q/k norm + rope + v split (interpret mode) against the model's jnp path
+    """The one-launch q/k norm + rope + v split (compiled on a GPU) against the model's jnp path
     (attention_inputs with impl="xla") on fresh random weights and far-apart positions."""
     import dataclasses
 
@@ -454,8 +457,9 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
 @pytest.mark.parametrize("n, skew, dtype", [(5, False, jnp.float32), (6, False, jnp.bfloat16),
                                             (40, True, jnp.float32)],
                          ids=["decode-f32", "decode-bf16", "one-expert-many-blocks"])
+@pytest.mark.gpu
 def test_moe_kernels_match_ragged_dot(n, skew, dtype):
-    """The grouped expert matmuls (interpret mode) against the lax.ragged_dot path of moe_mlp
+    """The grouped expert matmuls (compiled on a GPU) against the lax.ragged_dot path of moe_mlp
     on fresh random weights: experts with no rows, one row, and more rows than one block."""
     from sfi_jax.kernels import moe_gpu
     from sfi_jax.models.config import ModelConfig
@@ -491,10 +495,11 @@ def test_moe_kernels_match_ragged_dot(n, skew, dtype):
 
 
 @pytest.mark.parametrize("block_n, block_k", [(32, 16), (64, 32), (128, 64)])
+@pytest.mark.gpu
 def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
     """Other weight tiles (the diagnostic's sweep; 128 x 64 is the models' default where it
-    divides the dims) give ragged_dot's product; a tile that does not divide the dims is an
-    error naming them."""
+    divides the dims) give the grouped product (a float64 reference); a tile that does not
+    divide the dims is an error naming them."""
     from sfi_jax.kernels import moe_gpu
 
     e, k, n, m = 4, 128 if block_n == 128 else 64, 96 if block_n == 32 else 128, 21
@@ -502,8 +507,13 @@ def test_moe_kernel_tiles_match_ragged_dot(block_n, block_k):
     x = normal(ks[0], (m, k), jnp.float32)
     w = normal(ks[1], (e, k, n), jnp.float32)
     sizes = jnp.array([5, 0, 16, 0], jnp.int32)  # 21 rows: a one-block and a full-block expert
-    got = moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_n=block_n, block_k=block_k)
-    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    got = moe_gpu.grouped_matmul(x, w, sizes, interpret=gpu_interpret(), block_n=block_n,
+                                 block_k=block_k)
+    # float64 on the host: lax.ragged_dot at its default precision takes TF32 for float32 on a
+    # GPU (rel err ~3e-4 against the kernel's full-precision dots); float32 products summed
+    # over k <= 128 in another order stay near 1e-7
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = np.concatenate([x64[:5] @ w64[0], x64[5:] @ w64[2]])
     assert rel_err(got[:m], want) < 1e-5
     with pytest.raises(ValueError, match="multiples of 48"):
         moe_gpu.grouped_matmul(x, w, sizes, interpret=True, block_k=48)
@@ -518,8 +528,9 @@ def test_moe_tile_is_the_largest_that_divides():
 
 @pytest.mark.parametrize("n, dtype", [(1, jnp.float32), (6, jnp.bfloat16), (16, jnp.float32),
                                       (17, jnp.float32)])
+@pytest.mark.gpu
 def test_moe_token_tiles_match_ragged_dot(n, dtype):
-    """grouping="tokens" (every expert multiplies all of a step's tokens; interpret mode)
+    """grouping="tokens" (every expert multiplies all of a step's tokens; compiled on a GPU)
     against the ragged_dot path, on fresh random weights with 20 experts (three down-projection
     groups, the last one partial); more than 16 tokens fall back to the sorted kernels."""
     from sfi_jax.models.config import ModelConfig

@@ -1,5 +1,6 @@
 """Multi-query (verify) decode attention: the jnp reference against a float64 loop, every
-implementation against the reference on CPU (Pallas in interpret mode), T = 1 against the
+implementation against the reference (the GPU kernel compiled on a GPU, the tests marked `gpu`;
+Pallas in interpret mode elsewhere), T = 1 against the
 dense decode kernel, and the kernels lowered for TPU and exported for CUDA.
 
 Shapes are tiny but lengths land on block and split edges, caches are not block multiples,
@@ -19,7 +20,7 @@ from sfi_jax.kernels import multi_query_decode_reference as mq_ref
 from sfi_jax.kernels import multi_query_decode_tpu as mq_tpu
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 
-from conftest import assert_close_logits, normal, rel_err
+from conftest import GPU_IMPL, assert_close_logits, gpu_interpret, normal, rel_err
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
@@ -28,7 +29,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
 GPU_CFG = mq_gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
-IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+IMPLS = ["xla", GPU_IMPL, "pallas_tpu"]
 
 
 def _run(impl, q, k, v, qs, kl, **kw):
@@ -36,7 +37,7 @@ def _run(impl, q, k, v, qs, kl, **kw):
     layer = kw.pop("layer", None)
     if impl == "pallas_gpu":
         return mq_gpu.multi_query_decode(q, k, v, qs, kl, layer, config=GPU_CFG,
-                                         interpret=True, **kw)
+                                         interpret=gpu_interpret(), **kw)
     if impl == "pallas_tpu":
         return mq_tpu.multi_query_decode(q, k, v, qs, kl, layer, block_k=TPU_BLOCK,
                                          interpret=pltpu.InterpretParams(), **kw)
@@ -158,7 +159,7 @@ def test_one_query_equals_dense_decode(impl):
     assert_close_logits(lse[:, :, 0], d_lse, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, "pallas_tpu"])
 def test_dispatcher_runs_kernel_on_cpu(impl):
     """The public entry point with the kernel's own default tuning."""
     q, k, v = _case(3, 2, 4, 8, 2, 64, 130, jnp.bfloat16)

@@ -1,5 +1,6 @@
 """Prefill attention: every implementation against the dense jnp reference on fresh random
-inputs (Pallas kernels in interpret mode), the TPU kernel lowered for TPU and the GPU kernel
+inputs (the GPU kernel compiled on a GPU, the tests marked `gpu`; Pallas kernels in interpret
+mode elsewhere), the TPU kernel lowered for TPU and the GPU kernel
 exported for CUDA, and the shape checks."""
 
 import importlib
@@ -16,10 +17,13 @@ from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_tpu
 from sfi_jax.kernels.prefill_attention import prefill_attention
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
 
+from conftest import GPU_IMPL
+
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
 IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+IMPL_PARAMS = ["xla", GPU_IMPL, "pallas_tpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 # small blocks, so a few query and key blocks (whole ones and masked ones) are exercised
 BLOCKS = {"xla": (16, 32), "pallas_gpu": (8, 32), "pallas_tpu": (16, 128)}
@@ -46,7 +50,7 @@ def _assert_close(out, want, q_start, kv_len, dtype, what):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_offsets_and_ragged_rows(impl, dtype):
     """Rows: an empty prefix (q_start 0), a long filled prefix, a chunk whose tail is padding
     (kv_len inside the chunk) and an empty cache (all padding); T and S not block multiples."""
@@ -62,7 +66,7 @@ def test_offsets_and_ragged_rows(impl, dtype):
 
 @pytest.mark.parametrize("heads", [(4, 4, 128), (4, 2, 64), (5, 1, 64), (16, 2, 128)],
                          ids=["g1-d128", "g2-d64", "g5-d64", "g8-d128"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_gqa_groups_and_head_dims(impl, heads):
     hq, hkv, d = heads
     t, s = 20, 150
@@ -76,7 +80,7 @@ def test_gqa_groups_and_head_dims(impl, heads):
                   f"{impl} {heads}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_stacked_cache_traced_layer(impl):
     """layer= reads one layer of a stacked cache in place, with the layer traced."""
     t, s = 24, 200
@@ -91,7 +95,7 @@ def test_stacked_cache_traced_layer(impl):
         _assert_close(out, want, q_start, kv_len, jnp.float32, f"{impl} layer {layer}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_default_blocks_single_query(impl):
     """Default block sizes, and a chunk of one query at the end of a filled prefix."""
     q, k, v = _inputs(5, 2, 1, 8, 2, 300, 64, jnp.bfloat16)

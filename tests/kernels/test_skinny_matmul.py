@@ -1,4 +1,5 @@
-"""The weight-streaming matmul (interpret mode) against a float64 numpy reference on fresh random
+"""The weight-streaming matmul (compiled on a GPU, the tests marked `gpu`; interpret mode
+elsewhere) against a float64 numpy reference on fresh random
 inputs: several column blocks and K splits with ragged edges, one and two weights, with and
 without the folded RMSNorm; the dispatcher's choice of kernel or XLA; its errors."""
 
@@ -14,7 +15,7 @@ import pytest
 from sfi_jax.kernels import skinny_matmul as dispatch
 from sfi_jax.kernels import skinny_matmul_gpu as gpu
 
-from conftest import rel_err
+from conftest import gpu_interpret, rel_err
 
 EPS = 1e-6
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -54,12 +55,13 @@ _MODE_CASES = [(mode, name) for name in _CASES for mode in gpu.MODES
 
 
 @pytest.mark.parametrize("mode, case", _MODE_CASES, ids=[f"{m}-{c}" for m, c in _MODE_CASES])
+@pytest.mark.gpu
 def test_kernel_matches_numpy(mode, case):
     rows, k, n, n_w, normed, dtype = _CASES[case]
     x, ws, norm = _inputs(rows * k + n, rows, k, n, n_w, dtype, normed)
     want = _numpy_reference(x, ws, norm)
     config = dataclasses.replace(SMALL, mode=mode)
-    parts = gpu.skinny_matmul_partials(x, ws, norm, interpret=True, config=config)
+    parts = gpu.skinny_matmul_partials(x, ws, norm, interpret=gpu_interpret(), config=config)
     assert len(parts) == n_w + normed
     assert parts[0].shape[0] > 1  # several K splits, each a partial sum
     got = dispatch.skinny_matmul(x, ws, norm, eps=EPS, impl="kernel", config=config)
@@ -73,6 +75,7 @@ def test_kernel_matches_numpy(mode, case):
         assert rel_err(got[0], plain[0]) > 10 * TOL[dtype]
 
 
+@pytest.mark.gpu
 def test_dispatcher_keeps_leading_dims_and_default_config():
     x, ws, norm = _inputs(7, 6, 64, 96, 1, jnp.float32, True)
     x3 = x.reshape(2, 3, 64)
@@ -145,6 +148,7 @@ def _f64(a):
 @pytest.mark.parametrize("epilogue, dtype, hq, hkv", [
     ("residual", jnp.float32, 0, 0), ("silu", jnp.bfloat16, 0, 0), ("heads", jnp.float32, 4, 2),
     ("heads", jnp.bfloat16, 5, 1)])  # 7 heads: the last column block passes the last head
+@pytest.mark.gpu
 def test_fused_epilogues_match_numpy(epilogue, dtype, hq, hkv):
     """Each epilogue on several column blocks and K splits (ragged N for the elementwise ones),
     three rows, against float64 numpy; the counters come back zero, ready for the next call."""
@@ -163,7 +167,7 @@ def test_fused_epilogues_match_numpy(epilogue, dtype, hq, hkv):
                         num_kv_heads=hkv)}[epilogue]
     sync = gpu.new_sync()
     *got, sync = gpu.skinny_matmul_fused(x, ws, norm, sync, epilogue=epilogue, eps=EPS,
-                                         interpret=True, config=SMALL, **kw)
+                                         interpret=gpu_interpret(), config=SMALL, **kw)
     assert np.all(np.asarray(sync) == 0)
     assert gpu.plan(n, k, SMALL)[1] > 1 and -(-n // SMALL.block_n) > 1  # splits and blocks
     prods = _numpy_reference(x, ws, norm)
@@ -211,6 +215,7 @@ def test_fused_epilogues_name_bad_arguments():
     ("residual", jnp.float32, 0, 0), ("silu", jnp.bfloat16, 0, 1), (None, jnp.float32, 2, 2),
     ("silu", jnp.bfloat16, 3, 0), ("residual", jnp.bfloat16, 3, 2)])
 # 2 / 3 programs walking 5 column blocks (ragged last one)
+@pytest.mark.gpu
 def test_kmajor_matches_numpy(epilogue, dtype, programs, prefetch, xla_fast_compile):
     """The K-major kernel (weights [N, K]) with each epilogue, three rows, ragged K and N,
     one program per column block or a few walking several, tiles loaded ahead or not,
@@ -223,7 +228,7 @@ def test_kmajor_matches_numpy(epilogue, dtype, programs, prefetch, xla_fast_comp
                            prefetch=prefetch)
     got = gpu.skinny_matmul_kmajor(x, tuple(w.T for w in ws), norm, epilogue=epilogue,
                                    residual=res if epilogue == "residual" else None, eps=EPS,
-                                   interpret=True, config=cfg)
+                                   interpret=gpu_interpret(), config=cfg)
     prods = _numpy_reference(x, ws, norm)
     want = {"residual": lambda: _f64(res) + prods[0], None: lambda: prods[0],
             "silu": lambda: prods[0] / (1 + np.exp(-prods[0])) * prods[1]}[epilogue]()

@@ -14,6 +14,8 @@ from sfi_jax.config import SFIConfig
 from sfi_jax.selector import select, selector_scores, topk_positions, window_max
 from sfi_jax.selector.select import allowed_mask
 
+from conftest import gpu_interpret
+
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
@@ -116,7 +118,7 @@ def check_selection(got, z_ref, lo, hi, k, tol=2e-4):
 
 
 def run_both(logits, key_norms, lo, hi, cfg):
-    """The jnp scores and the GPU scores kernel (interpret mode here) against the float64
+    """The jnp scores and the GPU scores kernel (interpret mode off the GPU) against the float64
     reference."""
     z_ref = ref_scores(logits, key_norms, lo, hi, cfg)
     finite = np.isfinite(z_ref)
@@ -144,6 +146,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.gpu  # the Triton kernels: compiled on a GPU
 def test_against_reference(name):
     cfg = dataclasses.replace(BASE, **VARIANTS[name])
     logits, key_norms, lo, hi = make_inputs(seed=len(name))
@@ -167,6 +170,7 @@ def test_refinements_change_the_selection():
         check_selection(got, ref_scores(logits, key_norms, lo, hi, cfg), lo, hi, 40)
 
 
+@pytest.mark.gpu
 def test_range_sizes_and_ragged_rows():
     """|J| = 0, 1, 2, < K, = K, > K, an out-of-cache range, in one ragged batch."""
     K, S = 24, 96
@@ -183,6 +187,7 @@ def test_range_sizes_and_ragged_rows():
         np.testing.assert_array_equal(got[4], np.broadcast_to(np.arange(40, 40 + K), got[4].shape))
 
 
+@pytest.mark.gpu
 def test_k_larger_than_cache():
     cfg = dataclasses.replace(BASE, k_select=300)
     logits, key_norms, lo, hi = make_inputs(seed=4, B=2, S=100, lo=[0, 20], hi=[100, 70])
@@ -193,6 +198,7 @@ def test_k_larger_than_cache():
         np.testing.assert_array_equal(got[1, :, :50], np.broadcast_to(np.arange(20, 70), (4, 50)))
 
 
+@pytest.mark.gpu
 def test_causal_rows_and_masked_rows():
     """Window queries (prefill) see different prefixes; one row sees nothing of J at all."""
     logits, key_norms, lo, hi = make_inputs(seed=5, B=2, R=4, S=120, lo=[4, 4], hi=[100, 60])
@@ -203,6 +209,7 @@ def test_causal_rows_and_masked_rows():
     check_selection(select(logits, key_norms, lo, hi, BASE), z_ref, lo, hi, BASE.k_select)
 
 
+@pytest.mark.gpu
 def test_long_context_scores_do_not_tie():
     """At tens of thousands of positions most probabilities are tiny; scores must keep their order."""
     cfg = dataclasses.replace(BASE, k_select=256, nms_radius=16)
@@ -211,6 +218,7 @@ def test_long_context_scores_do_not_tie():
     check_selection(select(logits, key_norms, lo, hi, cfg, topk_impl="threshold"), z_ref, lo, hi, 256)
 
 
+@pytest.mark.gpu
 def test_jit_with_static_config_and_one_head():
     cfg = dataclasses.replace(BASE, k_select=8)
     logits, key_norms, lo, hi = make_inputs(seed=8, B=2, H=1, R=1, S=50)
@@ -271,6 +279,7 @@ def test_shard_map_over_kv_heads():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 7, 64, 300, 500])
 @pytest.mark.parametrize("kind", ["distinct", "ties", "masked"])
+@pytest.mark.gpu
 def test_topk_impls_match_reference(k, kind):
     rng = np.random.default_rng(k)
     shape = (2, 3, 300)
@@ -295,6 +304,7 @@ def test_topk_impls_match_reference(k, kind):
                 assert np.all(np.diff(got[idx][:n]) > 0) and np.all(got[idx][n:] == -1)
 
 
+@pytest.mark.gpu
 def test_topk_threshold_matches_lax_on_long_rows():
     rng = np.random.default_rng(11)
     scores = jnp.asarray(rng.standard_normal((4, 20000)).astype(np.float32))
@@ -306,8 +316,9 @@ def test_topk_threshold_matches_lax_on_long_rows():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.gpu
 def test_kth_largest_key_kernel_matches_jnp(bits):
-    """The Triton radix search (interpret mode) against the jnp one on fresh rows: distinct
+    """The Triton radix search (compiled on a GPU) against the jnp one on fresh rows: distinct
     values, ties, -0.0 and -inf padding, a length that is no multiple of the block, k = 1 and
     k = the row length."""
     from sfi_jax.kernels import selector_gpu
@@ -321,7 +332,8 @@ def test_kth_largest_key_kernel_matches_jnp(bits):
     x[2, rng.random(3001) < 0.9] = -np.inf
     x[3, :] = -np.inf
     for k in (1, 37, 1500, 3001):
-        got = selector_gpu.kth_largest_key(jnp.asarray(x), k, radix_bits=bits, interpret=True)
+        got = selector_gpu.kth_largest_key(jnp.asarray(x), k, radix_bits=bits,
+                                            interpret=gpu_interpret())
         want = kth_largest_key(sortable_keys(jnp.asarray(x)), k, bits)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
     with pytest.raises(ValueError, match="radix_bits"):
@@ -370,6 +382,7 @@ def test_successor_spread():
 
 
 @pytest.mark.parametrize("case", ["random", "clustered", "ties", "few_finite"])
+@pytest.mark.gpu
 def test_topk_prefilter_exact(case):
     """The sampled pre-filter path and its radix fallback both give lax.top_k's positions."""
     import importlib
@@ -401,6 +414,7 @@ def test_topk_prefilter_exact(case):
         np.testing.assert_array_equal(got, want, err_msg=impl)
 
 
+@pytest.mark.gpu
 def test_scores_kernel_reads_the_given_slot_and_row():
     """selector_scores_at (the engine's call): the kernel reads logits[:, slot] and
     key_norms[:, row] of the full buffers in place, as the jnp path does after slicing."""
@@ -428,11 +442,33 @@ def test_scores_kernel_reads_the_given_slot_and_row():
             np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("radius", [3, 5, 16])
+def test_scores_kernel_pads_any_radius(radius):
+    """base_scores(pad=nms_radius) for a radius that is not a power of two (Triton's arrays
+    are): the row of z between exactly `radius` -inf positions on each side, and the same z
+    as without pads (the pads' masked stores reach neither into z nor past the row)."""
+    from sfi_jax.kernels import selector_gpu
+
+    logits, key_norms, lo, hi = make_inputs(seed=radius, B=2, H=3, R=3, S=333)
+    lo, hi = lo.astype(np.int32), hi.astype(np.int32)
+    cfg = dataclasses.replace(BASE, nms_radius=radius)
+    kw = dict(sfi=cfg, interpret=gpu_interpret(), chunk_blocks=2)  # several chunks per row
+    args = (logits[:, None], key_norms[:, None], lo, hi, 0, 0)
+    plain = np.asarray(selector_gpu.base_scores(*args, **kw))
+    padded = np.asarray(selector_gpu.base_scores(*args, pad=radius, **kw))
+    assert padded.shape == (2, 3, 333 + 2 * radius)
+    assert np.isneginf(padded[..., :radius]).all() and np.isneginf(padded[..., -radius:]).all()
+    np.testing.assert_array_equal(padded[..., radius:-radius], plain)
+    assert np.isfinite(plain).any()
+
+
 @pytest.mark.parametrize("change", [{}, dict(nms_radius=1), dict(nms_radius=3, cross_temp=1.0),
                                     dict(alpha_cross=0.0), dict(alpha_soft=0.0)],
                          ids=["default", "radius1", "radius3,T1", "no_cross", "no_nms"])
+@pytest.mark.gpu
 def test_adjust_kernel_against_jnp(change):
-    """Steps 5-6 by the GPU kernel (interpret mode here; the window max from shifted loads,
+    """Steps 5-6 by the GPU kernel (compiled on a GPU; the window max from shifted loads,
     all heads in one tile, three of them padded to four) against the jnp steps, on ragged
     ranges including an empty one and one shorter than the window."""
     from sfi_jax.kernels import selector_gpu
@@ -447,7 +483,8 @@ def test_adjust_kernel_against_jnp(change):
     want = np.asarray(adjust_scores(z, lo, hi, cfg))
     pad = selector_gpu.adjust_pad(cfg)  # the kernel reads rows between -inf pads
     padded = np.pad(z, ((0, 0), (0, 0), (pad, pad)), constant_values=-np.inf)
-    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, sfi=cfg, interpret=True))
+    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, sfi=cfg,
+                                                interpret=gpu_interpret()))
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
