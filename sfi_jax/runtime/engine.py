@@ -391,8 +391,13 @@ class Engine:
                                    "token ids or Engine(..., tokenizer=...)")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [_as_int(t, "prompt", 0, self.cfg.vocab_size - 1,
-                           f"token ids in [0, {self.cfg.vocab_size})") for t in prompt]
+            V, ids = self.cfg.vocab_size, []
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) \
+                        or not 0 <= t < V:
+                    raise RequestError("prompt", f"prompt token {i} is {t!r}: token ids are "
+                                       f"integers in [0, {V})")
+                ids.append(int(t))
         else:
             raise RequestError("prompt", "prompt must be a string or a list of token ids, got "
                                f"{type(prompt).__name__}")
