@@ -335,9 +335,10 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         else:  # per-row sampling and budgets (the Engine's slots)
             key = state.key
             token, keys = sample_rows(logits, rows)
-            bad = live & ~jnp.all(jnp.isfinite(logits), axis=-1)
-            rows = rows._replace(keys=keys, remaining=rows.remaining - live,
-                                 nonfinite=rows.nonfinite | bad)
+            rows = rows._replace(keys=keys, remaining=rows.remaining - live)
+        nonfinite = state.nonfinite
+        if nonfinite is not None:  # a NaN/inf logit stops its row (the host reports it)
+            nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
         token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
         out_tokens = out_tokens.at[:, i].set(jnp.where(live, token, -1))
         if return_logits:
@@ -358,7 +359,9 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                              fast_steps=st.fast_steps + (~refreshed & live))
         done = state.done | eos_mask[token]
         if rows is not None:
-            done = done | rows.nonfinite | (rows.remaining <= 0)
+            done = done | (rows.remaining <= 0)
+        if nonfinite is not None:
+            done = done | nonfinite
         if buf is not None and slots is not None:  # this step's refreshed rows
             # + 0 that XLA cannot fold: the selection's update of the compact buffers waits for
             # this step's token, so for every layer's read of them (else XLA copies them)
@@ -366,7 +369,7 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         # rows that had ended stay where they are (an idle slot never outgrows the cache)
         state = DecodeState(k=k, v=v, lengths=jnp.where(live, pos + 1, pos), token=token,
                             done=done, step=state.step + 1, key=key, sfi=st, diag=diag,
-                            q_hist=q_hist, rows=rows)
+                            q_hist=q_hist, rows=rows, nonfinite=nonfinite)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
         return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, sync, buf)

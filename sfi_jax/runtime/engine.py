@@ -33,7 +33,7 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.modeling import Model
 from sfi_jax.options import EngineOptions
-from sfi_jax.runtime import decode, prefill, programs, selection
+from sfi_jax.runtime import decode, exact, prefill, programs, selection
 from sfi_jax.runtime.sampling import SamplingConfig, sample_rows
 from sfi_jax.runtime.state import (DecodeState, RowControls, empty_cache, empty_sfi_state,
                                    row_controls, state_bytes)
@@ -231,7 +231,8 @@ def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: Ro
                          pending=st.pending.at[slot].set(True),
                          slow_steps=st.slow_steps.at[slot].set(0),
                          fast_steps=st.fast_steps.at[slot].set(0))
-    rows = jax.tree.map(lambda a, b: a.at[slot].set(b[0]), state.rows, controls)
+    rows = state.rows if state.rows is None else \
+        jax.tree.map(lambda a, b: a.at[slot].set(b[0]), state.rows, controls)
     q_hist = state.q_hist
     if q_hist is not None:
         q_hist = q_hist.at[:, slot].set(0)
@@ -239,15 +240,27 @@ def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: Ro
         k=jax.lax.dynamic_update_slice(state.k, k, at),
         v=jax.lax.dynamic_update_slice(state.v, v, at),
         lengths=state.lengths.at[slot].set(length), token=state.token.at[slot].set(token),
-        done=state.done.at[slot].set(done), sfi=st, rows=rows, q_hist=q_hist)
+        done=state.done.at[slot].set(done), sfi=st, rows=rows, q_hist=q_hist,
+        nonfinite=state.nonfinite.at[slot].set(False))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _release(state: DecodeState, free):
+@functools.partial(jax.jit, donate_argnames=("state", "counts"))
+def _release(state: DecodeState, counts, free):
     """Rows in `free` (bool [B]) end: done, back at length 0, no budget."""
-    rows = state.rows._replace(remaining=jnp.where(free, 0, state.rows.remaining))
+    rows = state.rows
+    if rows is not None:
+        rows = rows._replace(remaining=jnp.where(free, 0, rows.remaining))
+    if counts is not None:
+        counts = counts._replace(remaining=jnp.where(free, 0, counts.remaining))
     return state._replace(done=state.done | free, lengths=jnp.where(free, 0, state.lengths),
-                          rows=rows)
+                          rows=rows), counts
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def _insert_counts(counts, slot, remaining):
+    """Exact mode's bookkeeping of a new request in `slot`."""
+    return exact.ExactCounts(*(c.at[slot].set(0) for c in counts))._replace(
+        remaining=counts.remaining.at[slot].set(remaining))
 
 
 @jax.jit
@@ -261,7 +274,8 @@ def _first_token(logits, controls: RowControls):
 class Engine:
     """Continuous batching over `max_slots` rows of a `max_len`-position cache.
 
-    mode: "sfi" or "dense" (every request of the engine). sfi: the SFIConfig (default
+    mode: "sfi", "dense" or "exact" (greedy requests only: dense decoding's tokens, drafted by
+    SFI's fast steps and verified by a dense step). sfi: the SFIConfig (default
     SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
     the most steps a finished or cancelled request's slot stays busy). prefill_chunk: the most
     prompt tokens per prefill call (a power of two, default 8192). max_queue: requests that may
@@ -274,15 +288,18 @@ class Engine:
                  prefill_chunk: int | None = None, max_queue: int = 64,
                  options: EngineOptions | None = None, trigger_ids=None,
                  model_name: str | None = None):
-        if mode not in ("sfi", "dense"):
-            raise ValueError(f"Engine mode must be 'sfi' or 'dense', got {mode!r} (exact mode "
-                             "runs through sfi_jax.generate)")
-        if mode == "sfi":
+        if mode not in ("sfi", "dense", "exact"):
+            raise ValueError(f"Engine mode must be 'sfi', 'dense' or 'exact', got {mode!r}")
+        if mode in ("sfi", "exact"):
             sfi = SFIConfig() if sfi is None else sfi
             if not isinstance(sfi, SFIConfig):
                 raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
             if sfi.policy == "oracle":
                 raise ValueError("the oracle policy is an evaluation baseline; it is not served")
+            if mode == "exact" and sfi.evidence_window > 1:
+                raise ValueError("mode='exact' selects from the verify step's own queries; "
+                                 f"SFIConfig.evidence_window={sfi.evidence_window} needs "
+                                 "mode='sfi'")
         else:
             sfi = None
         from sfi_jax.runtime import mesh as mesh_lib
@@ -301,7 +318,7 @@ class Engine:
         self.window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
         self.max_len, self.max_slots = self._size(max_len, max_slots)
         self._masks(trigger_ids)
-        self._state = self._empty_state()
+        self._state, self._exact_counts = self._empty_state()
         self._slots: list[_Active | None] = [None] * self.max_slots
         self._prefilling: collections.deque[_Active] = collections.deque()
         self._waiting: collections.deque[_Active] = collections.deque()
@@ -377,10 +394,14 @@ class Engine:
         if self.sfi is not None and self.sfi.evidence_window > 1:
             q_hist = jnp.zeros((cfg.num_layers, B, cfg.num_q_heads, self.sfi.evidence_window,
                                 cfg.head_dim), dtype)
-        return DecodeState(k=k, v=v, lengths=jnp.zeros((B,), jnp.int32),
-                           token=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
-                           step=jnp.int32(0), key=jax.random.key(0), sfi=sfi_state,
-                           q_hist=q_hist, rows=row_controls(B))
+        exact_mode = self.mode == "exact"
+        state = DecodeState(k=k, v=v, lengths=jnp.zeros((B,), jnp.int32),
+                            token=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
+                            step=jnp.int32(0), key=jax.random.key(0), sfi=sfi_state,
+                            q_hist=q_hist, rows=None if exact_mode else row_controls(B),
+                            nonfinite=jnp.zeros((B,), bool))
+        # exact mode: greedy verification; its row budgets are `exact.ExactCounts.remaining`
+        return state, exact.initial_counts(B, np.zeros(B, np.int32)) if exact_mode else None
 
     # ------------------------------------------------------------------ requests
 
@@ -415,6 +436,10 @@ class Engine:
         _as_float(request.top_p, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
         V = self.cfg.vocab_size
         _as_int(request.top_k, "top_k", 0, V, f"an integer in [0, {V}] (0 = off)")
+        if self.mode == "exact" and request.temperature > 0:
+            raise RequestError("temperature", "this engine runs exact mode, which serves greedy "
+                               f"requests (temperature 0); got temperature "
+                               f"{request.temperature}")
         if request.seed is not None:
             _as_int(request.seed, "seed", 0, 2 ** 63 - 1, "an integer >= 0")
         stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
@@ -534,7 +559,7 @@ class Engine:
             except Exception as e:  # a device error ends the requests in flight, not the engine
                 for a in [a for a in self._slots if a is not None] + list(self._prefilling):
                     self._finish(a, "error", f"{type(e).__name__}: {e}")
-                self._state = self._empty_state()
+                self._state, self._exact_counts = self._empty_state()
 
     def _admit(self):
         """Waiting requests -> free slots (called with the lock held)."""
@@ -590,8 +615,7 @@ class Engine:
                            top_p=jnp.asarray([r.top_p], jnp.float32),
                            top_k=jnp.asarray([r.top_k], jnp.int32),
                            keys=jax.random.key(seed)[None],
-                           remaining=jnp.asarray([r.max_tokens - 1], jnp.int32),
-                           nonfinite=jnp.zeros((1,), bool))
+                           remaining=jnp.asarray([r.max_tokens - 1], jnp.int32))
 
     def _enter_slot(self, a: _Active):
         """The prefilled request's selection and first token; then its rows go into its slot."""
@@ -627,6 +651,9 @@ class Engine:
         self._state = _insert(self._state, jnp.int32(a.slot), a.k[..., :keep, :],
                                       a.v[..., :keep, :], sfi_row, jnp.int32(n), jnp.int32(token),
                                       controls, jnp.bool_(ended))
+        if self._exact_counts is not None:
+            self._exact_counts = _insert_counts(self._exact_counts, jnp.int32(a.slot),
+                                                jnp.int32(0 if ended else max_tokens - 1))
         a.k = a.v = a.key_norms = a.carry = a.tokens = None
         a.t_first = time.perf_counter()
         self._observe("ttft_s", a.t_first - a.t_submit)
@@ -642,9 +669,12 @@ class Engine:
                 self._finish(a, "cancelled")
             if self._slots[slot] is None:
                 free[slot] = True
-        self._state = _release(self._state, jnp.asarray(free))
+        self._state, self._exact_counts = _release(self._state, self._exact_counts,
+                                                   jnp.asarray(free))
 
     def _decode(self):
+        if self.mode == "exact":
+            return self._decode_exact()
         B, n = self.max_slots, self.chunk_steps
         forced = jnp.full((B, n), -1, jnp.int32)
         args = (self.params, self._state, self._eos, self._trig, forced)
@@ -655,7 +685,7 @@ class Engine:
         self._state, toks, taken, slow, _, _ = program(*args)
         toks, taken = np.asarray(toks), int(taken)
         done = np.asarray(self._state.done)
-        bad = np.asarray(self._state.rows.nonfinite)
+        bad = np.asarray(self._state.nonfinite)
         dt = time.perf_counter() - t0
         slow = np.asarray(slow)[:, :taken]
         produced = 0
@@ -667,15 +697,45 @@ class Engine:
             self._counts["slow_steps"] += int(slow[slot].sum())
             self._counts["fast_steps"] += len(new) - int(slow[slot].sum())
             if bad[slot]:
-                self._finish(a, "error", f"request {a.handle.id}: non-finite logits (NaN/inf) "
-                             f"at decode step {len(a.generated) + len(new)} (mode "
-                             f"{self.mode})")
+                self._finish(a, "error", self._nonfinite_message(a, len(new)))
                 continue
             self._deliver(a, new, device_done=bool(done[slot]))
         if taken:
             self._rate.append((produced, dt))
             if produced:
                 self._observe("itl_s", dt / max(1, taken))
+
+    def _nonfinite_message(self, a: _Active, n_new: int) -> str:
+        return (f"request {a.handle.id}: non-finite logits (NaN/inf) by decode step "
+                f"{len(a.generated) + n_new - 1} (mode {self.mode}); check the checkpoint and "
+                "dtype")
+
+    def _decode_exact(self):
+        """Draft + verify rounds for all slots (`exact.exact_chunk`, greedy)."""
+        n_rounds = max(1, self.chunk_steps // (self.sfi.draft_len + 1))
+        args = (self.params, self._state, self._exact_counts, self._eos, self._trig)
+        statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(),
+                       n_rounds=n_rounds, options=self.options, accept_rate=None)
+        program, _ = exact.compiled_chunk(args, statics)
+        t0 = time.perf_counter()
+        self._state, self._exact_counts, toks, n_out, taken = program(*args)
+        toks, n_out = np.asarray(toks), np.asarray(n_out)
+        done, bad = np.asarray(self._state.done), np.asarray(self._state.nonfinite)
+        dt = time.perf_counter() - t0
+        produced = 0
+        for slot, a in enumerate(self._slots):
+            if a is None:
+                continue
+            new = toks[slot, :n_out[slot]].tolist()
+            produced += len(new)
+            if bad[slot]:
+                self._finish(a, "error", self._nonfinite_message(a, len(new)))
+                continue
+            self._deliver(a, new, device_done=bool(done[slot]))
+        if int(taken):
+            self._rate.append((produced, dt))
+            if produced:
+                self._observe("itl_s", dt * self.max_slots / produced)
 
     def _deliver(self, a: _Active, new: list[int], device_done: bool):
         """Stream a request's new tokens; finish it on EOS, a stop token or string, or its

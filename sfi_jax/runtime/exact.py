@@ -273,13 +273,19 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                          fast_steps=st.fast_steps + jnp.where(live, m, 0))
         remaining = counts.remaining - n_emit
         done = state.done | jnp.any(eos_at, axis=1) | (remaining <= 0)
+        nonfinite = state.nonfinite
+        if nonfinite is not None:  # the verify's logits at the positions it fed
+            fed_ok = jnp.all(jnp.isfinite(logits_v), axis=-1) | (t > m[:, None])
+            nonfinite = nonfinite | (live & ~jnp.all(fed_ok, axis=1))
+            done = done | nonfinite
         counts = ExactCounts(remaining=remaining,
                              drafted=counts.drafted + jnp.where(live, m, 0),
                              accepted=counts.accepted + jnp.where(live, n, 0),
                              verify_steps=counts.verify_steps + live)
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, len0 + n + 1, len0),
                             token=jnp.where(live, nxt, state.token), done=done,
-                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None)
+                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
+                            nonfinite=nonfinite)
         return state, counts, i + 1, out, n_out + n_emit, buf
 
     def cond(carry):

@@ -475,6 +475,7 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
         if diagnostics:
             diag_parts.append(np.asarray(dg)[:, :, :taken])
         done = np.asarray(state.done)
+        _check_finite(state, generated, "sfi" if run.sfi is not None else "dense")
         steps_taken += taken
         remaining -= taken
         if on_tokens:
@@ -485,6 +486,17 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
     decode_s = time.perf_counter() - t1 - compile_s
     return _Decoded(generated, state, logits_out, slow_flags, diag_parts, steps_taken, decode_s,
                     compile_s)
+
+
+def _check_finite(state: DecodeState, generated, mode: str):
+    """FloatingPointError naming the first row whose decode logits turned NaN/inf (the decode
+    loop flags the row on the device and stops it)."""
+    bad = np.flatnonzero(np.asarray(state.nonfinite))
+    if bad.size:
+        row = int(bad[0])
+        raise FloatingPointError(
+            f"row {row}: non-finite logits (NaN/inf) by decode step {len(generated[row]) - 1} in "
+            f"mode {mode!r} ({bad.size} row(s) affected); check the checkpoint and dtype")
 
 
 def _check_exact(plan, sfi, forced_tokens):
@@ -536,6 +548,7 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
         for g, nw in zip(generated, new):
             g.extend(nw)
         done = np.asarray(state.done)
+        _check_finite(state, generated, "exact")
         rounds += int(taken)
         if on_tokens:
             on_tokens(new)
@@ -654,7 +667,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         if diagnostics else None,
                         q_hist=jnp.zeros((cfg.num_layers, B, cfg.num_q_heads,
                                           sfi.evidence_window, cfg.head_dim), dtype)
-                        if sfi is not None and sfi.evidence_window > 1 else None)
+                        if sfi is not None and sfi.evidence_window > 1 else None,
+                        nonfinite=run.put(np.zeros((B,), bool)))
     if plan is not None:
         state = jax.device_put(state, mesh_lib.decode_state_shardings(plan, state))
     rate = None if accept_rate is None else float(accept_rate)

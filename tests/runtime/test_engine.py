@@ -27,11 +27,11 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, TINY_EOS, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("mode", ["dense", "sfi"])
+@pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])
 def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode):
     """Five requests of different lengths and budgets over two slots (slots reused), arriving
     at different times while others decode, give generate()'s greedy tokens for each prompt
-    alone (EOS ends a request as it ends a generate row)."""
+    alone (EOS ends a request as it ends a generate row; exact mode's are dense decoding's)."""
     model = tiny_qwen3.model
     prompts = _prompts([5, 17, 40, 9, 33], seed=1)
     budgets = [16, 9, 16, 3, 12]
@@ -101,7 +101,7 @@ def test_sample_rows_distribution():
     top_p = np.repeat([p for _, _, p in params], n).astype(np.float32)
     rows = RowControls(temperature=temp, top_p=top_p, top_k=top_k,
                        keys=jax.random.split(jax.random.key(1), 3 * n),
-                       remaining=np.zeros(3 * n, np.int32), nonfinite=np.zeros(3 * n, bool))
+                       remaining=np.zeros(3 * n, np.int32))
     tokens, _ = jax.jit(sample_rows)(logits, rows)
     tokens = np.asarray(tokens).reshape(3, n)
     for i, (t, k, p) in enumerate(params):
@@ -189,6 +189,9 @@ def test_bad_requests_name_the_field(tiny_qwen3, kw, field, match):
 def test_bad_engine_settings(tiny_qwen3):
     with pytest.raises(ValueError, match="mode"):
         sfi_jax.Engine(tiny_qwen3.model, mode="fast")
+    exact = sfi_jax.Engine(tiny_qwen3.model, mode="exact", **ENGINE)
+    with pytest.raises(sfi_jax.RequestError, match="greedy"):
+        exact.validate(sfi_jax.Request(prompt=[1, 2], temperature=0.7))
     with pytest.raises(ValueError, match="max_len"):
         sfi_jax.Engine(tiny_qwen3.model, mode="dense", max_len=10 ** 9)
     with pytest.raises(MemoryError, match="slots"):
@@ -198,14 +201,42 @@ def test_bad_engine_settings(tiny_qwen3):
             sfi_jax.Request(prompt=[1, 2]))
 
 
-def test_a_row_that_turns_non_finite_fails_alone(tmp_path):
+@pytest.fixture(scope="module")
+def untied_qwen3(tmp_path_factory):
+    _, d = make_hf_checkpoint(tmp_path_factory.mktemp("untied"), "qwen3", seed=11,
+                              eos_token_id=TINY_EOS, tie_word_embeddings=False)
+    return sfi_jax.load_model(d, dtype="float32")
+
+
+@pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])
+def test_generate_stops_on_non_finite_decode_logits(untied_qwen3, mode):
+    """NaN in the embedding of the first generated token: the prefill is clean, the first
+    decode step is not; generate names the row, the step and the mode instead of returning
+    tokens drawn from NaN."""
+    import jax.numpy as jnp
+
+    model = untied_qwen3
+    p, q = _prompts([9, 14], seed=8)
+    ref = sfi_jax.generate(model, [p, q], max_new_tokens=6, mode="dense", sfi=SMALL).tokens
+    bad = ref[0][0]
+    if bad in p or bad in q or bad == ref[1][0]:
+        pytest.skip("the probe token occurs in the other row")
+    embed = model.embed.value
+    model.embed.value = embed.at[bad].set(jnp.nan)
+    try:
+        step = r"\d" if mode == "exact" else "1"  # (a round's drafts come out together)
+        with pytest.raises(FloatingPointError, match=rf"row 0: non-finite.*step {step} .*'{mode}'"):
+            sfi_jax.generate(model, [p, q], max_new_tokens=6, mode=mode, sfi=SMALL)
+    finally:
+        model.embed.value = embed
+
+
+def test_a_row_that_turns_non_finite_fails_alone(untied_qwen3):
     """NaN in the embedding of the token one request generates first: that request ends with an
     error at its first decode step; the request beside it finishes with the clean tokens."""
     import jax.numpy as jnp
 
-    _, d = make_hf_checkpoint(tmp_path, "qwen3", seed=11, eos_token_id=TINY_EOS,
-                              tie_word_embeddings=False)
-    model = sfi_jax.load_model(d, dtype="float32")
+    model = untied_qwen3
     p, q = _prompts([9, 14], seed=8)
     ref_p = sfi_jax.generate(model, [p], max_new_tokens=8, mode="dense").tokens[0]
     ref_q = sfi_jax.generate(model, [q], max_new_tokens=8, mode="dense").tokens[0]
