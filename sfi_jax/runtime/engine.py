@@ -716,7 +716,7 @@ class Engine:
         args = (self.params, self._state, self._exact_counts, self._eos, self._trig)
         statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(),
                        n_rounds=n_rounds, options=self.options, accept_rate=None)
-        program, _ = exact.compiled_chunk(args, statics)
+        program, _ = programs.compiled(exact.exact_chunk, args, statics)
         t0 = time.perf_counter()
         self._state, self._exact_counts, toks, n_out, taken = program(*args)
         toks, n_out = np.asarray(toks), np.asarray(n_out)

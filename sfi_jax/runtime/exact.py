@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import NamedTuple
 
 import jax
@@ -297,21 +296,3 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     state, counts, taken, out, n_out, _ = jax.lax.while_loop(
         cond, one_round, (state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
     return state, counts, out, n_out, taken
-
-
-_COMPILED: dict = {}
-
-
-def compiled_chunk(args, statics):
-    """`exact_chunk` compiled ahead of time for these arguments, cached (compile time stays
-    out of the decode timing). Returns (program, compile seconds: 0 when cached)."""
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), args)
-    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)),
-           tuple(sorted(statics.items())))
-    if key in _COMPILED:
-        return _COMPILED[key], 0.0
-    t0 = time.perf_counter()
-    if len(_COMPILED) > 16:
-        _COMPILED.clear()
-    _COMPILED[key] = exact_chunk.lower(*args, **statics).compile()
-    return _COMPILED[key], time.perf_counter() - t0

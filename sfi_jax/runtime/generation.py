@@ -90,25 +90,13 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
     return out
 
 
-_COMPILED: dict = {}
 MODES = ("sfi", "dense", "exact")
-
-
-def _compiled_decode(args, statics):
-    """Ahead-of-time compiled decode chunk, cached, so compile time stays out of decode_s."""
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), args)
-    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)), tuple(sorted(statics.items())))
-    if key not in _COMPILED:
-        if len(_COMPILED) > 32:
-            _COMPILED.clear()
-        _COMPILED[key] = decode.decode_chunk.lower(*args, **statics).compile()
-    return _COMPILED[key]
 
 
 def decode_programs() -> dict:
     """The compiled decode programs held now: {cache key: its static arguments (cfg, sfi,
     options, ...)}, for tests and reports (which engine options were compiled)."""
-    return {key: dict(key[2]) for key in _COMPILED}
+    return programs.held("decode_chunk")
 
 
 def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
@@ -461,9 +449,8 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
         args = (run.params, state, eos_j, trig_j, put(forced))
         statics = dict(cfg=run.cfg, sfi=run.sfi, sampling=run.sampling, n_steps=n,
                        options=run.options, return_logits=return_logits, plan=run.plan)
-        tc = time.perf_counter()
-        step_fn = _compiled_decode(args, statics)
-        compile_s += time.perf_counter() - tc
+        step_fn, seconds = programs.compiled(decode.decode_chunk, args, statics)
+        compile_s += seconds
         state, toks, taken, slow, lg, dg = step_fn(*args)
         toks, taken = np.asarray(toks), int(taken)
         new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
@@ -540,7 +527,7 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
         args = (run.params, state, counts, eos_j, trig_j)
         statics = dict(cfg=run.cfg, sfi=sfi, sampling=run.sampling, n_rounds=n_rounds,
                        options=run.options, accept_rate=accept_rate)
-        fn, seconds = exact.compiled_chunk(args, statics)
+        fn, seconds = programs.compiled(exact.exact_chunk, args, statics)
         compile_s += seconds
         state, counts, toks, n_out, taken = fn(*args)
         toks, n_out = np.asarray(toks), np.asarray(n_out)
