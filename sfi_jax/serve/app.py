@@ -291,7 +291,7 @@ def warm_up(engine, timeout: float = 600.0) -> None:
     server says it is ready."""
     import sfi_jax
 
-    handle = engine.submit(sfi_jax.Request(prompt="Hello", max_tokens=2, temperature=0.0))
+    handle = engine.submit(sfi_jax.Request(prompt=[0], max_tokens=2, temperature=0.0))
     result = handle.result(timeout=timeout)
     if result.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"the warm-up request ended with {result.finish_reason}: "

@@ -5,6 +5,7 @@ free one); one line on stdout when ready."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 
@@ -32,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request at most (default: the Engine's)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; more get 429")
-    p.add_argument("--mode", choices=("sfi", "dense", "exact"), default="sfi",
-                   help="decoding mode of the engine")
+    p.add_argument("--mode", choices=("sfi", "dense"), default="sfi",
+                   help="decoding mode of the engine (exact mode runs through "
+                        "python -m sfi_jax.generate)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--chunk-steps", type=int, default=16,
@@ -155,6 +157,14 @@ def make_server(app, args=None, *, ready_line: str | None = None, **config):
             await super().startup(sockets=sockets)
             if ready_line and not self.should_exit:
                 print(ready_line, flush=True)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # a SIGTERM was handled by shutting down gracefully: exit with status 0
+                # rather than raising the signal again once the server has stopped
+                getattr(self, "_captured_signals", []).clear()
 
         async def shutdown(self, sockets=None):
             await app.state.server.drain(self.config.timeout_graceful_shutdown or 0.0)
