@@ -231,6 +231,23 @@ def test_generate_stops_on_non_finite_decode_logits(untied_qwen3, mode):
         model.embed.value = embed
 
 
+@pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])
+def test_nan_in_one_layers_query_weight_is_reported(untied_qwen3, mode):
+    """NaN in one layer's wq: forward gives NaN, and so generate's first logits (the attention
+    guard for rows without a valid key no longer turns NaN rows into zeros)."""
+    import jax.numpy as jnp
+
+    model = untied_qwen3
+    wq = model.layers.wq.value
+    model.layers.wq.value = wq.at[1, 0, 0].set(jnp.nan)
+    try:
+        assert np.isnan(np.asarray(sfi_jax.forward(model, [[1, 2, 3]]))).all()
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            sfi_jax.generate(model, [[1, 2, 3]], max_new_tokens=3, mode=mode, sfi=SMALL)
+    finally:
+        model.layers.wq.value = wq
+
+
 def test_a_row_that_turns_non_finite_fails_alone(untied_qwen3):
     """NaN in the embedding of the token one request generates first: that request ends with an
     error at its first decode step; the request beside it finishes with the clean tokens."""
