@@ -260,7 +260,10 @@ def _compile_cache(args) -> None:
         return
     directory = args.compile_cache or default_compilation_cache_dir()
     if directory:
-        enable_compilation_cache(directory)
+        try:
+            enable_compilation_cache(directory)
+        except (ValueError, OSError) as e:
+            _fail(f"--compile-cache: {e}")
 
 
 class _PrefillBar:
@@ -354,10 +357,10 @@ def _run(argv, t_start: float) -> int:
         except ValueError as e:
             _fail(f"--mesh: {e}")
     try:
+        tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)  # fast: first
         k_major = {"on": True, "off": False}.get(args.k_major, "auto")
         model = sfi_jax.load_model(args.model, dtype=dtype, mesh=mesh, k_major=k_major,
                                    decode_rows=len(prompts))
-        tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
     except (ValueError, OSError) as e:
         _fail(e)
     if args.top_k > model.config.vocab_size:
