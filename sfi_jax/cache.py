@@ -137,14 +137,13 @@ def check_private(directory: str) -> None:
 def private_dir(directory: str, root: str | None = None) -> str:
     """Create `directory` (mode 700) if needed and check it and every directory between it
     and `root` (default: the cache root) with `check_private`."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
     root = os.path.abspath(root or cache_root() or directory)
-    d = os.path.abspath(directory)
-    while True:
+    chain = [os.path.abspath(directory)]
+    while chain[-1].startswith(root + os.sep):
+        chain.append(os.path.dirname(chain[-1]))
+    for d in reversed(chain):  # from the root down: nothing is made inside a refused one
+        os.makedirs(d, mode=0o700, exist_ok=True)
         check_private(d)
-        if d == root or os.path.dirname(d) == d or not d.startswith(root + os.sep):
-            break
-        d = os.path.dirname(d)
     return directory
 
 
