@@ -62,11 +62,25 @@ def _memory_fraction_hint(device) -> str:
             "(e.g. to 0.94) before jax is imported")
 
 
+def _token_id(t) -> int | None:
+    """t as a token id (an integer, numpy's included; a bool is not one), else None."""
+    if isinstance(t, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
 def _tokenize(prompts, tokenizer) -> list[list[int]]:
     if hasattr(prompts, "tolist"):  # numpy / jax arrays: [T] one prompt, [B, T] a batch
         prompts = prompts.tolist()
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and _token_id(prompts[0]) is not None):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of strings or a list of token id "
+                         f"lists, got {type(prompts).__name__} {prompts!r:.60}")
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
     out = []
@@ -77,13 +91,17 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
                                  " or token id lists")
             ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         else:
+            if hasattr(p, "tolist"):
+                p = p.tolist()
+            if not isinstance(p, (list, tuple)):
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, got "
+                                 f"{type(p).__name__} {p!r:.60}")
             ids = []
             for t in p:
-                try:
-                    ids.append(operator.index(t))
-                except TypeError:
+                if _token_id(t) is None:
                     raise ValueError(f"prompt {i} has token id {t!r}, which is not an "
                                      "integer") from None
+                ids.append(_token_id(t))
         if not ids:
             raise ValueError(f"prompt {i} is empty (no tokens)")
         out.append(ids)
@@ -167,13 +185,21 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     options = options.resolved()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if _token_id(max_new_tokens) is None or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = operator.index(max_new_tokens)
     if diagnostics and mode != "sfi":
         raise ValueError("diagnostics=True needs mode='sfi' (use a budget >= the context for a "
                          "dense reference)")
-    if chunk_steps < 1:
-        raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if _token_id(chunk_steps) is None or chunk_steps < 1:
+        raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
+    if _token_id(top_k) is None or not 0 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k must be an integer in [0, {cfg.vocab_size}] (the vocabulary "
+                         f"size; 0 = off), got {top_k!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
+                or not np.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     if mode in ("sfi", "exact"):
         sfi = sfi if sfi is not None else SFIConfig()
