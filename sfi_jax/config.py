@@ -151,3 +151,11 @@ class SFIConfig:
     def compact_size(self) -> int:
         """Static length of the compact sink + selected buffer."""
         return self.n_sink + self.k_select
+
+    def capped(self, max_len: int) -> "SFIConfig":
+        """This config with k_select at most max_len: a cache of max_len positions never holds
+        more candidates, so the selections are the same and the state is no larger than the
+        context needs."""
+        if self.k_select <= max_len:
+            return self
+        return dataclasses.replace(self, k_select=max_len)

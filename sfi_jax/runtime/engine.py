@@ -342,6 +342,8 @@ class Engine:
         if max_len is None:  # a CPU reads whole caches in dense steps: keep them short there
             max_len = min(ctx, CPU_MAX_LEN) if on_cpu else ctx
         max_len = _as_int(max_len, "max_len", 2, ctx, f"an integer in [2, {ctx}]")
+        if self.sfi is not None:  # (k_select beyond the cache length selects nothing more)
+            self.sfi = self.sfi.capped(max_len)
         db = jnp.dtype(self.model.dtype).itemsize
         per_slot = sum(state_bytes(cfg, 1, max_len, db, self.sfi).values())
         from sfi_jax.runtime.generation import _available_device_bytes

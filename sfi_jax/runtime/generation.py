@@ -216,6 +216,8 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
     T, S, max_chunk = _lengths(cfg, lens, max_new_tokens, max_len, prefill_chunk)
+    if sfi is not None:
+        sfi = sfi.capped(S)
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)

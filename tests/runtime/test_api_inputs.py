@@ -66,3 +66,20 @@ def test_numpy_integers_are_accepted(model):
     got = sfi_jax.generate(model, np.array([[3, 4, 5]], np.int64), max_new_tokens=np.int64(3),
                            mode="dense", chunk_steps=np.int32(2), stop_at_eos=False)
     assert got.tokens == ref.tokens and len(ref.tokens[0]) == 3
+
+
+def test_k_select_beyond_the_context_is_capped(model):
+    """A budget larger than the cache selects nothing more: the state is sized by the cache,
+    and the tokens are those of k_select = the cache length."""
+    prompt = [[3, 4, 5, 6, 7, 8, 9, 10]]
+    huge = sfi_jax.generate(model, prompt, max_new_tokens=4, mode="sfi",
+                            sfi=sfi_jax.SFIConfig(k_select=10 ** 6, n_recent=2, n_sink=1))
+    S = huge.stats["max_len"]
+    fit = sfi_jax.generate(model, prompt, max_new_tokens=4, mode="sfi",
+                           sfi=sfi_jax.SFIConfig(k_select=S, n_recent=2, n_sink=1))
+    assert huge.tokens == fit.tokens
+    assert huge.stats["memory_bytes"] == fit.stats["memory_bytes"]
+    assert sfi_jax.SFIConfig(k_select=10 ** 6).capped(S).k_select == S
+    engine = sfi_jax.Engine(model, mode="sfi", sfi=sfi_jax.SFIConfig(k_select=10 ** 6),
+                            max_slots=1, max_len=64)
+    assert engine.sfi.k_select == 64
