@@ -420,7 +420,9 @@ def stats_line(mode: str, s: dict) -> str:
             f"{s['decode_tokens_per_s']:.1f} tokens/s | first token {s['ttft_s']:.2f} s "
             f"(compiles excluded), {s['first_token_from_start_s']:.2f} s after the command "
             "started")
-    if mode == "sfi":
+    if mode == "sfi" and s.get("decode_path") == "dense":
+        line += " | decoded densely: every prompt + new tokens fit the SFI budget"
+    elif mode == "sfi":
         line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
     if mode == "exact":
         line += (f" | verify steps per row {s['verify_steps']}, accepted/drafted "

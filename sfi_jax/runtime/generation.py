@@ -159,6 +159,7 @@ class _Run:
     forced_tokens: np.ndarray | None
     trigger_ids: np.ndarray | None
     window: int = 0  # prompt queries kept per row for the initial selection
+    decode_path: str = "sfi"  # "dense": mode sfi, but every row fits the budget (dense anyway)
 
     @property
     def batch(self) -> int:
@@ -216,8 +217,13 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
     T, S, max_chunk = _lengths(cfg, lens, max_new_tokens, max_len, prefill_chunk)
+    decode_path = mode
     if sfi is not None:
         sfi = sfi.capped(S)
+        if mode == "sfi" and not diagnostics and int(lens.max()) + max_new_tokens <= sfi.budget:
+            # every row's sets would cover its whole context: SFI is dense decoding there, so
+            # the dense program runs it without the selector and the compact buffers
+            sfi, decode_path = None, "dense"
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
@@ -249,7 +255,8 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         if bad.size:
             raise ValueError(f"trigger id {int(bad[0])} is outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
-    return _Run(cfg=cfg, sfi=sfi, sampling=sampling, options=options, ids=ids, lens=lens, S=S,
+    return _Run(decode_path=decode_path, cfg=cfg, sfi=sfi, sampling=sampling, options=options,
+                ids=ids, lens=lens, S=S,
                 chunk=chunk, T=T, plan=plan, params=params, sizes=sizes,
                 forced_tokens=forced_tokens, trigger_ids=trigger_ids, window=window)
 
@@ -605,6 +612,9 @@ def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics
                                     np.zeros((B, 0), bool)))
     else:
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
+        if mode == "sfi":  # every row within the budget ran dense (decode_path)
+            stats["slow_timeline"] = np.zeros((B, out.steps), bool)
+    stats["decode_path"] = run.decode_path
     if return_logits:
         stats["logits"] = np.concatenate(out.logits, axis=1)
     if diagnostics:

@@ -315,3 +315,23 @@ def test_stop_strings_end_the_text(smol_tokenizer):
                 break
         assert "".join(parts) == want == stream.text
         assert stopped == (want != text)
+
+
+def test_sfi_within_its_budget_runs_the_dense_program(tiny_qwen3):
+    """Rows whose prompt + new tokens fit the budget are dense under SFI: generate runs the
+    dense program for them (no selector, no compact buffers) and says so."""
+    model = tiny_qwen3.model
+    prompts = _prompts([5, 9], seed=10)
+    wide = sfi_jax.SFIConfig(n_sink=2, k_select=16, n_recent=8)  # budget 26 >= 9 + 12
+    sfi = sfi_jax.generate(model, prompts, max_new_tokens=12, mode="sfi", sfi=wide,
+                           stop_at_eos=False, return_logits=True)
+    dense = sfi_jax.generate(model, prompts, max_new_tokens=12, mode="dense",
+                             stop_at_eos=False, return_logits=True)
+    assert sfi.stats["decode_path"] == "dense" and dense.stats["decode_path"] == "dense"
+    assert sfi.tokens == dense.tokens
+    np.testing.assert_array_equal(sfi.stats["logits"], dense.stats["logits"])
+    assert "sfi_compact" not in sfi.stats["memory_bytes"]
+    assert sfi.stats["slow_timeline"].shape == (2, 11) and not sfi.stats["slow_timeline"].any()
+    over = sfi_jax.generate(model, prompts, max_new_tokens=18, mode="sfi", sfi=wide,
+                            stop_at_eos=False)  # 9 + 18 > 26: the SFI program
+    assert over.stats["decode_path"] == "sfi" and over.stats["slow_timeline"][:, 0].all()
