@@ -252,7 +252,7 @@ class _Server:
             async for event in self.events(handle, queue, None):
                 n += len(event.token_ids)
                 if event.finish_reason is None:
-                    if event.text:
+                    if event.text or (every and event.token_ids):
                         yield chunk(event.text)
                     continue
                 finished = True
