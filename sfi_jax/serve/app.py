@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -109,14 +108,12 @@ class _Server:
             raise APIError(404, f"model '{body.model}' does not exist; this server serves "
                                 f"'{self.name}'", "model")
         api = self.api
-        extra = {}
-        if body.ignore_eos:
-            if "ignore_eos" not in {f.name for f in dataclasses.fields(api.Request)}:
-                raise APIError(400, "ignore_eos is not supported by this engine", "ignore_eos")
-            extra["ignore_eos"] = True
-        req = api.Request(prompt=prompt, max_tokens=max_tokens, temperature=body.temperature,
+        temperature = body.temperature
+        if temperature is None:  # OpenAI's default, except where the engine serves greedy only
+            temperature = 0.0 if getattr(self.engine, "mode", None) == "exact" else 1.0
+        req = api.Request(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                           top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                          stop=body.stop_list(), stop_token_ids=body.stop_token_ids, **extra)
+                          stop=body.stop_list(), stop_token_ids=body.stop_token_ids)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request at most (default: the Engine's)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; more get 429")
-    p.add_argument("--mode", choices=("sfi", "dense"), default="sfi",
-                   help="decoding mode of the engine (exact mode runs through "
-                        "python -m sfi_jax.generate)")
+    p.add_argument("--mode", choices=("sfi", "dense", "exact"), default="sfi",
+                   help="decoding mode of the engine (exact: greedy requests only, dense "
+                        "decoding's tokens; a request's temperature then defaults to 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--chunk-steps", type=int, default=16,

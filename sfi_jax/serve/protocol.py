@@ -4,7 +4,7 @@ out-of-range values) and the OpenAI-style error body every failure is answered w
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -34,13 +34,12 @@ class _Body(BaseModel):
     model: Optional[str] = None
     user: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # None: 1, or 0 in exact mode
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # extension: sample from the k best tokens (0 = off)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None  # extension
-    ignore_eos: bool = False  # extension: keep going after the end-of-sequence token
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -12,7 +12,6 @@ import itertools
 import socket
 import threading
 import time
-import types
 
 import pytest
 

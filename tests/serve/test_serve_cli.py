@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
