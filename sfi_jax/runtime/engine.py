@@ -259,8 +259,8 @@ def _release(state: DecodeState, counts, free):
 @functools.partial(jax.jit, donate_argnames=("counts",))
 def _insert_counts(counts, slot, remaining):
     """Exact mode's bookkeeping of a new request in `slot`."""
-    return exact.ExactCounts(*(c.at[slot].set(0) for c in counts))._replace(
-        remaining=counts.remaining.at[slot].set(remaining))
+    fresh = exact.initial_counts(1, jnp.reshape(remaining, (1,)))
+    return jax.tree.map(lambda c, f: c.at[slot].set(f[0]), counts, fresh)
 
 
 @jax.jit

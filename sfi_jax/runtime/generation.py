@@ -582,7 +582,8 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
 def _exact_stats(counts: exact.ExactCounts) -> dict:
     """Per row: drafted = accepted + rejected draft tokens, verify steps (rounds), accepted
     draft tokens per verify step and per drafted token."""
-    drafted, accepted, verify = (np.asarray(x) for x in counts[1:])
+    drafted, accepted, verify = (np.asarray(x) for x in
+                                 (counts.drafted, counts.accepted, counts.verify_steps))
     with np.errstate(divide="ignore", invalid="ignore"):
         return {"drafted": drafted.tolist(), "accepted": accepted.tolist(),
                 "rejected": (drafted - accepted).tolist(), "verify_steps": verify.tolist(),
