@@ -1,6 +1,6 @@
-"""`python -m sfi_jax.serve` as a process: bad flags fail before the model loads; on a tiny
-random checkpoint it prints its ready line, answers an `openai` client with generate()'s text,
-and on SIGTERM ends a running stream cleanly and exits with status 0."""
+"""`python -m sfi_jax.serve`'s main: bad flags fail before the model loads; it prints its ready
+line, answers, and on SIGTERM ends a running stream cleanly and exits with status 0 (in this
+process over the fake engine; as a process on a tiny random checkpoint in the slow suite)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -61,6 +62,65 @@ def test_taken_port_fails_before_loading(capsys):
     assert e.value.code == 2 and "cannot listen on 127.0.0.1" in err, err
 
 
+def test_main_serves_then_exits_cleanly_on_sigterm(monkeypatch, capsys):
+    """main() in this process over the fake engine: the ready line, an answer, and a SIGTERM
+    (to this process, handled by uvicorn in the main thread) that ends a running stream with
+    [DONE] and returns 0 without raising the signal again."""
+    from serve_support import FakeEngine
+
+    from sfi_jax.serve import cli
+
+    import uvicorn
+
+    engine = FakeEngine(max_slots=1, max_len=10_000, chunk_steps=1, step_s=0.02)
+    monkeypatch.setattr(cli, "build_engine", lambda args, sfi: engine)
+    # uvicorn's logging set-up (dictConfig) would close pytest's capturing log handlers
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    seen, got = [], {}
+    old = signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
+
+    def client():
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            got["text"] = openai_client(url).completions.create(
+                model="fake", prompt="abc", max_tokens=5).choices[0].text
+            body = {"prompt": "abc", "max_tokens": 5000, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                it = (x for x in r.iter_lines() if x)
+                next(it)
+                os.kill(os.getpid(), signal.SIGTERM)
+                got["rest"] = list(it)
+        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+            got["error"] = e
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        code = cli.main(["--port", str(port), "--served-model-name", "fake",
+                         "--shutdown-timeout", "0.3", "--no-warmup"])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    thread.join(timeout=30)
+    assert "error" not in got, got.get("error")
+    assert code == 0 and not seen  # the handled SIGTERM was not raised again
+    assert got["text"] == "abcab" and got["rest"][-1] == "data: [DONE]"
+    assert f"serving fake on {url}\n" in capsys.readouterr().out
+    assert engine.stopping.is_set()
+
+
+@pytest.mark.slow
 def test_serves_then_exits_cleanly_on_sigterm(tiny_qwen3, smol_tokenizer):
     prompt = [5, 17, 42, 7, 99, 3]
     want = sfi_jax.generate(tiny_qwen3.model, [prompt], max_new_tokens=8, mode="dense").tokens[0]

@@ -16,7 +16,7 @@ import sfi_jax
 from sfi_jax.serve import create_app
 
 SFI = sfi_jax.SFIConfig(n_sink=4, k_select=32, n_recent=16, t_max=8)
-MAX_LEN = 512
+MAX_LEN = 256
 PROMPTS = ["The capital of France is",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who",
            "def fibonacci(n):",
@@ -33,7 +33,7 @@ CHAT_BUDGET = 10
 @pytest.fixture(scope="module")
 def served(smol_model, smol_tokenizer):
     engine = sfi_jax.Engine(smol_model, tokenizer=smol_tokenizer, mode="sfi", sfi=SFI,
-                            max_slots=2, max_len=MAX_LEN, chunk_steps=4, model_name="smol")
+                            max_slots=2, max_len=MAX_LEN, chunk_steps=8, model_name="smol")
     with running_server(create_app(engine)) as (url, _):
         yield url, engine
 
@@ -120,8 +120,9 @@ def test_stop_strings_end_where_they_should(served, reference, smol_tokenizer):
 def test_disconnect_frees_the_slot(served):
     url, engine = served
     before = engine.metrics()["requests_finished"]
+    generated = engine.metrics()["tokens_generated"]
     with httpx.Client(base_url=url, timeout=120) as http:
-        body = {"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 400,
+        body = {"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 200,
                 "temperature": 0, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -130,7 +131,8 @@ def test_disconnect_frees_the_slot(served):
     while engine.metrics()["requests_finished"] == before or engine.metrics()["active_slots"]:
         assert time.monotonic() < deadline, engine.metrics()
         time.sleep(0.05)
-    assert engine.metrics()["tokens_generated"] < 400 + 200  # it stopped long before 400
+    # it stopped long before its 200 tokens (all other requests of the module are shorter)
+    assert engine.metrics()["tokens_generated"] - generated < 100
 
 
 def test_engine_refusals_are_400(served):
