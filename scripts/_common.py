@@ -147,7 +147,8 @@ def make_state(cfg, B, S, ctx, sfi, seed=0):
         st = st._replace(key_norms=norms)
     return DecodeState(k=k, v=v, lengths=jnp.full((B,), ctx, jnp.int32),
                        token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
-                       step=jnp.int32(0), key=jax.random.key(seed), sfi=st)
+                       step=jnp.int32(0), key=jax.random.key(seed), sfi=st,
+                       nonfinite=jnp.zeros((B,), bool))  # generate's per-row finite check
 
 
 def forced_schedule(B, n, start, every, vocab):

@@ -54,10 +54,12 @@ def configs(args):
     out = []
     for r in args.retention:
         for pol in args.policies:
+            # every round drafts draft_len tokens: the acceptance of the draft policy itself
             cfg = dataclasses.replace(budget_config(pol, r, args.context, args.t_max),
-                                      draft_len=args.draft_len)
+                                      draft_len=args.draft_len, adaptive_draft=False)
             out.append(("retention", pol, r, cfg))
-    ref = budget_config("sfi", args.ref_retention, args.context, args.t_max)
+    ref = dataclasses.replace(budget_config("sfi", args.ref_retention, args.context, args.t_max),
+                              adaptive_draft=False)
     for d in args.draft_lens:
         if d != args.draft_len:
             out.append(("draft_len", "sfi", args.ref_retention,

@@ -80,7 +80,11 @@ class SFIConfig:
     successor_radius: int = 0
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
+    # With adaptive_draft each row drafts 0..draft_len tokens per round, the length that its
+    # running acceptance and the bytes model of a fast step against a verify say is fastest
+    # (0: a plain dense step), so drafts that miss cost next to nothing.
     draft_len: int = 3
+    adaptive_draft: bool = True
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)
@@ -92,6 +96,9 @@ class SFIConfig:
         _int_field(self, "evidence_window", 1)
         _int_field(self, "successor_radius", 0)
         _int_field(self, "draft_len", 1)
+        if not isinstance(self.adaptive_draft, bool):
+            raise ValueError(f"SFIConfig.adaptive_draft must be True or False, got "
+                             f"{self.adaptive_draft!r}")
         if self.draft_len > 15:
             raise ValueError(f"SFIConfig.draft_len must be in [1, 15] (the verify step takes "
                              f"draft_len + 1 <= 16 queries), got {self.draft_len}")
@@ -151,3 +158,11 @@ class SFIConfig:
     def compact_size(self) -> int:
         """Static length of the compact sink + selected buffer."""
         return self.n_sink + self.k_select
+
+    def capped(self, max_len: int) -> "SFIConfig":
+        """This config with k_select at most max_len: a cache of max_len positions never holds
+        more candidates, so the selections are the same and the state is no larger than the
+        context needs."""
+        if self.k_select <= max_len:
+            return self
+        return dataclasses.replace(self, k_select=max_len)

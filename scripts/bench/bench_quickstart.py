@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 
-STATS = re.compile(r"prefill (?P<prefill_s>[\d.]+) s \| compile (?P<compile_s>[\d.]+) s \| "
+STATS = re.compile(r"prefill \d+ prompt tokens in (?P<prefill_s>[\d.]+) s = [\d.]+ tokens/s \| "
+                   r"compile (?P<compile_s>[\d.]+) s \| "
                    r"decode (?P<decode_tokens>\d+) tokens in (?P<decode_s>[\d.]+) s")
 
 

@@ -262,7 +262,7 @@ def _combine_xla(o, m, l, valid, dtype):
     w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None]), 0.0)
     lsum = jnp.sum(jnp.where(jmask, l, 0.0) * w, axis=1)
     acc = jnp.sum(jnp.where(jmask[..., None], o, 0.0) * w[..., None], axis=1)
-    ok = lsum > 0
+    ok = lsum != 0  # no valid key: 0; NaN inputs stay NaN
     out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
     return out.astype(dtype), lse

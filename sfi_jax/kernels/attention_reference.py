@@ -45,8 +45,9 @@ def _softmax_out(s, v, out_dtype):
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(jnp.float32), precision=_HI)
-    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    ok = l != 0  # no valid key: 0; NaN inputs stay NaN (l is NaN, not 0)
+    o = jnp.where(ok, o / jnp.where(ok, l, 1.0), 0.0)
+    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
     return o.reshape(b, hkv * g, -1).astype(out_dtype), lse.reshape(b, hkv * g)
 
 

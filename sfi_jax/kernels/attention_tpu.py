@@ -73,7 +73,7 @@ def finish_rows(o_ref, lse_ref, m_sc, l_sc, acc_sc):
     """The softmax's output (acc / l, 0 for a row that saw no key) and, unless lse_ref is
     None, its log-sum-exp."""
     l = l_sc[...][:, :1]
-    ok = l > 0
+    ok = l != 0  # no valid key: 0; NaN inputs stay NaN
     safe = jnp.where(ok, l, 1.0)
     o_ref[...] = jnp.where(ok, acc_sc[...] / safe, 0.0).astype(o_ref.dtype)
     if lse_ref is not None:

@@ -33,7 +33,7 @@ def merge_splits(m, l, o, jmask):
     w = jnp.where(jmask, jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
     lsum = jnp.sum(l * w)
     acc = jnp.sum(o * w[:, None], axis=0)
-    ok = lsum > 0
+    ok = lsum != 0  # no valid key: 0; NaN inputs stay NaN
     return jnp.where(ok, acc / jnp.where(ok, lsum, 1.0), 0.0), mx, lsum, ok
 
 

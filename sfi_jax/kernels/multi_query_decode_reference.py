@@ -55,7 +55,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bhgts,bhsd->bhgtd", p, v.astype(jnp.float32), precision=_HI)
-    ok = l > 0
+    ok = l != 0  # no valid key: 0; NaN inputs stay NaN
     o = jnp.where(ok, o / jnp.where(ok, l, 1.0), 0.0)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
     if not return_logits:

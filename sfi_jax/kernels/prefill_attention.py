@@ -189,7 +189,8 @@ def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, *, block_q=XLA_B
                 jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32))
         acc, _, l = lax.fori_loop(0, n_blocks, body, init)
-        return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        ok = l != 0  # no valid key: 0; NaN inputs stay NaN
+        return jnp.where(ok[..., None], acc / jnp.where(ok, l, 1.0)[..., None], 0.0)
 
     out = lax.map(q_block, (jnp.arange(nq, dtype=jnp.int32), qp))  # [nq, B, Hkv, G, bq, D]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, hq, d)[:, :t]

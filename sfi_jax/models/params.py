@@ -14,7 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401  numpy's 'bfloat16' for safetensors
 import numpy as np
 
 from sfi_jax.models.config import ModelConfig
@@ -102,13 +102,16 @@ def _hf_plan(cfg: ModelConfig) -> dict:
 
 
 def _read(getter: Getter, name: str, transpose: bool, index: tuple, expected: tuple):
+    """The slice `index` of tensor `name` (of its transpose when `transpose`): only that slice
+    is read from a lazy tensor."""
     t = getter(name)
     shape = tuple(t.shape[::-1] if transpose else t.shape)
     if shape != tuple(expected):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected "
+        where = getattr(t, "source", "checkpoint")
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                          f"{tuple(expected[::-1]) if transpose else tuple(expected)} from the config")
-    view = t.T if transpose else t
-    return np.asarray(view[index])
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return np.asarray(t[index[::-1]]).T if transpose else np.asarray(t[index])
 
 
 def params_from_getter(cfg: ModelConfig, getter: Getter, dtype="bfloat16", mesh=None) -> dict:
@@ -145,54 +148,58 @@ def params_from_getter(cfg: ModelConfig, getter: Getter, dtype="bfloat16", mesh=
     return out
 
 
-# ---- safetensors (memory-mapped; numpy's safetensors backend has no bfloat16) ----
+# ---- safetensors (the `safetensors` library: validated headers, lazy reads by slice) ----
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+class SafetensorsTensor:
+    """One tensor of an open safetensors file: its shape, and the data of a slice read only
+    when indexed (numpy's bfloat16 comes from ml_dtypes)."""
 
+    def __init__(self, handle, name: str, path: str):
+        self._handle, self.name, self.source = handle, name, path  # the handle stays open
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
 
-def _open_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Lazy tensors of one .safetensors file (header parsed, data memory-mapped)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or n > 100_000_000:
-            raise ValueError(f"{path} is not a valid safetensors file (header size {n})")
+    def __getitem__(self, index) -> np.ndarray:
         try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
-    size = os.path.getsize(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else None
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        if 8 + n + end > size:
-            raise ValueError(f"{path} is truncated: tensor {name} ends past the file")
-        dt = np.dtype(_ST_DTYPES[info["dtype"]])
-        tensors[name] = data[start:end].view(dt).reshape(info["shape"])
-    return tensors
+            return np.asarray(self._slice[index])
+        except Exception as e:  # the library's SafetensorError and numpy's errors
+            raise ValueError(f"{self.source}: tensor {self.name!r} could not be read "
+                             f"({type(e).__name__}: {e})") from None
+
+
+def open_safetensors(path: str) -> dict[str, SafetensorsTensor]:
+    """The tensors of one .safetensors file, by name (the header validated, nothing read)."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(path, framework="numpy")
+        return {name: SafetensorsTensor(handle, name, path) for name in handle.keys()}
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except Exception as e:  # SafetensorError: bad header, offsets, dtype or size
+        raise ValueError(f"{path} is not a valid safetensors file ({e})") from None
 
 
 def safetensors_getter(directory: str) -> Getter:
     """All tensors of a Hugging Face directory (single file or sharded with an index)."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
+                             f"'weight_map' of tensor -> file): {type(e).__name__}: {e}") from None
     else:
         files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     tensors = {}
     for f in files:
-        path = os.path.join(directory, f)
+        path = os.path.join(directory, str(f))
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is listed in the index but missing")
-        tensors.update(_open_safetensors(path))
+        tensors.update(open_safetensors(path))
 
     def get(name):
         if name not in tensors:

@@ -3,7 +3,10 @@ chunked prefill (prefill), the compact buffers' selections (selection), the deco
 (decode), quality diagnostics (diagnostics), running on a mesh (mesh), sampling (sampling)
 and `generate` (generation)."""
 
+from sfi_jax.runtime.engine import (Engine, QueueFull, Request, RequestError, RequestHandle,
+                                   RequestResult, TokenEvent)
 from sfi_jax.runtime.generation import GenerateResult, generate
 from sfi_jax.runtime.sampling import SamplingConfig
 
-__all__ = ["GenerateResult", "SamplingConfig", "generate"]
+__all__ = ["Engine", "GenerateResult", "QueueFull", "Request", "RequestError", "RequestHandle",
+           "RequestResult", "SamplingConfig", "TokenEvent", "generate"]

@@ -29,7 +29,7 @@ from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import mesh
 from sfi_jax.runtime.diagnostics import attention_diagnostics
-from sfi_jax.runtime.sampling import SamplingConfig, sample
+from sfi_jax.runtime.sampling import SamplingConfig, sample, sample_rows
 from sfi_jax.runtime.selection import (allowed_range, select_all_layers, select_compact)
 from sfi_jax.runtime.slots import refresh_slots
 from sfi_jax.runtime.state import DecodeState, SFIState
@@ -327,10 +327,19 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
         logits = output_logits(params, cfg, x[:, 0])
-        key, sub = jax.random.split(state.key)
-        token = sample(logits, sub, sampling)
-        token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
         live = ~state.done
+        rows = state.rows
+        if rows is None:
+            key, sub = jax.random.split(state.key)
+            token = sample(logits, sub, sampling)
+        else:  # per-row sampling and budgets (the Engine's slots)
+            key = state.key
+            token, keys = sample_rows(logits, rows)
+            rows = rows._replace(keys=keys, remaining=rows.remaining - live)
+        nonfinite = state.nonfinite
+        if nonfinite is not None:  # a NaN/inf logit stops its row (the host reports it)
+            nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
+        token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
         out_tokens = out_tokens.at[:, i].set(jnp.where(live, token, -1))
         if return_logits:
             out_logits = out_logits.at[:, i].set(logits)
@@ -349,12 +358,18 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                              slow_steps=st.slow_steps + (refreshed & live),
                              fast_steps=st.fast_steps + (~refreshed & live))
         done = state.done | eos_mask[token]
+        if rows is not None:
+            done = done | (rows.remaining <= 0)
+        if nonfinite is not None:
+            done = done | nonfinite
         if buf is not None and slots is not None:  # this step's refreshed rows
             # + 0 that XLA cannot fold: the selection's update of the compact buffers waits for
             # this step's token, so for every layer's read of them (else XLA copies them)
             st = apply_selections(st, buf, k, v, pos + jnp.minimum(token, 0), slots)
-        state = DecodeState(k=k, v=v, lengths=pos + 1, token=token, done=done,
-                            step=state.step + 1, key=key, sfi=st, diag=diag, q_hist=q_hist)
+        # rows that had ended stay where they are (an idle slot never outgrows the cache)
+        state = DecodeState(k=k, v=v, lengths=jnp.where(live, pos + 1, pos), token=token,
+                            done=done, step=state.step + 1, key=key, sfi=st, diag=diag,
+                            q_hist=q_hist, rows=rows, nonfinite=nonfinite)
         if plan is not None:  # keep the loop carry's shardings fixed
             state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
         return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, sync, buf)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import NamedTuple
 
 import jax
@@ -40,19 +39,44 @@ from sfi_jax.runtime.state import DecodeState
 
 
 class ExactCounts(NamedTuple):
-    """Per-row bookkeeping of exact mode (all int32 [B])."""
+    """Per-row bookkeeping of exact mode (int32 [B], and the acceptance estimate)."""
 
     remaining: jax.Array  # tokens the row may still emit
     drafted: jax.Array  # draft tokens sent to verification
     accepted: jax.Array  # of those, accepted
     verify_steps: jax.Array  # rounds (one verify step each)
+    accept_ema: jax.Array  # float32: running share of draft tokens accepted (adaptive drafts)
+
+
+# Adaptive drafts: a new row's acceptance estimate; each verified draft moves it half-way to
+# the round's observed share; a row that does not draft drifts back towards the prior, so it
+# probes again now and then (with ~0 acceptance: one draft token every ~10 rounds).
+ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.05
 
 
 def initial_counts(batch: int, remaining) -> ExactCounts:
     def zeros():  # distinct buffers: the chunk donates each
         return jnp.zeros((batch,), jnp.int32)
 
-    return ExactCounts(jnp.asarray(remaining, jnp.int32), zeros(), zeros(), zeros())
+    return ExactCounts(jnp.asarray(remaining, jnp.int32), zeros(), zeros(), zeros(),
+                       jnp.full((batch,), ACCEPT_PRIOR, jnp.float32))
+
+
+def draft_lengths(accept, lengths, live, *, cfg: ModelConfig, sfi: SFIConfig, dtype_bytes: int):
+    """Each row's draft length 0..draft_len for the next round: the d that maximises expected
+    tokens per round (1 + a + ... + a^d at acceptance a) over its cost in dense steps
+    (d fast steps + one verify), from the bytes a step reads: the weights (shared by the live
+    rows) plus the row's KV, all of it for a verify, at most the SFI budget for a fast step."""
+    h = cfg.hidden_size
+    weights = float(cfg.param_count() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)) \
+        * dtype_bytes / jnp.maximum(jnp.sum(live), 1)
+    per_position = float(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
+    ctx = lengths.astype(jnp.float32)
+    fast = (weights + per_position * jnp.minimum(ctx, sfi.budget)) / (weights + per_position * ctx)
+    d = jnp.arange(sfi.draft_len + 1, dtype=jnp.float32)[None, :]
+    a = jnp.clip(accept, 0.0, 0.999)[:, None]
+    speed = (1 - a ** (d + 1)) / (1 - a) / (1 + d * fast[:, None])
+    return jnp.argmax(speed, axis=1).astype(jnp.int32)  # ties: the shorter draft
 
 
 def sampling_logits(logits, cfg: SamplingConfig):
@@ -187,6 +211,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     options = options.resolved()
     B = state.token.shape[0]
     k_len, T = sfi.draft_len, sfi.draft_len + 1
+    lengths_for = functools.partial(draft_lengths, cfg=cfg, sfi=sfi,
+                                    dtype_bytes=jnp.dtype(state.k.dtype).itemsize)
     L, S = cfg.num_layers, state.k.shape[3]
     n_slots = B if sfi.refresh_rows is None else min(sfi.refresh_rows, B)
     width = n_rounds * T
@@ -198,8 +224,11 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
 
-        def draft_step(j, c):
-            kc, vc, st, tok, drafts, q_logits, active, m = c
+        target = lengths_for(counts.accept_ema, len0, live) if sfi.adaptive_draft else \
+            jnp.full((B,), k_len, jnp.int32)
+
+        def draft_step(c):
+            kc, vc, st, tok, drafts, q_logits, active, m, j = c
             pos = jnp.minimum(len0 + j, S - 1)
             logits, kc, vc, st = _fast_step(params, kc, vc, st, tok, pos, cfg=cfg, sfi=sfi,
                                             options=options)
@@ -211,22 +240,25 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                 q_logits = q_logits.at[:, j].set(ql)
             drafts = drafts.at[:, j].set(d)
             m = m + active
-            stop = eos_mask[d] | (m >= counts.remaining - 1)
+            stop = eos_mask[d] | (m >= counts.remaining - 1) | (m >= target)
             if sfi.uses_triggers:
                 stop = stop | trigger_mask[d]
             if sfi.refreshes:
                 stop = stop | (st.since_slow + m + 1 >= sfi.t_max)
-            return kc, vc, st, d, drafts, q_logits, active & ~stop, m
+            return kc, vc, st, d, drafts, q_logits, active & ~stop, m, j + 1
 
         V = cfg.vocab_size
         q_logits = jnp.zeros((B, k_len, V) if not sampling.greedy else (B, k_len, 0),
                              jnp.float32)
-        active = live & (counts.remaining >= 2)
+        active = live & (counts.remaining >= 2) & (target > 0)
         if sfi.refreshes:
             active = active & (st.since_slow + 1 < sfi.t_max)
         init = (state.k, state.v, st, state.token, jnp.zeros((B, k_len), jnp.int32), q_logits,
-                active, jnp.zeros((B,), jnp.int32))
-        kc, vc, st, _, drafts, q_logits, _, m = jax.lax.fori_loop(0, k_len, draft_step, init)
+                active, jnp.zeros((B,), jnp.int32), jnp.int32(0))
+        # as many fast steps as the longest draft this round (none when no row drafts)
+        steps = jnp.max(jnp.where(active, target, 0))
+        kc, vc, st, _, drafts, q_logits, _, m, _ = jax.lax.while_loop(
+            lambda c: c[-1] < steps, draft_step, init)
 
         # the rows whose selection this verify refreshes (decided before it, from everything
         # the verify may accept, so only their logits are kept)
@@ -273,13 +305,24 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                          fast_steps=st.fast_steps + jnp.where(live, m, 0))
         remaining = counts.remaining - n_emit
         done = state.done | jnp.any(eos_at, axis=1) | (remaining <= 0)
+        nonfinite = state.nonfinite
+        if nonfinite is not None:  # the verify's logits at the positions it fed
+            fed_ok = jnp.all(jnp.isfinite(logits_v), axis=-1) | (t > m[:, None])
+            nonfinite = nonfinite | (live & ~jnp.all(fed_ok, axis=1))
+            done = done | nonfinite
+        seen = live & (m > 0)
+        ema = counts.accept_ema
+        ema = jnp.where(seen, ema + ACCEPT_STEP * (n / jnp.maximum(m, 1) - ema),
+                        jnp.where(live & (target == 0), ema + ACCEPT_DRIFT * (ACCEPT_PRIOR - ema),
+                                  ema))
         counts = ExactCounts(remaining=remaining,
                              drafted=counts.drafted + jnp.where(live, m, 0),
                              accepted=counts.accepted + jnp.where(live, n, 0),
-                             verify_steps=counts.verify_steps + live)
+                             verify_steps=counts.verify_steps + live, accept_ema=ema)
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, len0 + n + 1, len0),
                             token=jnp.where(live, nxt, state.token), done=done,
-                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None)
+                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
+                            nonfinite=nonfinite)
         return state, counts, i + 1, out, n_out + n_emit, buf
 
     def cond(carry):
@@ -291,21 +334,3 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     state, counts, taken, out, n_out, _ = jax.lax.while_loop(
         cond, one_round, (state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
     return state, counts, out, n_out, taken
-
-
-_COMPILED: dict = {}
-
-
-def compiled_chunk(args, statics):
-    """`exact_chunk` compiled ahead of time for these arguments, cached (compile time stays
-    out of the decode timing). Returns (program, compile seconds: 0 when cached)."""
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), args)
-    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)),
-           tuple(sorted(statics.items())))
-    if key in _COMPILED:
-        return _COMPILED[key], 0.0
-    t0 = time.perf_counter()
-    if len(_COMPILED) > 16:
-        _COMPILED.clear()
-    _COMPILED[key] = exact_chunk.lower(*args, **statics).compile()
-    return _COMPILED[key], time.perf_counter() - t0

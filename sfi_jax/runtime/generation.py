@@ -62,11 +62,25 @@ def _memory_fraction_hint(device) -> str:
             "(e.g. to 0.94) before jax is imported")
 
 
+def _token_id(t) -> int | None:
+    """t as a token id (an integer, numpy's included; a bool is not one), else None."""
+    if isinstance(t, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
 def _tokenize(prompts, tokenizer) -> list[list[int]]:
     if hasattr(prompts, "tolist"):  # numpy / jax arrays: [T] one prompt, [B, T] a batch
         prompts = prompts.tolist()
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and _token_id(prompts[0]) is not None):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of strings or a list of token id "
+                         f"lists, got {type(prompts).__name__} {prompts!r:.60}")
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
     out = []
@@ -77,38 +91,30 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
                                  " or token id lists")
             ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         else:
+            if hasattr(p, "tolist"):
+                p = p.tolist()
+            if not isinstance(p, (list, tuple)):
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, got "
+                                 f"{type(p).__name__} {p!r:.60}")
             ids = []
             for t in p:
-                try:
-                    ids.append(operator.index(t))
-                except TypeError:
+                if _token_id(t) is None:
                     raise ValueError(f"prompt {i} has token id {t!r}, which is not an "
                                      "integer") from None
+                ids.append(_token_id(t))
         if not ids:
             raise ValueError(f"prompt {i} is empty (no tokens)")
         out.append(ids)
     return out
 
 
-_COMPILED: dict = {}
 MODES = ("sfi", "dense", "exact")
-
-
-def _compiled_decode(args, statics):
-    """Ahead-of-time compiled decode chunk, cached, so compile time stays out of decode_s."""
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), args)
-    key = (jax.tree.structure(args), tuple(jax.tree.leaves(shapes)), tuple(sorted(statics.items())))
-    if key not in _COMPILED:
-        if len(_COMPILED) > 32:
-            _COMPILED.clear()
-        _COMPILED[key] = decode.decode_chunk.lower(*args, **statics).compile()
-    return _COMPILED[key]
 
 
 def decode_programs() -> dict:
     """The compiled decode programs held now: {cache key: its static arguments (cfg, sfi,
     options, ...)}, for tests and reports (which engine options were compiled)."""
-    return {key: dict(key[2]) for key in _COMPILED}
+    return programs.held("decode_chunk")
 
 
 def trigger_mask_for(tokenizer, vocab_size: int) -> np.ndarray:
@@ -153,6 +159,7 @@ class _Run:
     forced_tokens: np.ndarray | None
     trigger_ids: np.ndarray | None
     window: int = 0  # prompt queries kept per row for the initial selection
+    decode_path: str = "sfi"  # "dense": mode sfi, but every row fits the budget (dense anyway)
 
     @property
     def batch(self) -> int:
@@ -179,13 +186,21 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     options = options.resolved()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if _token_id(max_new_tokens) is None or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = operator.index(max_new_tokens)
     if diagnostics and mode != "sfi":
         raise ValueError("diagnostics=True needs mode='sfi' (use a budget >= the context for a "
                          "dense reference)")
-    if chunk_steps < 1:
-        raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if _token_id(chunk_steps) is None or chunk_steps < 1:
+        raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
+    if _token_id(top_k) is None or not 0 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k must be an integer in [0, {cfg.vocab_size}] (the vocabulary "
+                         f"size; 0 = off), got {top_k!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
+                or not np.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     if mode in ("sfi", "exact"):
         sfi = sfi if sfi is not None else SFIConfig()
@@ -202,6 +217,13 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
     T, S, max_chunk = _lengths(cfg, lens, max_new_tokens, max_len, prefill_chunk)
+    decode_path = mode
+    if sfi is not None:
+        sfi = sfi.capped(S)
+        if mode == "sfi" and not diagnostics and int(lens.max()) + max_new_tokens <= sfi.budget:
+            # every row's sets would cover its whole context: SFI is dense decoding there, so
+            # the dense program runs it without the selector and the compact buffers
+            sfi, decode_path = None, "dense"
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
@@ -233,7 +255,8 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         if bad.size:
             raise ValueError(f"trigger id {int(bad[0])} is outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
-    return _Run(cfg=cfg, sfi=sfi, sampling=sampling, options=options, ids=ids, lens=lens, S=S,
+    return _Run(decode_path=decode_path, cfg=cfg, sfi=sfi, sampling=sampling, options=options,
+                ids=ids, lens=lens, S=S,
                 chunk=chunk, T=T, plan=plan, params=params, sizes=sizes,
                 forced_tokens=forced_tokens, trigger_ids=trigger_ids, window=window)
 
@@ -461,9 +484,8 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
         args = (run.params, state, eos_j, trig_j, put(forced))
         statics = dict(cfg=run.cfg, sfi=run.sfi, sampling=run.sampling, n_steps=n,
                        options=run.options, return_logits=return_logits, plan=run.plan)
-        tc = time.perf_counter()
-        step_fn = _compiled_decode(args, statics)
-        compile_s += time.perf_counter() - tc
+        step_fn, seconds = programs.compiled(decode.decode_chunk, args, statics)
+        compile_s += seconds
         state, toks, taken, slow, lg, dg = step_fn(*args)
         toks, taken = np.asarray(toks), int(taken)
         new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
@@ -475,6 +497,7 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
         if diagnostics:
             diag_parts.append(np.asarray(dg)[:, :, :taken])
         done = np.asarray(state.done)
+        _check_finite(state, generated, "sfi" if run.sfi is not None else "dense")
         steps_taken += taken
         remaining -= taken
         if on_tokens:
@@ -485,6 +508,17 @@ def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask,
     decode_s = time.perf_counter() - t1 - compile_s
     return _Decoded(generated, state, logits_out, slow_flags, diag_parts, steps_taken, decode_s,
                     compile_s)
+
+
+def _check_finite(state: DecodeState, generated, mode: str):
+    """FloatingPointError naming the first row whose decode logits turned NaN/inf (the decode
+    loop flags the row on the device and stops it)."""
+    bad = np.flatnonzero(np.asarray(state.nonfinite))
+    if bad.size:
+        row = int(bad[0])
+        raise FloatingPointError(
+            f"row {row}: non-finite logits (NaN/inf) by decode step {len(generated[row]) - 1} in "
+            f"mode {mode!r} ({bad.size} row(s) affected); check the checkpoint and dtype")
 
 
 def _check_exact(plan, sfi, forced_tokens):
@@ -528,7 +562,7 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
         args = (run.params, state, counts, eos_j, trig_j)
         statics = dict(cfg=run.cfg, sfi=sfi, sampling=run.sampling, n_rounds=n_rounds,
                        options=run.options, accept_rate=accept_rate)
-        fn, seconds = exact.compiled_chunk(args, statics)
+        fn, seconds = programs.compiled(exact.exact_chunk, args, statics)
         compile_s += seconds
         state, counts, toks, n_out, taken = fn(*args)
         toks, n_out = np.asarray(toks), np.asarray(n_out)
@@ -536,6 +570,7 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
         for g, nw in zip(generated, new):
             g.extend(nw)
         done = np.asarray(state.done)
+        _check_finite(state, generated, "exact")
         rounds += int(taken)
         if on_tokens:
             on_tokens(new)
@@ -547,7 +582,8 @@ def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, 
 def _exact_stats(counts: exact.ExactCounts) -> dict:
     """Per row: drafted = accepted + rejected draft tokens, verify steps (rounds), accepted
     draft tokens per verify step and per drafted token."""
-    drafted, accepted, verify = (np.asarray(x) for x in counts[1:])
+    drafted, accepted, verify = (np.asarray(x) for x in
+                                 (counts.drafted, counts.accepted, counts.verify_steps))
     with np.errstate(divide="ignore", invalid="ignore"):
         return {"drafted": drafted.tolist(), "accepted": accepted.tolist(),
                 "rejected": (drafted - accepted).tolist(), "verify_steps": verify.tolist(),
@@ -577,6 +613,9 @@ def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics
                                     np.zeros((B, 0), bool)))
     else:
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
+        if mode == "sfi":  # every row within the budget ran dense (decode_path)
+            stats["slow_timeline"] = np.zeros((B, out.steps), bool)
+    stats["decode_path"] = run.decode_path
     if return_logits:
         stats["logits"] = np.concatenate(out.logits, axis=1)
     if diagnostics:
@@ -654,7 +693,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         if diagnostics else None,
                         q_hist=jnp.zeros((cfg.num_layers, B, cfg.num_q_heads,
                                           sfi.evidence_window, cfg.head_dim), dtype)
-                        if sfi is not None and sfi.evidence_window > 1 else None)
+                        if sfi is not None and sfi.evidence_window > 1 else None,
+                        nonfinite=run.put(np.zeros((B,), bool)))
     if plan is not None:
         state = jax.device_put(state, mesh_lib.decode_state_shardings(plan, state))
     rate = None if accept_rate is None else float(accept_rate)

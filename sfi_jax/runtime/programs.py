@@ -34,6 +34,11 @@ def compiled(fn, args, statics) -> tuple:
     return program, seconds
 
 
+def held(name: str) -> dict:
+    """The programs of function `name` held now: {cache key: its static arguments}."""
+    return {key: dict(key[3]) for key in _PROGRAMS if key[0] == name}
+
+
 def programs() -> list[tuple[str, dict]]:
     """The programs held now: (function name, its static arguments) each."""
     return [(key[0], dict(key[3])) for key in _PROGRAMS]

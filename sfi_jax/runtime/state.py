@@ -26,6 +26,27 @@ class SFIState(NamedTuple):
     fast_steps: jax.Array  # [B] int32
 
 
+class RowControls(NamedTuple):
+    """Per-row request parameters as data, so that a request's sampling and budget never
+    compile a new program (the Engine's slots): each row samples with its own temperature,
+    top-p, top-k and PRNG key and stops after `remaining` more tokens."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32 in (0, 1]
+    top_k: jax.Array  # [B] int32, 0 = off
+    keys: jax.Array  # [B] PRNG keys
+    remaining: jax.Array  # [B] int32: tokens the row may still emit
+
+
+def row_controls(batch: int) -> RowControls:
+    """Controls for `batch` idle rows (greedy, no budget left)."""
+    return RowControls(temperature=jnp.zeros((batch,), jnp.float32),
+                       top_p=jnp.ones((batch,), jnp.float32),
+                       top_k=jnp.zeros((batch,), jnp.int32),
+                       keys=jax.random.split(jax.random.key(0), batch),
+                       remaining=jnp.zeros((batch,), jnp.int32))
+
+
 class DecodeState(NamedTuple):
     k: jax.Array  # [L, B, Hkv, S, D]
     v: jax.Array  # [L, B, Hkv, S, D]
@@ -37,6 +58,9 @@ class DecodeState(NamedTuple):
     sfi: SFIState | None
     diag: jax.Array | None = None  # [L, B, Hkv, S] bool: previous dense top-k support
     q_hist: jax.Array | None = None  # [L, B, Hq, W, D]: last W queries (evidence_window > 1)
+    rows: RowControls | None = None  # per-row sampling and budgets (None: `sampling` for all)
+    # [B] bool: the row's logits were NaN/inf at some step (the row then stops); None: unchecked
+    nonfinite: jax.Array | None = None
 
 
 def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):

@@ -51,7 +51,8 @@ def test_cold_warm_and_uncached_loads_agree(tiny_gguf, tmp_path, monkeypatch):
     (entry,) = (tmp_path / "cache" / "gguf").iterdir()
     assert entry.name.startswith("tiny-")
     assert sorted(p.name for p in entry.iterdir()) == [
-        "config.json", "tokenizer", "weights-f32-q2-kv1.safetensors"]
+        "config.json", "config.json.sha256.json", "tokenizer", "tokenizer.sha256.json",
+        "weights-f32-q2-kv1.safetensors", "weights-f32-q2-kv1.safetensors.sha256.json"]
 
     _forbid_reading(monkeypatch)
     warm = sfi_jax.load_model(tiny_gguf, dtype="float32")
@@ -69,22 +70,42 @@ def test_cold_warm_and_uncached_loads_agree(tiny_gguf, tmp_path, monkeypatch):
     _equal(_host(sfi_jax.load_model(tiny_gguf, dtype="bfloat16")), ref_bf16)
 
 
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `permute`: HF (rotate-half) Q/K rows -> GGUF rows."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
 def test_cached_tensors_equal_the_dequantised_file(tiny_gguf, tmp_path, monkeypatch):
-    """Every tensor, HF-named and Q/K rows un-permuted, against the direct dequantisation."""
+    """Every cached tensor, HF-named, against the gguf package's own dequantisation of the
+    file's tensor; Q and K permuted back with llama.cpp's conversion formula."""
+    import gguf
+
     monkeypatch.setenv("SFI_JAX_CACHE_DIR", str(tmp_path / "cache"))
     cfg = gguf_loader.gguf_config(tiny_gguf)
-    cached = gguf_loader.gguf_getter(tiny_gguf, cfg)
-    direct = gguf_loader._direct_getter(tiny_gguf, cfg)
-    names = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{n}" for i in range(cfg.num_layers)
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                  "mlp.down_proj.weight")]
-    for name in names:
-        a, b = np.asarray(cached(name)), direct(name)
-        assert a.dtype == np.float32 and a.shape == b.shape, name
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    gguf_loader.gguf_getter(tiny_gguf, cfg)  # writes the cache entry
+    cached = gguf_loader.gguf_getter(tiny_gguf, cfg)  # reads it back
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+        [int(d) for d in reversed(t.shape)]) for t in gguf.GGUFReader(tiny_gguf).tensors}
+    hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    per_layer = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+                 "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+                 "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+                 "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight",
+                 "ffn_down": "mlp.down_proj.weight"}
+    checked = 0
+    for gname, ref in raw.items():
+        parts = gname.split(".")
+        name = hf.get(gname) or f"model.layers.{parts[1]}.{per_layer[parts[2]]}"
+        a = np.asarray(cached(name)[...])
+        assert a.dtype == np.float32 and a.shape == ref.shape, name
+        if parts[-2] == "attn_q":
+            a = _llama_cpp_permute(a, cfg.num_q_heads)
+        elif parts[-2] == "attn_k":
+            a = _llama_cpp_permute(a, cfg.num_kv_heads)
+        np.testing.assert_array_equal(a, ref, err_msg=name)
+        checked += 1
+    assert checked == 2 + 9 * cfg.num_layers
     with pytest.raises(ValueError, match=r"tiny\.gguf: tensor output\.weight .* is missing"):
         cached("lm_head.weight")
 

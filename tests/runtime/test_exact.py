@@ -52,7 +52,8 @@ def test_greedy_equals_dense_random_models(kind, tiny_qwen3, tmp_path, xla_fast_
     model = tiny_qwen3.model if kind == "qwen3" else \
         sfi_jax.load_model(make_hf_checkpoint(tmp_path, kind, seed=3)[1], dtype="float32")
     prompts = _prompts([40, 66, 13, 90], seed=1)
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3,
+                            adaptive_draft=False)
     kw = dict(max_new_tokens=NEW, stop_at_eos=False)
     ex = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, trigger_ids=[TRIGGER], **kw)
     assert _same_as_dense(model, ex, prompts, kind, **kw) == 0
@@ -69,7 +70,8 @@ def test_greedy_equals_dense_with_the_matmul_kernel(tiny_qwen3, xla_fast_compile
     heads kernel: the GPU layout): still dense decoding's tokens (computed with XLA's
     matmuls)."""
     prompts = _prompts([30, 51], seed=2)
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3,
+                            adaptive_draft=False)
     kw = dict(max_new_tokens=6, stop_at_eos=False)
     # a model of its own: split_layers works in place, and tiny_qwen3.model is shared
     split = sfi_jax.load_model(tiny_qwen3.dir, dtype="float32", split_layers=True)
@@ -97,7 +99,8 @@ def test_greedy_equals_dense_smollm2_budgets(smol_model, smol_tokenizer):
     dense = sfi_jax.generate(smol_model, ids, mode="dense", return_logits=True, **kw)
     rates = {}
     for k_select, n_recent in ((64, 32), (4, 4), (1, 2)):
-        cfg = sfi_jax.SFIConfig(n_sink=2, k_select=k_select, n_recent=n_recent, draft_len=3)
+        cfg = sfi_jax.SFIConfig(n_sink=2, k_select=k_select, n_recent=n_recent, draft_len=3,
+                                adaptive_draft=False)
         ex = sfi_jax.generate(smol_model, ids, mode="exact", sfi=cfg,
                               tokenizer=smol_tokenizer, **kw)
         for b, (got, want) in enumerate(zip(ex.tokens, dense.tokens)):
@@ -123,7 +126,8 @@ def _forced_run(tiny_qwen3, cfg, **extra):
 def test_forced_reject_step_counts(tiny_qwen3, xla_fast_compile):
     """accept_rate=0 rejects every draft: one token per verify step, still dense's tokens."""
     n, k = FORCED_NEW, FORCED_K
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=k,
+                            adaptive_draft=False)
     s = _forced_run(tiny_qwen3, cfg, accept_rate=0.0)
     assert s["verify_steps"] == [n - 1] * 2 and s["accepted"] == [0, 0]
     # each round drafts min(k, tokens left - 1)
@@ -133,7 +137,8 @@ def test_forced_reject_step_counts(tiny_qwen3, xla_fast_compile):
 def test_forced_accept_step_counts(tiny_qwen3, xla_fast_compile):
     """A budget covering the context accepts every draft: draft_len + 1 tokens per verify."""
     n, k = FORCED_NEW, FORCED_K
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=128, n_recent=16, t_max=64, draft_len=k,
+                            adaptive_draft=False)
     s = _forced_run(tiny_qwen3, cfg)
     rounds = -(-(n - 1) // (k + 1))
     assert s["verify_steps"] == [rounds] * 2 and s["rejected"] == [0, 0]
@@ -164,7 +169,8 @@ def test_sampled_tokens_follow_dense_distribution(tiny_qwen3):
     prompt = _prompts([24], seed=11)[0]
     n = 2000
     samp = SamplingConfig(temperature=0.7, top_p=0.9)
-    cfg = sfi_jax.SFIConfig(n_sink=1, k_select=2, n_recent=2, draft_len=2, refresh_rows=1,
+    cfg = sfi_jax.SFIConfig(n_sink=1, k_select=2, n_recent=2, draft_len=2,
+                            adaptive_draft=False, refresh_rows=1,
                             policy="tmax")
     toks, rejected = [], 0
     for seed in range(n // 100):  # batches of 100 rows keep the prefill's memory small
@@ -217,3 +223,64 @@ def test_draft_len_bounds(tiny_qwen3):
     with pytest.raises(ValueError, match="accept_rate"):
         sfi_jax.generate(tiny_qwen3.model, [[1]], max_new_tokens=2, mode="dense",
                          accept_rate=0.5)
+
+
+# ---------------------------------------------------------------- adaptive draft lengths
+
+def _draft_length_reference(a, ctx, live, cfg, sfi, db):
+    """Plain Python: the d in 0..draft_len with the most expected tokens per round (1 + a +
+    ... + a^d) per dense-step cost (d fast steps + one verify), from the bytes each reads."""
+    h = cfg.hidden_size
+    weights = (cfg.param_count() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)) \
+        * db / live
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * db
+    fast = (weights + kv * min(ctx, sfi.budget)) / (weights + kv * ctx)
+    a = min(a, 0.999)
+    speed = [sum(a ** i for i in range(d + 1)) / (1 + d * fast) for d in range(sfi.draft_len + 1)]
+    return max(range(len(speed)), key=lambda d: (round(speed[d], 9), -d))
+
+
+def test_draft_lengths_follow_acceptance_and_cost():
+    from sfi_jax.models import PRESETS
+    from sfi_jax.runtime.exact import draft_lengths
+
+    cfg, sfi = PRESETS["qwen3-4b"], sfi_jax.SFIConfig(draft_len=8)
+    accept = np.array([0.0, 0.1, 0.3, 0.5, 0.78, 0.9, 1.0, 0.78, 0.78, 0.78], np.float32)
+    ctx = np.array([131072] * 7 + [32768, 2000, 8192], np.int32)
+    for live in (1, 6):
+        rows = np.arange(10) < live if live < 10 else np.ones(10, bool)
+        got = np.asarray(draft_lengths(accept, ctx, rows, cfg=cfg, sfi=sfi, dtype_bytes=2))
+        want = [_draft_length_reference(float(a), int(c), max(1, rows.sum()), cfg, sfi, 2)
+                for a, c in zip(accept, ctx)]
+        np.testing.assert_array_equal(got, want)
+    got = np.asarray(draft_lengths(accept, ctx, np.ones(10, bool), cfg=cfg, sfi=sfi,
+                                   dtype_bytes=2))
+    assert got[0] == 0 and got[8] == 0  # no acceptance; a context within the budget
+    assert list(got[:7]) == sorted(got[:7]) and got[6] == 8  # longer with acceptance
+
+
+@pytest.mark.parametrize("accept_rate, short", [(0.0, True), (1.0, False)])
+def test_adaptive_drafts_shrink_when_rejected_and_grow_when_accepted(tiny_qwen3, accept_rate,
+                                                                      short, xla_fast_compile):
+    """Rejected drafts make rows stop drafting (a plain dense step per round, with a rare
+    probe), accepted ones make them draft the whole draft_len. (Four rows of ~400 positions:
+    a fast step reads about a third of a verify's bytes, so drafting pays at the prior.)"""
+    model, prompts = tiny_qwen3.model, _prompts([380, 400, 390, 410], seed=5)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=4)
+    res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, max_new_tokens=40,
+                           stop_at_eos=False, trigger_ids=[], accept_rate=accept_rate)
+    drafted, verify = np.array(res.stats["drafted"]), np.array(res.stats["verify_steps"])
+    if short:
+        assert (drafted <= verify / 4).all(), (drafted, verify)
+    else:
+        assert (drafted >= 3 * verify).all(), (drafted, verify)
+
+
+def test_adaptive_drafts_give_dense_tokens(tiny_qwen3, xla_fast_compile):
+    prompts = _prompts([70, 33], seed=6)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=6, n_recent=6, t_max=6, draft_len=3)
+    kw = dict(max_new_tokens=16, stop_at_eos=False)
+    ex = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg,
+                          trigger_ids=[TRIGGER], **kw)
+    assert _same_as_dense(tiny_qwen3.model, ex, prompts, "adaptive", **kw) == 0
+    _check_counts(ex.stats, ex.tokens)

@@ -1,0 +1,359 @@
+"""Load generator for `python -m sfi_jax.serve`: Poisson arrivals at several rates, prompts of
+chosen lengths as random token ids, outputs of chosen lengths, streamed over HTTP from
+127.0.0.1. Per engine and rate: output tokens/s, time to first token and inter-token latency
+(p50, p99).
+
+    # start one server per engine (sfi, dense) itself, on a free port
+    python scripts/bench/bench_serve.py --model qwen3-4b --engines sfi,dense \\
+        --rates 0.05,0.1,0.2 --prompt-lens 32768,131072 --output-lens 256,1024 \\
+        --requests 32 --max-seconds 900 --server-arg=--max-slots=8 \\
+        --server-arg=--max-len=132096 --out benchmarks/serve
+    # against a server already running (one engine, named by --label)
+    python scripts/bench/bench_serve.py --url http://127.0.0.1:8000 --label sfi --smoke
+    python scripts/bench/bench_serve.py --smoke          # the embedded SmolLM2, a tiny load
+
+Writes OUT.json (every request's timings too), OUT.md and OUT.png (latency against output
+throughput, one line per engine, one point per rate).
+
+Inter-token latency: tokens arrive in chunks (the engine's decode chunk); a chunk of k new
+tokens arriving a gap g after the previous one gives k samples of g / k. Time to first token:
+from sending the request to the first chunk with a token. Output tokens/s: all completion
+tokens of a rate's requests over the time from its first request sent to its last finished.
+
+The transformers library's own serving as a peer arm (`--transformers`) is not run by this
+script: the report says "not run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None,
+                   help="a running server (127.0.0.1 only); default: start one per engine")
+    p.add_argument("--label", default="server", help="the engine's name with --url")
+    p.add_argument("--model", default="smollm2-135m", help="the model the servers load")
+    p.add_argument("--engines", default="sfi,dense",
+                   help="comma-separated --mode of each server started (not with --url)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="one more flag for the servers started, e.g. --server-arg=--max-slots=8")
+    p.add_argument("--rates", default="0.5,1,2", help="requests per second, comma-separated")
+    p.add_argument("--requests", type=int, default=16, help="requests per rate at most")
+    p.add_argument("--max-seconds", type=float, default=600.0,
+                   help="per rate: requests still running after this are cancelled and "
+                        "counted as unfinished")
+    p.add_argument("--prompt-lens", default="64,256",
+                   help="prompt lengths in tokens, comma-separated (each request picks one)")
+    p.add_argument("--output-lens", default="16,32",
+                   help="max_tokens values, comma-separated (each request picks one)")
+    p.add_argument("--token-range", default="100:5000",
+                   help="prompt token ids are drawn uniformly from LO:HI")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="seconds to wait for a started server's ready line")
+    p.add_argument("--transformers", action="store_true",
+                   help="the transformers peer arm: not run by this script (reported as such)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny load: 3 requests at one rate, 16-token prompts, 8 new tokens")
+    p.add_argument("--out", default="benchmarks/serve",
+                   help="output path without extension (.json, .md, .png)")
+    return p
+
+
+def _floats(text):
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def check_args(parser, args):
+    if args.smoke:
+        args.rates, args.requests, args.prompt_lens, args.output_lens = "2", 3, "16", "8"
+        args.max_seconds = min(args.max_seconds, 300.0)
+    try:
+        args.rate_list = _floats(args.rates)
+        args.prompt_list = _ints(args.prompt_lens)
+        args.output_list = _ints(args.output_lens)
+        lo, hi = (int(x) for x in args.token_range.split(":"))
+    except ValueError as e:
+        parser.error(f"bad number in --rates/--prompt-lens/--output-lens/--token-range: {e}")
+    if not args.rate_list or min(args.rate_list) <= 0:
+        parser.error(f"--rates must be positive numbers, got {args.rates!r}")
+    if not args.prompt_list or min(args.prompt_list) < 1:
+        parser.error(f"--prompt-lens must be >= 1, got {args.prompt_lens!r}")
+    if not args.output_list or min(args.output_list) < 1:
+        parser.error(f"--output-lens must be >= 1, got {args.output_lens!r}")
+    if not 0 <= lo < hi:
+        parser.error(f"--token-range must be LO:HI with 0 <= LO < HI, got {args.token_range!r}")
+    args.token_lo, args.token_hi = lo, hi
+    if args.requests < 1 or args.max_seconds <= 0:
+        parser.error("--requests must be >= 1 and --max-seconds > 0")
+    if args.url:
+        host = urllib.parse.urlparse(args.url).hostname
+        if host not in LOCAL_HOSTS:
+            parser.error(f"--url must point to 127.0.0.1 (this load stays local), got {host!r}")
+        args.engine_list = [args.label]
+    else:
+        args.engine_list = [e for e in args.engines.split(",") if e]
+        bad = [e for e in args.engine_list if e not in ("sfi", "dense")]
+        if bad or not args.engine_list:
+            parser.error(f"--engines takes sfi and/or dense, got {args.engines!r}")
+
+
+# --- one server per engine -------------------------------------------------------------------
+
+def start_server(args, mode):
+    """`python -m sfi_jax.serve` on a free port of 127.0.0.1; (process, base URL)."""
+    cmd = [sys.executable, "-m", "sfi_jax.serve", "--model", args.model, "--mode", mode,
+           "--host", "127.0.0.1", "--port", "0", "--served-model-name", mode,
+           *args.server_arg]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT + os.pathsep +
+                                 os.environ.get("PYTHONPATH", "")})
+    deadline = time.monotonic() + args.start_timeout
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the {mode} server exited with status {proc.returncode}")
+        if sel.select(timeout=1.0):
+            line = proc.stdout.readline()
+            m = re.search(r"serving .* on (http://\S+)", line)
+            if m:
+                return proc, m.group(1)
+    proc.kill()
+    raise SystemExit(f"error: the {mode} server was not ready in {args.start_timeout} s")
+
+
+def stop_server(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# --- the load --------------------------------------------------------------------------------
+
+async def one_request(client, url, model, prompt, max_tokens, t0):
+    """Stream one completion; its timings (seconds from t0) and token counts."""
+    rec = {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "sent": time.perf_counter() - t0,
+           "chunks": [], "completion_tokens": 0, "status": None, "error": None}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                rec["error"] = (await r.aread()).decode(errors="replace")[:300]
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    rec["error"] = event["error"].get("message")
+                    break
+                n = (event.get("usage") or {}).get("completion_tokens", rec["completion_tokens"])
+                if n > rec["completion_tokens"]:
+                    rec["chunks"].append((time.perf_counter() - t0, n - rec["completion_tokens"]))
+                    rec["completion_tokens"] = n
+        rec["done"] = time.perf_counter() - t0
+    except asyncio.CancelledError:
+        rec["error"] = "unfinished: the rate's time ran out"
+    except Exception as e:  # httpx errors: the request failed, the load goes on
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def run_rate(args, url, model, rate, rng):
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for _ in range(args.requests):
+            n = rng.choice(args.prompt_list)
+            prompt = [rng.randrange(args.token_lo, args.token_hi) for _ in range(n)]
+            tasks.append(asyncio.create_task(one_request(
+                client, url, model, prompt, rng.choice(args.output_list), t0)))
+            await asyncio.sleep(rng.expovariate(rate))
+            if time.perf_counter() - t0 > args.max_seconds:
+                break
+        left = max(0.0, args.max_seconds - (time.perf_counter() - t0))
+        done, pending = await asyncio.wait(tasks, timeout=left)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return [t.result() for t in tasks]
+
+
+def percentile(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    i = (len(xs) - 1) * q / 100
+    lo = int(i)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def summarise(records, rate):
+    ok = [r for r in records if r["error"] is None and r["status"] == 200]
+    ttft = [r["chunks"][0][0] - r["sent"] for r in ok if r["chunks"]]
+    itl = []
+    for r in ok:
+        for (t_prev, _), (t, k) in zip(r["chunks"], r["chunks"][1:]):
+            itl += [(t - t_prev) / k] * k
+    tokens = sum(r["completion_tokens"] for r in ok)
+    span = (max(r["done"] for r in ok) - min(r["sent"] for r in records)) if ok else 0.0
+    return {"rate": rate, "requests": len(records), "completed": len(ok),
+            "rejected_429": sum(r["status"] == 429 for r in records),
+            "failed": len(records) - len(ok), "output_tokens": tokens,
+            "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "e2e_p50_s": percentile([r["done"] - r["sent"] for r in ok], 50)}
+
+
+def run_engine(args, url, model, label):
+    rng = random.Random(args.seed)
+    rows, raw = [], []
+    for rate in args.rate_list:
+        records = asyncio.run(run_rate(args, url, model, rate, rng))
+        rows.append(summarise(records, rate))
+        raw.append({"rate": rate, "records": records})
+        print(json.dumps({"engine": label, **rows[-1]}), flush=True)
+    return rows, raw
+
+
+# --- the report ------------------------------------------------------------------------------
+
+def _fmt(x, scale=1.0, digits=1):
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def markdown(report):
+    c = report["config"]
+    lines = [f"# Serving: {c['model']}, Poisson arrivals", "",
+             f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+             f"Prompts {c['prompt_lens']} tokens (random ids), outputs {c['output_lens']} "
+             f"tokens, {c['requests']} requests per rate at most, {c['max_seconds']} s per rate "
+             "at most. ITL: a chunk of k tokens after a gap g counts k samples of g/k.", "",
+             "| engine | rate (req/s) | done/sent | 429 | output tok/s | TTFT p50 (s) | "
+             "TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for engine, rows in report["results"].items():
+        for r in rows:
+            lines.append(f"| {engine} | {r['rate']:g} | {r['completed']}/{r['requests']} | "
+                         f"{r['rejected_429']} | {r['output_tokens_per_s']:.1f} | "
+                         f"{_fmt(r['ttft_p50_s'], digits=2)} | {_fmt(r['ttft_p99_s'], digits=2)} | "
+                         f"{_fmt(r['itl_p50_s'], 1e3)} | {_fmt(r['itl_p99_s'], 1e3)} |")
+    lines += ["", f"transformers peer: {report['transformers']}", ""]
+    return "\n".join(lines)
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for engine, rows in report["results"].items():
+        pts = [r for r in rows if r["itl_p99_s"] is not None]
+        x = [r["output_tokens_per_s"] for r in pts]
+        axes[0].plot(x, [r["itl_p99_s"] * 1e3 for r in pts], "o-", label=engine)
+        axes[1].plot(x, [r["ttft_p99_s"] for r in pts], "o-", label=engine)
+        for r in pts:
+            axes[0].annotate(f"{r['rate']:g}/s", (r["output_tokens_per_s"], r["itl_p99_s"] * 1e3),
+                             fontsize=7, textcoords="offset points", xytext=(3, 3))
+    axes[0].set(xlabel="output tokens/s", ylabel="inter-token latency p99 (ms)")
+    axes[1].set(xlabel="output tokens/s", ylabel="time to first token p99 (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['config']['model']}: latency against throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine():
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.split("\n")
+        gpus = [g for g in gpus if g.strip()]
+    except (OSError, subprocess.SubprocessError):
+        gpus = []
+    where = f"{len(gpus)} x {gpus[0]}" if gpus else f"CPU ({os.cpu_count()} cores)"
+    return f"{where}, {platform.node()}, Python {platform.python_version()}"
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    results, raw = {}, {}
+    for engine in args.engine_list:
+        proc = None
+        if args.url:
+            url, model = args.url.rstrip("/"), None
+        else:
+            proc, url = start_server(args, engine)
+            model = engine
+        try:
+            results[engine], raw[engine] = run_engine(args, url, model, engine)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    report = {
+        "command": "python scripts/bench/bench_serve.py " + " ".join(argv if argv is not None
+                                                                      else sys.argv[1:]),
+        "machine": machine(),
+        "config": {"model": args.model if not args.url else args.url,
+                   "prompt_lens": args.prompt_list, "output_lens": args.output_list,
+                   "rates": args.rate_list, "requests": args.requests,
+                   "max_seconds": args.max_seconds, "server_args": args.server_arg,
+                   "seed": args.seed},
+        "results": results,
+        "transformers": "not run (this script has no transformers arm)" if args.transformers
+                        else "not run (not asked for)",
+        "raw": raw,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(report))
+    plot(report, args.out + ".png")
+    print(f"wrote {args.out}.json, .md, .png")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,793 @@
+"""The Engine: requests that arrive one by one, decoded together in a fixed set of slots.
+
+Each slot is one row of the KV cache, the SFI state and the per-row controls (`RowControls`:
+sampling parameters, PRNG key, token budget), all allocated once. A scheduler thread admits
+waiting requests into free slots: a request's prompt is prefilled alone (batch 1, in chunks of
+up to `prefill_chunk` tokens, one chunk per scheduler iteration so that running streams wait at
+most one chunk), its initial selection made and its first token sampled, then its cache rows
+are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
+steps in one device call (`decode.decode_chunk`, the loop `generate` runs), streams each
+request's new tokens and frees slots on EOS, a stop string or token id, the token budget or a
+cancel. A request's prompt length, budget and sampling are data: programs depend only on the
+slots, the cache length and the prompt's length bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+import operator
+import queue
+import sys
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sfi_jax.config import SFIConfig
+from sfi_jax.models.modeling import Model
+from sfi_jax.options import EngineOptions
+from sfi_jax.runtime import decode, exact, prefill, programs, selection
+from sfi_jax.runtime.sampling import SamplingConfig, sample_rows
+from sfi_jax.runtime.state import (DecodeState, RowControls, empty_cache, empty_sfi_state,
+                                   row_controls, state_bytes)
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_SLOTS = 16  # the default slot count at most (fewer when the memory holds fewer)
+CPU_MAX_SLOTS, CPU_MAX_LEN = 4, 4096  # CPU defaults
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `field` names the offending parameter."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request. prompt: text (needs the engine's tokenizer) or token ids.
+    seed None: a fresh seed per request. stop: strings that end the text (not included);
+    stop_token_ids: ids that end it (not included)."""
+
+    prompt: str | list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """New tokens of one request: ids and the text they complete (never a partial character,
+    and never text that may still turn out to start a stop string). The last event of a
+    request has its finish_reason ("stop", "length", "cancelled" or "error", with `error`)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class RequestResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    ttft_s: float | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its `TokenEvent`s, or wait for `result()`."""
+
+    def __init__(self, request_id: str, request: Request, prompt_tokens: list[int],
+                 on_event: Callable[[TokenEvent], None] | None):
+        self.id = request_id
+        self.request = request
+        self.prompt_tokens = prompt_tokens
+        self.on_event = on_event
+        self._events: queue.Queue = queue.Queue()
+        self._finished = threading.Event()
+        self._result: RequestResult | None = None
+        self.cancelled = False
+
+    def _emit(self, event: TokenEvent):
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception as e:  # a broken listener fails its own request only
+                print(f"sfi_jax.Engine: request {self.id}'s event callback raised {e!r}",
+                      file=sys.stderr)
+        self._events.put(event)
+
+    def __iter__(self):
+        while True:
+            event = self._events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+
+class _TextStream:
+    """Incremental detokenisation with stop strings: the text of all ids so far, released up to
+    the last complete character and short of any text that could still begin a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+        self.text = ""
+
+    def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """(new text to send, whether a stop string ended the text)."""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stopped = False
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at >= 0:
+                text, stopped = text[:at], True
+        self.text = text
+        end = len(text)
+        if not (final or stopped):
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1  # a character whose bytes have not all arrived
+            end = max(self.sent, end - self.hold)
+        new = text[self.sent:end]
+        self.sent = end
+        return new, stopped
+
+
+@dataclasses.dataclass
+class _Active:
+    """A request in a slot (or on its way into one)."""
+
+    handle: RequestHandle
+    slot: int
+    ids: list[int]
+    stream: _TextStream
+    t_submit: float
+    generated: list = dataclasses.field(default_factory=list)
+    t_first: float | None = None
+    t_last: float | None = None
+    # prefill progress
+    tokens: np.ndarray | None = None
+    start: int = 0
+    k: jax.Array | None = None
+    v: jax.Array | None = None
+    key_norms: jax.Array | None = None
+    carry: prefill.PrefillCarry | None = None
+    chunk: int = 0
+
+
+def _as_int(value, field, lo=None, hi=None, what="an integer"):
+    if isinstance(value, bool):
+        raise RequestError(field, f"{field} must be {what}, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise RequestError(field, f"{field} must be {what}, got {value!r}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(field, f"{field} must be {what}, got {value}")
+    return value
+
+
+def _as_float(value, field, ok, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise RequestError(field, f"{field} must be {what}, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or not ok(value):
+        raise RequestError(field, f"{field} must be {what}, got {value}")
+    return value
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: RowControls,
+            done):
+    """Slot `slot` <- one prefilled request: its cache rows k, v [L, 1, Hkv, T, D] (T <= the
+    cache length), its SFI state (batch 1), length, first token and controls."""
+    at = (0, slot, 0, 0, 0)
+    st = state.sfi
+    if st is not None:
+        norms = jax.lax.dynamic_update_slice(st.key_norms, sfi_row.key_norms, (0, slot, 0, 0))
+        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, slot, axis=1)  # noqa
+        st = st._replace(ck=put(st.ck, sfi_row.ck), cv=put(st.cv, sfi_row.cv),
+                         c_len=put(st.c_len, sfi_row.c_len),
+                         positions=put(st.positions, sfi_row.positions), key_norms=norms,
+                         since_slow=st.since_slow.at[slot].set(0),
+                         pending=st.pending.at[slot].set(True),
+                         slow_steps=st.slow_steps.at[slot].set(0),
+                         fast_steps=st.fast_steps.at[slot].set(0))
+    rows = state.rows if state.rows is None else \
+        jax.tree.map(lambda a, b: a.at[slot].set(b[0]), state.rows, controls)
+    q_hist = state.q_hist
+    if q_hist is not None:
+        q_hist = q_hist.at[:, slot].set(0)
+    return state._replace(
+        k=jax.lax.dynamic_update_slice(state.k, k, at),
+        v=jax.lax.dynamic_update_slice(state.v, v, at),
+        lengths=state.lengths.at[slot].set(length), token=state.token.at[slot].set(token),
+        done=state.done.at[slot].set(done), sfi=st, rows=rows, q_hist=q_hist,
+        nonfinite=state.nonfinite.at[slot].set(False))
+
+
+@functools.partial(jax.jit, donate_argnames=("state", "counts"))
+def _release(state: DecodeState, counts, free):
+    """Rows in `free` (bool [B]) end: done, back at length 0, no budget."""
+    rows = state.rows
+    if rows is not None:
+        rows = rows._replace(remaining=jnp.where(free, 0, rows.remaining))
+    if counts is not None:
+        counts = counts._replace(remaining=jnp.where(free, 0, counts.remaining))
+    return state._replace(done=state.done | free, lengths=jnp.where(free, 0, state.lengths),
+                          rows=rows), counts
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def _insert_counts(counts, slot, remaining):
+    """Exact mode's bookkeeping of a new request in `slot`."""
+    fresh = exact.initial_counts(1, jnp.reshape(remaining, (1,)))
+    return jax.tree.map(lambda c, f: c.at[slot].set(f[0]), counts, fresh)
+
+
+@jax.jit
+def _first_token(logits, controls: RowControls):
+    """The first new token from the prefill's logits [1, V], with the request's own sampling;
+    whether the logits were finite; the controls with the key advanced."""
+    token, keys = sample_rows(logits, controls)
+    return token, jnp.all(jnp.isfinite(logits)), controls._replace(keys=keys)
+
+
+class Engine:
+    """Continuous batching over `max_slots` rows of a `max_len`-position cache.
+
+    mode: "sfi", "dense" or "exact" (greedy requests only: dense decoding's tokens, drafted by
+    SFI's fast steps and verified by a dense step). sfi: the SFIConfig (default
+    SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
+    the most steps a finished or cancelled request's slot stays busy). prefill_chunk: the most
+    prompt tokens per prefill call (a power of two, default 8192). max_queue: requests that may
+    wait for a slot before `submit` raises QueueFull. Use it as a context manager, or call
+    `start()` and `stop()`."""
+
+    def __init__(self, model: Model, *, tokenizer=None, mode: str = "sfi",
+                 sfi: SFIConfig | None = None, max_slots: int | None = None,
+                 max_len: int | None = None, chunk_steps: int = 16,
+                 prefill_chunk: int | None = None, max_queue: int = 64,
+                 options: EngineOptions | None = None, trigger_ids=None,
+                 model_name: str | None = None):
+        if mode not in ("sfi", "dense", "exact"):
+            raise ValueError(f"Engine mode must be 'sfi', 'dense' or 'exact', got {mode!r}")
+        if mode in ("sfi", "exact"):
+            sfi = SFIConfig() if sfi is None else sfi
+            if not isinstance(sfi, SFIConfig):
+                raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
+            if sfi.policy == "oracle":
+                raise ValueError("the oracle policy is an evaluation baseline; it is not served")
+            if mode == "exact" and sfi.evidence_window > 1:
+                raise ValueError("mode='exact' selects from the verify step's own queries; "
+                                 f"SFIConfig.evidence_window={sfi.evidence_window} needs "
+                                 "mode='sfi'")
+        else:
+            sfi = None
+        from sfi_jax.runtime import mesh as mesh_lib
+
+        if mesh_lib.mesh_of(model.params) is not None:
+            raise ValueError("the Engine runs on one device; load the model without a mesh")
+        self.model, self.cfg, self.tokenizer, self.mode, self.sfi = \
+            model, model.config, tokenizer, mode, sfi
+        self.params = model.params  # (a pure pytree, built once: the property rebuilds it)
+        self.options = (options or EngineOptions()).resolved()
+        self.chunk_steps = _as_int(chunk_steps, "chunk_steps", 1, what="an integer >= 1")
+        self.max_chunk = prefill.check_max_chunk(prefill.MAX_CHUNK if prefill_chunk is None
+                                                 else prefill_chunk)
+        self.max_queue = _as_int(max_queue, "max_queue", 1, what="an integer >= 1")
+        self.model_name = model_name or getattr(model, "source", None) or "sfi_jax"
+        self.window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
+        self.max_len, self.max_slots = self._size(max_len, max_slots)
+        self._masks(trigger_ids)
+        self._state, self._exact_counts = self._empty_state()
+        self._slots: list[_Active | None] = [None] * self.max_slots
+        self._prefilling: collections.deque[_Active] = collections.deque()
+        self._waiting: collections.deque[_Active] = collections.deque()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._running = False
+        self._drain = True
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng()
+        self.observers: list[Callable[[str, float], None]] = []
+        self._counts = collections.Counter()
+        self._rate = collections.deque(maxlen=32)  # (tokens, seconds) of recent decode calls
+
+    # ------------------------------------------------------------------ setup
+
+    def _size(self, max_len, max_slots):
+        cfg = self.cfg
+        ctx = cfg.max_position_embeddings
+        on_cpu = jax.default_backend() == "cpu"
+        if max_len is None:  # a CPU reads whole caches in dense steps: keep them short there
+            max_len = min(ctx, CPU_MAX_LEN) if on_cpu else ctx
+        max_len = _as_int(max_len, "max_len", 2, ctx, f"an integer in [2, {ctx}]")
+        if self.sfi is not None:  # (k_select beyond the cache length selects nothing more)
+            self.sfi = self.sfi.capped(max_len)
+        db = jnp.dtype(self.model.dtype).itemsize
+        per_slot = sum(state_bytes(cfg, 1, max_len, db, self.sfi).values())
+        from sfi_jax.runtime.generation import _available_device_bytes
+
+        avail = _available_device_bytes(jax.local_devices()[0])
+        work = sum(prefill.activation_bytes(cfg, 1, min(self.max_chunk, max_len), max_len, db,
+                                            self.window).values()) + \
+            sum(state_bytes(cfg, 1, prefill.bucket(max_len, self.max_chunk), db,
+                            self.sfi).values())  # one request's prefill
+        if max_slots is None:
+            fit = 16 if avail is None else int((0.9 * avail - work) // per_slot)
+            max_slots = min(CPU_MAX_SLOTS if on_cpu else MAX_SLOTS, fit)
+            if max_slots < 1:
+                raise MemoryError(self._memory_message(1, max_len, per_slot, work, avail))
+        max_slots = _as_int(max_slots, "max_slots", 1, what="an integer >= 1")
+        if avail is not None and max_slots * per_slot + work > avail:
+            raise MemoryError(self._memory_message(max_slots, max_len, per_slot, work, avail))
+        return max_len, max_slots
+
+    @staticmethod
+    def _memory_message(slots, max_len, per_slot, work, avail):
+        gib = 2 ** 30
+        return (f"{slots} slots x {max_len} positions need {slots * per_slot / gib:.2f} GiB "
+                f"(KV cache + SFI state, {per_slot / gib:.3f} GiB per slot) and a prefill "
+                f"{work / gib:.2f} GiB more, but the device has {avail / gib:.2f} GiB free; "
+                "lower max_slots or max_len")
+
+    def _masks(self, trigger_ids):
+        from sfi_jax.runtime.generation import trigger_mask_for
+
+        cfg, tok = self.cfg, self.tokenizer
+        self.eos_ids = {t for t in cfg.eos_token_ids if t is not None}
+        if tok is not None and tok.eos_token_id is not None:
+            self.eos_ids.add(tok.eos_token_id)
+        eos = np.zeros((cfg.vocab_size,), bool)
+        eos[[t for t in self.eos_ids if 0 <= t < cfg.vocab_size]] = True
+        if trigger_ids is not None:
+            trig = np.zeros((cfg.vocab_size,), bool)
+            trig[np.asarray(trigger_ids, np.int64)] = True
+        else:
+            trig = trigger_mask_for(tok, cfg.vocab_size) if self.sfi is not None else \
+                np.zeros((cfg.vocab_size,), bool)
+        self._eos, self._trig = jnp.asarray(eos), jnp.asarray(trig)
+
+    def _empty_state(self) -> DecodeState:
+        cfg, B, S, dtype = self.cfg, self.max_slots, self.max_len, self.model.dtype
+        k, v = empty_cache(cfg, B, S, dtype)
+        sfi_state = empty_sfi_state(cfg, self.sfi, B, S, dtype) if self.sfi else None
+        q_hist = None
+        if self.sfi is not None and self.sfi.evidence_window > 1:
+            q_hist = jnp.zeros((cfg.num_layers, B, cfg.num_q_heads, self.sfi.evidence_window,
+                                cfg.head_dim), dtype)
+        exact_mode = self.mode == "exact"
+        state = DecodeState(k=k, v=v, lengths=jnp.zeros((B,), jnp.int32),
+                            token=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
+                            step=jnp.int32(0), key=jax.random.key(0), sfi=sfi_state,
+                            q_hist=q_hist, rows=None if exact_mode else row_controls(B),
+                            nonfinite=jnp.zeros((B,), bool))
+        # exact mode: greedy verification; its row budgets are `exact.ExactCounts.remaining`
+        return state, exact.initial_counts(B, np.zeros(B, np.int32)) if exact_mode else None
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "a text prompt needs the engine's tokenizer; pass "
+                                   "token ids or Engine(..., tokenizer=...)")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            V, ids = self.cfg.vocab_size, []
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) \
+                        or not 0 <= t < V:
+                    raise RequestError("prompt", f"prompt token {i} is {t!r}: token ids are "
+                                       f"integers in [0, {V})")
+                ids.append(int(t))
+        else:
+            raise RequestError("prompt", "prompt must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt", "prompt is empty (no tokens)")
+        return ids
+
+    def validate(self, request: Request) -> list[int]:
+        """The request's prompt ids; RequestError naming the first bad field."""
+        if not isinstance(request, Request):
+            raise RequestError("request", f"expected a Request, got {type(request).__name__}")
+        ids = self._prompt_ids(request.prompt)
+        _as_int(request.max_tokens, "max_tokens", 1, what="an integer >= 1")
+        _as_float(request.temperature, "temperature", lambda x: x >= 0, "a finite number >= 0")
+        _as_float(request.top_p, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
+        V = self.cfg.vocab_size
+        _as_int(request.top_k, "top_k", 0, V, f"an integer in [0, {V}] (0 = off)")
+        if self.mode == "exact" and request.temperature > 0:
+            raise RequestError("temperature", "this engine runs exact mode, which serves greedy "
+                               f"requests (temperature 0); got temperature "
+                               f"{request.temperature}")
+        if request.seed is not None:
+            _as_int(request.seed, "seed", 0, 2 ** 63 - 1, "an integer >= 0")
+        stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop", f"stop must be a non-empty string or a list of them, got "
+                               f"{request.stop!r}")
+        if stop and self.tokenizer is None:
+            raise RequestError("stop", "stop strings need the engine's tokenizer")
+        for t in request.stop_token_ids or []:
+            _as_int(t, "stop_token_ids", 0, V - 1, f"token ids in [0, {V})")
+        need = len(ids) + request.max_tokens
+        if need > self.max_len:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
+                               f"({request.max_tokens}) = {need} exceeds the engine's max_len "
+                               f"({self.max_len})")
+        return ids
+
+    def submit(self, request: Request, on_event: Callable[[TokenEvent], None] | None = None
+               ) -> RequestHandle:
+        """Queue a request (validated first: RequestError, QueueFull) and return its handle."""
+        ids = self.validate(request)
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        with self._lock:
+            if not self._accepting:
+                raise RuntimeError("the engine is not running (start() it, or it is stopping)")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests wait already (max_queue="
+                                f"{self.max_queue})", retry_after=1.0)
+            handle = RequestHandle(f"req-{next(self._ids)}", request, ids, on_event)
+            self._waiting.append(_Active(handle, -1, ids, _TextStream(self.tokenizer, stop),
+                                         time.perf_counter()))
+            self._counts["requests_total"] += 1
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle):
+        """End a request: its slot is free again within one decode chunk."""
+        with self._lock:
+            handle.cancelled = True
+            self._lock.notify_all()
+
+    def generate(self, request: Request, **kw) -> RequestResult:
+        """Submit and wait (a convenience for scripts)."""
+        return self.submit(request, **kw).result()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Engine":
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return self
+            self._accepting = self._running = True
+            self._thread = threading.Thread(target=self._loop, name="sfi_jax-engine",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None):
+        """Stop admitting requests; drain=True finishes the running and waiting ones,
+        drain=False cancels them. Joins the scheduler thread."""
+        with self._lock:
+            self._accepting = False
+            self._drain = drain
+            if not drain:
+                for a in self._all_requests():
+                    a.handle.cancelled = True
+            self._running = False
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop(drain=exc[0] is None)
+
+    def _all_requests(self):
+        return [a for a in self._slots if a is not None] + list(self._prefilling) + \
+            list(self._waiting)
+
+    def metrics(self) -> dict:
+        with self._lock:
+            active = sum(a is not None and a.t_first is not None for a in self._slots)
+            tokens = sum(n for n, _ in self._rate)
+            seconds = sum(s for _, s in self._rate)
+            return {"queue_length": len(self._waiting), "prefilling": len(self._prefilling),
+                    "active_slots": active, "max_slots": self.max_slots,
+                    "requests_total": self._counts["requests_total"],
+                    "requests_finished": self._counts["requests_finished"],
+                    "tokens_generated": self._counts["tokens_generated"],
+                    "slow_steps": self._counts["slow_steps"],
+                    "fast_steps": self._counts["fast_steps"],
+                    "decode_tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+    def _observe(self, kind, value):
+        for f in self.observers:
+            try:
+                f(kind, value)
+            except Exception:  # a metrics hook never stops the engine
+                pass
+
+    # ------------------------------------------------------------------ the scheduler
+
+    def _loop(self):
+        while True:
+            with self._lock:
+                while self._running and not self._all_requests():
+                    self._lock.wait()
+                if not self._all_requests() and not self._running:
+                    return
+                if not self._running and not self._drain:
+                    pass  # cancelled flags are set; the passes below end them
+                self._admit()
+            try:
+                self._step()
+            except Exception as e:  # a device error ends the requests in flight, not the engine
+                for a in [a for a in self._slots if a is not None] + list(self._prefilling):
+                    self._finish(a, "error", f"{type(e).__name__}: {e}")
+                self._state, self._exact_counts = self._empty_state()
+
+    def _admit(self):
+        """Waiting requests -> free slots (called with the lock held)."""
+        for a in list(self._waiting):
+            if a.handle.cancelled:
+                self._waiting.remove(a)
+                self._finish(a, "cancelled")
+        taken = {a.slot for a in self._prefilling}
+        for slot in range(self.max_slots):
+            if not self._waiting:
+                break
+            if self._slots[slot] is None and slot not in taken:
+                a = self._waiting.popleft()
+                a.slot = slot
+                self._prefilling.append(a)
+
+    def _step(self):
+        if self._prefilling:
+            a = self._prefilling[0]
+            if a.handle.cancelled:
+                self._prefilling.popleft()
+                self._finish(a, "cancelled")
+            elif self._prefill_chunk(a):
+                self._prefilling.popleft()
+                self._enter_slot(a)
+        self._release_ended()
+        if any(a is not None for a in self._slots):
+            self._decode()
+
+    def _prefill_chunk(self, a: _Active) -> bool:
+        """One prefill chunk of request `a`; True when its prompt is done."""
+        cfg, dtype = self.cfg, self.model.dtype
+        if a.tokens is None:
+            T = prefill.bucket(len(a.ids), self.max_chunk)
+            a.chunk = prefill.prefill_chunk_size(T, self.max_chunk)
+            a.tokens = np.zeros((1, T), np.int32)
+            a.tokens[0, :len(a.ids)] = a.ids
+            a.k, a.v = empty_cache(cfg, 1, T, dtype)
+            a.key_norms = jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, T), jnp.float32) \
+                if self.sfi is not None else jnp.zeros((0,), jnp.float32)
+            a.carry = prefill.empty_carry(cfg, 1, self.window, jnp.dtype(dtype))
+        s = a.start
+        a.k, a.v, a.key_norms, a.carry = prefill.prefill_chunk(
+            self.params, a.k, a.v, a.key_norms, jnp.asarray(a.tokens[:, s:s + a.chunk]),
+            jnp.int32(s), jnp.asarray([len(a.ids)], jnp.int32), a.carry, cfg=cfg,
+            with_norms=self.sfi is not None, options=self.options)
+        a.start += a.chunk
+        return a.start >= a.tokens.shape[1]
+
+    def _controls(self, r: Request) -> RowControls:
+        seed = r.seed if r.seed is not None else int(self._seeds.integers(2 ** 63 - 1))
+        return RowControls(temperature=jnp.asarray([r.temperature], jnp.float32),
+                           top_p=jnp.asarray([r.top_p], jnp.float32),
+                           top_k=jnp.asarray([r.top_k], jnp.int32),
+                           keys=jax.random.key(seed)[None],
+                           remaining=jnp.asarray([r.max_tokens - 1], jnp.int32))
+
+    def _enter_slot(self, a: _Active):
+        """The prefilled request's selection and first token; then its rows go into its slot."""
+        cfg, sfi, n = self.cfg, self.sfi, len(a.ids)
+        T = a.tokens.shape[1]
+        lengths = jnp.asarray([n], jnp.int32)
+        sfi_row = None
+        if sfi is not None:
+            st = empty_sfi_state(cfg, sfi, 1, T, self.model.dtype)._replace(
+                key_norms=a.key_norms)
+            if sfi.sink_only:
+                args = (st, a.k, a.v, lengths)
+                sfi_row = programs.compiled(selection.sink_only_selection, args,
+                                            dict(cfg=cfg, sfi=sfi, plan=None))[0](*args)
+            else:
+                args = (st, a.k, a.v, a.carry.window_q, lengths)
+                sfi_row = programs.compiled(selection.prefill_selection, args,
+                                            dict(sfi=sfi, options=self.options,
+                                                 plan=None))[0](*args)
+        logits = prefill.first_logits(self.params, a.carry.last_hidden, cfg=cfg)
+        token, finite, controls = _first_token(logits, self._controls(a.handle.request))
+        token = int(token[0])
+        if not bool(finite):
+            self._finish(a, "error", f"request {a.handle.id}: the prefill's logits are not "
+                         "finite (NaN/inf); check the checkpoint and dtype")
+            return
+        S = self.max_len
+        keep = min(T, S)  # positions past the prompt are padding
+        if sfi_row is not None:
+            sfi_row = sfi_row._replace(key_norms=sfi_row.key_norms[..., :keep])
+        max_tokens = a.handle.request.max_tokens
+        ended = max_tokens <= 1 or token in self.eos_ids
+        self._state = _insert(self._state, jnp.int32(a.slot), a.k[..., :keep, :],
+                                      a.v[..., :keep, :], sfi_row, jnp.int32(n), jnp.int32(token),
+                                      controls, jnp.bool_(ended))
+        if self._exact_counts is not None:
+            self._exact_counts = _insert_counts(self._exact_counts, jnp.int32(a.slot),
+                                                jnp.int32(0 if ended else max_tokens - 1))
+        a.k = a.v = a.key_norms = a.carry = a.tokens = None
+        a.t_first = time.perf_counter()
+        self._observe("ttft_s", a.t_first - a.t_submit)
+        with self._lock:
+            self._slots[a.slot] = a
+        self._deliver(a, [token], device_done=ended)
+
+    def _release_ended(self):
+        """Free the device rows of requests that ended on the host (stop strings, cancels)."""
+        free = np.zeros((self.max_slots,), bool)
+        for slot, a in enumerate(self._slots):
+            if a is not None and a.handle.cancelled:
+                self._finish(a, "cancelled")
+            if self._slots[slot] is None:
+                free[slot] = True
+        self._state, self._exact_counts = _release(self._state, self._exact_counts,
+                                                   jnp.asarray(free))
+
+    def _decode(self):
+        if self.mode == "exact":
+            return self._decode_exact()
+        B, n = self.max_slots, self.chunk_steps
+        forced = jnp.full((B, n), -1, jnp.int32)
+        args = (self.params, self._state, self._eos, self._trig, forced)
+        statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(), n_steps=n,
+                       options=self.options, return_logits=False, plan=None)
+        program, _ = programs.compiled(decode.decode_chunk, args, statics)
+        t0 = time.perf_counter()
+        self._state, toks, taken, slow, _, _ = program(*args)
+        toks, taken = np.asarray(toks), int(taken)
+        done = np.asarray(self._state.done)
+        bad = np.asarray(self._state.nonfinite)
+        dt = time.perf_counter() - t0
+        slow = np.asarray(slow)[:, :taken]
+        produced = 0
+        for slot, a in enumerate(self._slots):
+            if a is None:
+                continue
+            new = [int(t) for t in toks[slot, :taken] if t >= 0]
+            produced += len(new)
+            self._counts["slow_steps"] += int(slow[slot].sum())
+            self._counts["fast_steps"] += len(new) - int(slow[slot].sum())
+            if bad[slot]:
+                self._finish(a, "error", self._nonfinite_message(a, len(new)))
+                continue
+            self._deliver(a, new, device_done=bool(done[slot]))
+        if taken:
+            self._rate.append((produced, dt))
+            if produced:
+                self._observe("itl_s", dt / max(1, taken))
+
+    def _nonfinite_message(self, a: _Active, n_new: int) -> str:
+        return (f"request {a.handle.id}: non-finite logits (NaN/inf) by decode step "
+                f"{len(a.generated) + n_new - 1} (mode {self.mode}); check the checkpoint and "
+                "dtype")
+
+    def _decode_exact(self):
+        """Draft + verify rounds for all slots (`exact.exact_chunk`, greedy)."""
+        n_rounds = max(1, self.chunk_steps // (self.sfi.draft_len + 1))
+        args = (self.params, self._state, self._exact_counts, self._eos, self._trig)
+        statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(),
+                       n_rounds=n_rounds, options=self.options, accept_rate=None)
+        program, _ = programs.compiled(exact.exact_chunk, args, statics)
+        t0 = time.perf_counter()
+        self._state, self._exact_counts, toks, n_out, taken = program(*args)
+        toks, n_out = np.asarray(toks), np.asarray(n_out)
+        done, bad = np.asarray(self._state.done), np.asarray(self._state.nonfinite)
+        dt = time.perf_counter() - t0
+        produced = 0
+        for slot, a in enumerate(self._slots):
+            if a is None:
+                continue
+            new = toks[slot, :n_out[slot]].tolist()
+            produced += len(new)
+            if bad[slot]:
+                self._finish(a, "error", self._nonfinite_message(a, len(new)))
+                continue
+            self._deliver(a, new, device_done=bool(done[slot]))
+        if int(taken):
+            self._rate.append((produced, dt))
+            if produced:
+                self._observe("itl_s", dt * self.max_slots / produced)
+
+    def _deliver(self, a: _Active, new: list[int], device_done: bool):
+        """Stream a request's new tokens; finish it on EOS, a stop token or string, or its
+        budget."""
+        request = a.handle.request
+        finish = None
+        stops = set(request.stop_token_ids or [])
+        for i, t in enumerate(new):
+            if t in stops:
+                new, finish = new[:i], "stop"
+                break
+            if t in self.eos_ids:
+                new, finish = new[:i + 1], "stop"
+                break
+        a.generated.extend(new)
+        self._counts["tokens_generated"] += len(new)
+        if finish is None and len(a.generated) >= request.max_tokens:
+            a.generated, finish = a.generated[:request.max_tokens], "length"
+        if finish is None and device_done:
+            finish = "stop" if a.generated and a.generated[-1] in self.eos_ids else "length"
+        text_ids = [t for t in a.generated if t not in self.eos_ids]
+        text, stopped = a.stream.update(text_ids, final=finish is not None)
+        if stopped:
+            finish = "stop"
+        now = time.perf_counter()
+        a.t_last = now
+        if finish is None:
+            if new or text:
+                a.handle._emit(TokenEvent(new, text))
+            return
+        self._finish(a, finish, new_ids=new, text=text)
+
+    def _finish(self, a: _Active, reason: str, error: str | None = None, new_ids=(), text=""):
+        """End a request: its last event, its result, its slot freed."""
+        if a.handle.done:
+            return
+        if reason != "error" and a.stream.tokenizer is not None and not text:
+            text, _ = a.stream.update([t for t in a.generated if t not in self.eos_ids],
+                                      final=True)
+        if a.slot >= 0 and self._slots[a.slot] is a:
+            with self._lock:
+                self._slots[a.slot] = None
+        now = time.perf_counter()
+        h = a.handle
+        h._result = RequestResult(
+            token_ids=list(a.generated), text=a.stream.text, finish_reason=reason,
+            prompt_tokens=len(a.ids), completion_tokens=len(a.generated), error=error,
+            ttft_s=None if a.t_first is None else a.t_first - a.t_submit,
+            stats={"e2e_s": now - a.t_submit})
+        self._counts["requests_finished"] += 1
+        self._observe("e2e_s", now - a.t_submit)
+        h._emit(TokenEvent(list(new_ids), text, reason, error))
+        h._finished.set()
