@@ -325,7 +325,8 @@ def create_app(engine, *, served_model_name: str | None = None, warmup: bool = F
     @_fails_alone
     async def completions(request: Request):
         body = parse(await request.body(), CompletionRequest)
-        return await server.answer(request, body, body.prompt, body.max_tokens, chat=False)
+        budget = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        return await server.answer(request, body, body.prompt, budget, chat=False)
 
     @app.post("/v1/chat/completions")
     @_fails_alone
