@@ -104,9 +104,10 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     lengths = pos + 1
     deferred = sfi is not None and sfi.refreshes
     if not deferred:  # write first; the deferred path's sparse kernel writes them itself
-        k, v, norms = write_new_token(k, v, None if sfi is None else st.key_norms, (kk, vv),
+        # (a dense step over an SFI state, exact mode's rounds without drafts, keeps the norms)
+        k, v, norms = write_new_token(k, v, None if st is None else st.key_norms, (kk, vv),
                                       pos, l)
-        if sfi is not None:
+        if st is not None:
             st = st._replace(key_norms=norms)
     if sfi is None:
         return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf)

@@ -49,9 +49,9 @@ class ExactCounts(NamedTuple):
 
 
 # Adaptive drafts: a new row's acceptance estimate; each verified draft moves it half-way to
-# the round's observed share; a row that does not draft drifts back towards the prior, so it
-# probes again now and then (with ~0 acceptance: one draft token every ~10 rounds).
-ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.05
+# the round's observed share; a row that does not draft drifts up towards 1, so it probes
+# again now and then (with no acceptance: one draft token every ~20-40 rounds).
+ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.02
 
 
 def initial_counts(batch: int, remaining) -> ExactCounts:
@@ -109,6 +109,22 @@ def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
         jnp.full((1,), B, jnp.int32)
     body = functools.partial(layer_step, cfg=cfg, sfi=dsfi, options=options, slots=slots,
                              pos=pos, dense_rows=pos + 1 <= sfi.budget)
+    x = embed_tokens(params, token[:, None])
+    layers = params["layers"]
+    fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
+                               options.heads, options.matmul, options.epilogue)
+    (x, k, v, st, *_), _ = run_layers(body, (x, k, v, st, None, None, None,
+                                             new_sync() if fused else None),
+                                      layers, cfg.num_layers, options.unroll)
+    return output_logits(params, cfg, x[:, 0]), k, v, st
+
+
+def _dense_step(params, k, v, st, token, pos, *, cfg, options):
+    """One plain dense decode step for the whole batch (the decode loop's, its fused kernels
+    included), keeping the SFI state's key norms: exact mode's round when no row drafts."""
+    B = token.shape[0]
+    body = functools.partial(layer_step, cfg=cfg, sfi=None, options=options, slots=None,
+                             pos=pos, dense_rows=None)
     x = embed_tokens(params, token[:, None])
     layers = params["layers"]
     fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
@@ -218,14 +234,68 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     width = n_rounds * T
     out = jnp.full((B, width), -1, jnp.int32)
 
-    def one_round(carry):
+    def targets(state, counts, live):
+        """Each row's draft length this round."""
+        if not sfi.adaptive_draft:
+            return jnp.full((B,), k_len, jnp.int32)
+        return lengths_for(counts.accept_ema, state.lengths, live)
+
+    def drafting(state, counts, live, target):
+        """Rows that draft this round."""
+        active = live & (counts.remaining >= 2) & (target > 0)
+        if sfi.refreshes:
+            active = active & (state.sfi.since_slow + 1 < sfi.t_max)
+        return active
+
+    def dense_round(carry):
+        """A round in which no row drafts: one plain dense decode step (the decode loop's
+        kernels, cheaper than a verify of draft_len + 1 queries); refreshes wait for the next
+        verify."""
         state, counts, i, out, n_out, buf = carry
-        st, live, len0 = state.sfi, ~state.done, state.lengths
+        st, live, pos = state.sfi, ~state.done, state.lengths
+        key, sub = jax.random.split(state.key)
+        logits, kc, vc, st = _dense_step(params, state.k, state.v, st, state.token, pos,
+                                         cfg=cfg, options=options)
+        if sampling.greedy:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            token = jax.random.categorical(sub, sampling_logits(logits, sampling),
+                                           axis=-1).astype(jnp.int32)
+        out = out.at[jnp.arange(B), jnp.where(live, n_out, width)].set(token, mode="drop")
+        remaining = counts.remaining - live
+        done = state.done | (live & eos_mask[token]) | (remaining <= 0)
+        nonfinite = state.nonfinite
+        if nonfinite is not None:
+            nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
+            done = done | nonfinite
+        if sfi.refreshes:
+            since = st.since_slow + live
+            want = (since + 1 >= sfi.t_max) | ((pos <= sfi.budget) & (pos + 1 >= sfi.budget))
+            if sfi.uses_triggers:
+                want = want | trigger_mask[state.token]
+            st = st._replace(since_slow=since, pending=st.pending | (live & want))
+        ema = counts.accept_ema
+        counts = counts._replace(remaining=remaining, verify_steps=counts.verify_steps + live,
+                                 accept_ema=jnp.where(live, ema + ACCEPT_DRIFT * (1 - ema), ema))
+        state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, pos + 1, pos),
+                            token=jnp.where(live, token, state.token), done=done,
+                            step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
+                            nonfinite=nonfinite)
+        return state, counts, i + 1, out, n_out + live, buf
+
+    def one_round(carry):
+        if sfi.adaptive_draft:  # dense steps while no row drafts (a loop: no buffer copies)
+            def no_drafts(c):
+                live = ~c[0].done
+                return cond(c) & ~jnp.any(drafting(c[0], c[1], live, targets(c[0], c[1], live)))
+
+            carry = jax.lax.while_loop(no_drafts, dense_round, carry)
+        state, counts, i, out, n_out, buf = carry
+        # (after the dense steps, rounds may be spent: then this verify changes nothing)
+        st, live, len0 = state.sfi, ~state.done & (i < n_rounds), state.lengths
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
-
-        target = lengths_for(counts.accept_ema, len0, live) if sfi.adaptive_draft else \
-            jnp.full((B,), k_len, jnp.int32)
+        target = targets(state, counts, live)
 
         def draft_step(c):
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
@@ -250,9 +320,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         V = cfg.vocab_size
         q_logits = jnp.zeros((B, k_len, V) if not sampling.greedy else (B, k_len, 0),
                              jnp.float32)
-        active = live & (counts.remaining >= 2) & (target > 0)
-        if sfi.refreshes:
-            active = active & (st.since_slow + 1 < sfi.t_max)
+        active = drafting(state, counts, live, target)
         init = (state.k, state.v, st, state.token, jnp.zeros((B, k_len), jnp.int32), q_logits,
                 active, jnp.zeros((B,), jnp.int32), jnp.int32(0))
         # as many fast steps as the longest draft this round (none when no row drafts)
@@ -268,7 +336,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             if sfi.uses_triggers:
                 fed = jnp.concatenate([state.token[:, None], drafts], axis=1)
                 want = want | jnp.any(trigger_mask[fed] & (jnp.arange(T) <= m[:, None]), axis=1)
-            slots = refresh_slots(want, state.done, n_slots)
+            want = want & live
+            slots = refresh_slots(want, ~live, n_slots)
         else:
             want, slots = None, None
         tokens_v = jnp.concatenate([state.token[:, None], drafts], axis=1)
@@ -299,12 +368,13 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                 functools.partial(select_all_layers, sfi=sfi, options=options),
                 lambda st, *_: st, st, sel, kc, vc, len0 + n, slots)
             refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-            st = st._replace(since_slow=jnp.where(refreshed, 0, st.since_slow + n + 1),
+            st = st._replace(since_slow=jnp.where(refreshed, 0,
+                                                  st.since_slow + jnp.where(live, n + 1, 0)),
                              pending=(st.pending | want) & ~refreshed)
         st = st._replace(slow_steps=st.slow_steps + (refreshed & live),
                          fast_steps=st.fast_steps + jnp.where(live, m, 0))
         remaining = counts.remaining - n_emit
-        done = state.done | jnp.any(eos_at, axis=1) | (remaining <= 0)
+        done = state.done | (live & jnp.any(eos_at, axis=1)) | (remaining <= 0)
         nonfinite = state.nonfinite
         if nonfinite is not None:  # the verify's logits at the positions it fed
             fed_ok = jnp.all(jnp.isfinite(logits_v), axis=-1) | (t > m[:, None])
@@ -313,8 +383,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         seen = live & (m > 0)
         ema = counts.accept_ema
         ema = jnp.where(seen, ema + ACCEPT_STEP * (n / jnp.maximum(m, 1) - ema),
-                        jnp.where(live & (target == 0), ema + ACCEPT_DRIFT * (ACCEPT_PRIOR - ema),
-                                  ema))
+                        jnp.where(live & (target == 0), ema + ACCEPT_DRIFT * (1 - ema), ema))
         counts = ExactCounts(remaining=remaining,
                              drafted=counts.drafted + jnp.where(live, m, 0),
                              accepted=counts.accepted + jnp.where(live, n, 0),

@@ -18,6 +18,8 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sfi_jax import QueueFull, RequestError
+from sfi_jax import Request as EngineRequest
 from sfi_jax.serve.metrics import ServerMetrics
 from sfi_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
@@ -75,13 +77,10 @@ class _Server:
     """What the routes share: the engine, its metrics and whether new requests are admitted."""
 
     def __init__(self, engine, served_model_name: str):
-        import sfi_jax
-
         self.engine, self.name = engine, served_model_name
-        self.api = sfi_jax  # Request, RequestError, QueueFull
         self.metrics = ServerMetrics(engine)
         self.accepting = True
-        self.live: dict = {}  # handle id -> handle of the requests being answered
+        self.live: dict = {}  # the handles of the requests being answered
         self.created = int(time.time())
 
     async def drain(self, timeout: float) -> None:
@@ -93,54 +92,59 @@ class _Server:
         while self.live and loop.time() < end:
             await asyncio.sleep(0.05)
         for handle in list(self.live.values()):
-            self.engine.cancel(handle)
+            if handle is not None:
+                self.engine.cancel(handle)
         end = loop.time() + 10.0  # a cancel takes effect within one decode chunk
         while self.live and loop.time() < end:
             await asyncio.sleep(0.05)
 
     # --- submitting and following one request ---------------------------------------------
 
-    def submit(self, body, prompt, max_tokens: int):
-        """Submit to the engine; returns (handle, queue of its events)."""
+    async def submit(self, body, prompt, max_tokens: int):
+        """Submit to the engine; returns (handle, queue of its events). The engine validates
+        and tokenises in a worker thread, so that a long prompt does not hold up the streams
+        of the other requests."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down and admits no new requests")
         if body.model is not None and body.model != self.name:
             raise APIError(404, f"model '{body.model}' does not exist; this server serves "
                                 f"'{self.name}'", "model")
-        api = self.api
         temperature = body.temperature
         if temperature is None:  # OpenAI's default, except where the engine serves greedy only
             temperature = 0.0 if getattr(self.engine, "mode", None) == "exact" else 1.0
-        req = api.Request(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                          top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                          stop=body.stop_list(), stop_token_ids=body.stop_token_ids)
+        req = EngineRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                            top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                            stop=body.stop_list(), stop_token_ids=body.stop_token_ids)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        key = object()  # this request in self.live, before its handle exists
 
-        submitted = []
-
-        def deliver(event):  # the event loop's thread, after submit returned
+        def deliver(event):  # the event loop's thread
             queue.put_nowait(event)
             if event.finish_reason is not None:
-                self.live.pop(submitted[0].id, None)
+                self.live.pop(key, None)
 
         def on_event(event):  # the engine's thread
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
                 loop.call_soon_threadsafe(deliver, event)
 
+        self.live[key] = None
         try:
-            handle = self.engine.submit(req, on_event=on_event)
-        except api.RequestError as e:
-            raise APIError(400, str(e), getattr(e, "field", None)) from None
-        except api.QueueFull as e:
-            wait = max(1, math.ceil(getattr(e, "retry_after", 1) or 1))
-            raise APIError(429, f"{e}; retry after {wait} s",
-                           headers={"Retry-After": str(wait)}) from None
-        except RuntimeError as e:  # the engine stopped
-            raise APIError(503, f"the engine is not running: {e}") from None
+            handle = await asyncio.to_thread(self.engine.submit, req, on_event=on_event)
+        except BaseException as e:
+            self.live.pop(key, None)
+            if isinstance(e, RequestError):
+                raise APIError(400, str(e), getattr(e, "field", None)) from None
+            if isinstance(e, QueueFull):
+                wait = max(1, math.ceil(getattr(e, "retry_after", 1) or 1))
+                raise APIError(429, f"{e}; retry after {wait} s",
+                               headers={"Retry-After": str(wait)}) from None
+            if isinstance(e, RuntimeError):  # the engine stopped
+                raise APIError(503, f"the engine is not running: {e}") from None
+            raise
+        if key in self.live:  # (not finished already)
+            self.live[key] = handle
         self.metrics.prompt_tokens.inc(len(handle.prompt_tokens))
-        submitted.append(handle)
-        self.live[handle.id] = handle
         return handle, queue
 
     async def events(self, handle, queue, request: Request | None):
@@ -193,7 +197,7 @@ class _Server:
     # --- the two endpoints' answers -----------------------------------------------------
 
     async def answer(self, request: Request, body, prompt, max_tokens: int, chat: bool):
-        handle, queue = self.submit(body, prompt, max_tokens)
+        handle, queue = await self.submit(body, prompt, max_tokens)
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + str(handle.id)
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.name}
@@ -286,9 +290,7 @@ class _Server:
 def warm_up(engine, timeout: float = 600.0) -> None:
     """One short request through the engine, so that its programs are compiled before the
     server says it is ready."""
-    import sfi_jax
-
-    handle = engine.submit(sfi_jax.Request(prompt=[0], max_tokens=2, temperature=0.0))
+    handle = engine.submit(EngineRequest(prompt=[0], max_tokens=2, temperature=0.0))
     result = handle.result(timeout=timeout)
     if result.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"the warm-up request ended with {result.finish_reason}: "
@@ -323,13 +325,14 @@ def create_app(engine, *, served_model_name: str | None = None, warmup: bool = F
     @_fails_alone
     async def completions(request: Request):
         body = parse(await request.body(), CompletionRequest)
-        return await server.answer(request, body, body.prompt, body.max_tokens, chat=False)
+        budget = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        return await server.answer(request, body, body.prompt, budget, chat=False)
 
     @app.post("/v1/chat/completions")
     @_fails_alone
     async def chat_completions(request: Request):
         body = parse(await request.body(), ChatCompletionRequest)
-        ids = server.chat_prompt(body)
+        ids = await asyncio.to_thread(server.chat_prompt, body)  # (tokenising takes a while)
         budget = body.token_budget() or max(1, engine.max_len - len(ids))
         return await server.answer(request, body, ids, budget, chat=True)
 

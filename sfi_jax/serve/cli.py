@@ -116,7 +116,8 @@ def build_engine(args, sfi):
     tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
     kw = {k: getattr(args, k) for k in ("max_slots", "max_len") if getattr(args, k) is not None}
     engine = sfi_jax.Engine(model, tokenizer=tokenizer, mode=args.mode, sfi=sfi,
-                            chunk_steps=args.chunk_steps, max_queue=args.max_queue, **kw)
+                            chunk_steps=args.chunk_steps, max_queue=args.max_queue,
+                            model_name=args.served_model_name or args.model, **kw)
     return engine
 
 

@@ -158,6 +158,10 @@ def test_bad_inputs_get_400_naming_the_field(served):
         # accepted and ignored: user; the server still serves
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "user": "u"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hihi"
+        # max_tokens null or absent: OpenAI's 16
+        for body in ({"prompt": "hi", "max_tokens": None}, {"prompt": "hi"}):
+            assert http.post("/v1/completions", json=body).json()["usage"][
+                "completion_tokens"] == 16
     assert engine.metrics()["queue_length"] == 0
 
 
