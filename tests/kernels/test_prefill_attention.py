@@ -15,6 +15,7 @@ import pytest
 from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_tpu
 from sfi_jax.kernels.prefill_attention import prefill_attention
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
+from sfi_jax.options import platform
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
@@ -182,7 +183,7 @@ def test_cudnn_impl_needs_a_gpu():
     q_start = jnp.array([0, 30], jnp.int32)
     kv_len = jnp.array([t, 30 + t], jnp.int32)
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    backend = jax.default_backend()
+    backend = platform()
     assert mod.resolve_impl("auto", q, k) == {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(backend,
                                                                                        "xla")
     assert mod.resolve_impl("auto", q32, k32) != "cudnn"
