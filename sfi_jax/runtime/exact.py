@@ -45,12 +45,20 @@ class ExactCounts(NamedTuple):
     drafted: jax.Array  # draft tokens sent to verification
     accepted: jax.Array  # of those, accepted
     verify_steps: jax.Array  # rounds (one verify step each)
-    accept_ema: jax.Array  # float32: running share of draft tokens accepted (adaptive drafts)
+    # adaptive drafts, float32: running averages of the draft tokens a verify accepted and of
+    # the draft tokens it decided on (the accepted ones and the first rejected one); their
+    # ratio estimates the chance that a draft token is accepted
+    accepted_ema: jax.Array
+    trials_ema: jax.Array
+
+    @property
+    def acceptance(self):
+        return self.accepted_ema / jnp.maximum(self.trials_ema, 1e-6)
 
 
-# Adaptive drafts: a new row's acceptance estimate; each verified draft moves it half-way to
-# the round's observed share; a row that does not draft drifts up towards 1, so it probes
-# again now and then (with no acceptance: one draft token every ~20-40 rounds).
+# Adaptive drafts: a new row's acceptance estimate (the prior); each verify moves the averages
+# half-way to its counts; a row that does not draft drifts its estimate up towards 1, so it
+# probes again now and then (with no acceptance: one draft token every ~20-40 rounds).
 ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.02
 
 
@@ -59,7 +67,15 @@ def initial_counts(batch: int, remaining) -> ExactCounts:
         return jnp.zeros((batch,), jnp.int32)
 
     return ExactCounts(jnp.asarray(remaining, jnp.int32), zeros(), zeros(), zeros(),
-                       jnp.full((batch,), ACCEPT_PRIOR, jnp.float32))
+                       jnp.full((batch,), ACCEPT_PRIOR, jnp.float32),
+                       jnp.ones((batch,), jnp.float32))
+
+
+def _drift(counts: ExactCounts, rows) -> ExactCounts:
+    """The acceptance estimate of `rows` (rows that did not draft) moves towards 1."""
+    acc, trials = counts.accepted_ema, counts.trials_ema
+    return counts._replace(accepted_ema=jnp.where(rows, acc + ACCEPT_DRIFT * (trials - acc),
+                                                  acc))
 
 
 def draft_lengths(accept, lengths, live, *, cfg: ModelConfig, sfi: SFIConfig, dtype_bytes: int):
@@ -238,7 +254,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         """Each row's draft length this round."""
         if not sfi.adaptive_draft:
             return jnp.full((B,), k_len, jnp.int32)
-        return lengths_for(counts.accept_ema, state.lengths, live)
+        return lengths_for(counts.acceptance, state.lengths, live)
 
     def drafting(state, counts, live, target):
         """Rows that draft this round."""
@@ -274,25 +290,28 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             if sfi.uses_triggers:
                 want = want | trigger_mask[state.token]
             st = st._replace(since_slow=since, pending=st.pending | (live & want))
-        ema = counts.accept_ema
-        counts = counts._replace(remaining=remaining, verify_steps=counts.verify_steps + live,
-                                 accept_ema=jnp.where(live, ema + ACCEPT_DRIFT * (1 - ema), ema))
+        counts = _drift(counts._replace(remaining=remaining,
+                                        verify_steps=counts.verify_steps + live), live)
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, pos + 1, pos),
                             token=jnp.where(live, token, state.token), done=done,
                             step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
                             nonfinite=nonfinite)
         return state, counts, i + 1, out, n_out + live, buf
 
-    def one_round(carry):
-        if sfi.adaptive_draft:  # dense steps while no row drafts (a loop: no buffer copies)
-            def no_drafts(c):
-                live = ~c[0].done
-                return cond(c) & ~jnp.any(drafting(c[0], c[1], live, targets(c[0], c[1], live)))
+    def some_row_drafts(carry):
+        state, counts = carry[0], carry[1]
+        live = ~state.done
+        return jnp.any(drafting(state, counts, live, targets(state, counts, live)))
 
-            carry = jax.lax.while_loop(no_drafts, dense_round, carry)
+    def dense_rounds(carry):
+        """Plain dense steps while no row drafts (a loop, not a condition: no buffer copies)."""
+        if not sfi.adaptive_draft:
+            return carry
+        return jax.lax.while_loop(lambda c: cond(c) & ~some_row_drafts(c), dense_round, carry)
+
+    def one_round(carry):
         state, counts, i, out, n_out, buf = carry
-        # (after the dense steps, rounds may be spent: then this verify changes nothing)
-        st, live, len0 = state.sfi, ~state.done & (i < n_rounds), state.lengths
+        st, live, len0 = state.sfi, ~state.done, state.lengths
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
         target = targets(state, counts, live)
@@ -381,13 +400,17 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             nonfinite = nonfinite | (live & ~jnp.all(fed_ok, axis=1))
             done = done | nonfinite
         seen = live & (m > 0)
-        ema = counts.accept_ema
-        ema = jnp.where(seen, ema + ACCEPT_STEP * (n / jnp.maximum(m, 1) - ema),
-                        jnp.where(live & (target == 0), ema + ACCEPT_DRIFT * (1 - ema), ema))
+        trials = (n + (n < m)).astype(jnp.float32)  # accepted + the first rejected, if any
+        acc_ema, trials_ema = counts.accepted_ema, counts.trials_ema
         counts = ExactCounts(remaining=remaining,
                              drafted=counts.drafted + jnp.where(live, m, 0),
                              accepted=counts.accepted + jnp.where(live, n, 0),
-                             verify_steps=counts.verify_steps + live, accept_ema=ema)
+                             verify_steps=counts.verify_steps + live,
+                             accepted_ema=jnp.where(seen, acc_ema + ACCEPT_STEP * (n - acc_ema),
+                                                    acc_ema),
+                             trials_ema=jnp.where(seen, trials_ema + ACCEPT_STEP
+                                                  * (trials - trials_ema), trials_ema))
+        counts = _drift(counts, live & (target == 0))
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, len0 + n + 1, len0),
                             token=jnp.where(live, nxt, state.token), done=done,
                             step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
@@ -400,6 +423,9 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     # the refresh slots' verify logits [L, n_slots, Hq, T, S]: written whole by every verify
     # that refreshes a row, read only then
     buf = jnp.zeros((L, n_slots, cfg.num_q_heads, T, S), jnp.float32) if sfi.refreshes else None
+    # [dense steps] then (verify round, [dense steps]) while rounds remain and some row drafts
+    carry = dense_rounds((state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
     state, counts, taken, out, n_out, _ = jax.lax.while_loop(
-        cond, one_round, (state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
+        lambda c: cond(c) & (some_row_drafts(c) if sfi.adaptive_draft else True),
+        lambda c: dense_rounds(one_round(c)), carry)
     return state, counts, out, n_out, taken

@@ -373,16 +373,44 @@ def test_reference_window_path_matches_full_path():
     assert rel_err(reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=6), full) < 1e-6
 
 
+def _numpy_attention(q, keys, values):
+    """Attention of q [Hq, D] over per-KV-head keys and values (lists of [n, D]) in float64;
+    query head h reads KV head h // G."""
+    q = np.asarray(q, np.float64)
+    G = q.shape[0] // len(keys)
+    out = []
+    for h in range(q.shape[0]):
+        kh, vh = (np.asarray(x[h // G], np.float64) for x in (keys, values))
+        s = kh @ q[h] / math.sqrt(q.shape[-1])
+        p = np.exp(s - s.max())
+        out.append(p @ vh / p.sum())
+    return np.stack(out)
+
+
 def test_api_dispatch_and_defaults():
-    q = normal(jax.random.PRNGKey(0), (2, 4, 64), jnp.float32)
-    k = normal(jax.random.PRNGKey(1), (2, 2, 40, 64), jnp.float32)
-    lens = jnp.asarray([40, 3], jnp.int32)
-    want = reference.dense_decode(q, k, k, lens)
+    """Every implementation, "auto" included, gives numpy's attention on distinct k and v."""
+    rng = host_rng(0)
+    q, k, v, ck, cv = (rng.standard_normal(shape, dtype=np.float32) for shape in
+                       [(2, 4, 64), (2, 2, 40, 64), (2, 2, 40, 64), (2, 2, 8, 64), (2, 2, 8, 64)])
+    lens, recent = np.array([40, 3], np.int32), np.array([30, 1], np.int32)
+    c_len = np.array([[5, 8], [0, 2]], np.int32)
+    want = np.stack([_numpy_attention(q[b], k[b, :, :lens[b]], v[b, :, :lens[b]])
+                     for b in range(2)])
+
+    def union(c, x, b):  # the compact buffer's valid prefix, then the recent window
+        return [np.concatenate([c[b, h, :c_len[b, h]], x[b, h, recent[b]:lens[b]]])
+                for h in range(2)]
+
+    want_sparse = np.stack([_numpy_attention(q[b], union(ck, k, b), union(cv, v, b))
+                            for b in range(2)])
+    q, k, v, ck, cv, lens, recent, c_len = map(jnp.asarray, (q, k, v, ck, cv, lens, recent, c_len))
     # "auto" is the platform's kernel ("xla" on a CPU, where CI runs)
     assert api.resolve_impl("auto") == {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(
         platform(), "xla")
     for impl in ["auto", "xla"] + IMPLS:
-        assert rel_err(dense_decode(q, k, k, lens, impl=impl), want) <= 1e-5, impl
+        assert rel_err(dense_decode(q, k, v, lens, impl=impl), want) <= 1e-5, impl
+        got = sparse_decode(q, ck, cv, c_len, k, v, recent, lens, impl=impl)
+        assert rel_err(got, want_sparse) <= 1e-5, impl
 
 
 def test_api_rejects_bad_input():

@@ -16,6 +16,7 @@ import pytest
 from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_tpu
 from sfi_jax.kernels.prefill_attention import prefill_attention
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
+from sfi_jax.options import platform
 
 from conftest import GPU_IMPL
 
@@ -176,14 +177,27 @@ def test_bench_script_smoke(tmp_path):
 
 
 def test_cudnn_impl_needs_a_gpu():
-    """The cuDNN path is GPU-only (checked on the GPU by scripts/bench/bench_prefill_kernel.py):
-    asking for it elsewhere is a clear error, and "auto" never picks it off a GPU."""
+    """The cuDNN path is GPU-only (timed on the GPU by scripts/bench/bench_prefill_kernel.py):
+    asking for it elsewhere, or for inputs cuDNN does not take (float32), is a clear error;
+    "auto" picks it on a GPU for the inputs it takes and never off a GPU; on a GPU its output
+    is the reference's."""
     mod = importlib.import_module("sfi_jax.kernels.prefill_attention")
-
-    q = jnp.zeros((1, 4, 2, 16), jnp.bfloat16)
-    k = jnp.zeros((1, 1, 8, 16), jnp.bfloat16)
-    lens = jnp.array([4], jnp.int32)
-    if jax.default_backend() != "gpu":
+    t = 20
+    q, k, v = _inputs(11, 2, t, 4, 2, 64, 64, jnp.bfloat16)
+    q_start = jnp.array([0, 30], jnp.int32)
+    kv_len = jnp.array([t, 30 + t], jnp.int32)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    backend = platform()
+    assert mod.resolve_impl("auto", q, k) == {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(backend,
+                                                                                       "xla")
+    assert mod.resolve_impl("auto", q32, k32) != "cudnn"
+    with pytest.raises(ValueError, match="cudnn"):
+        mod.prefill_attention(q32, k32, v32, q_start, kv_len, impl="cudnn")
+    if backend != "gpu":
         with pytest.raises(ValueError, match="cudnn"):
-            mod.prefill_attention(q, k, k, lens * 0, lens, impl="cudnn")
-        assert mod.resolve_impl("auto", q, k) != "cudnn"
+            mod.prefill_attention(q, k, v, q_start, kv_len, impl="cudnn")
+        return
+    out = mod.prefill_attention(q, k, v, q_start, kv_len, impl="cudnn")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, reference(q, k, v, q_start, kv_len), q_start, kv_len, jnp.bfloat16,
+                  "cudnn")

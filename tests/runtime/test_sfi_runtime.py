@@ -10,6 +10,7 @@ import pytest
 
 import sfi_jax
 from conftest import TINY_EOS, assert_same_greedy, fast_compile, hf_masked_logits, rel_err
+from sfi_reference import assert_positions, sfi_reference
 from sfi_jax.selector import trigger_token_ids
 
 SMALL = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8)
@@ -49,21 +50,27 @@ TRIGGER_AT = ([3, 12], [5], [1, 2, 14])
 LONG = [60, 66, 72]
 
 
+# the per-row runs' policies; tmax runs with a single refresh slot per step (see
+# test_tmax_one_refresh_slot); t_max = 1 makes every step slow
+POLICY_RUNS = {"sfi": SMALL, "t_max=1": dataclasses.replace(SMALL, t_max=1)}
+POLICY_RUNS.update({policy: dataclasses.replace(SMALL, policy=policy,
+                                                refresh_rows=1 if policy == "tmax" else None)
+                    for policy in ("tmax", "streaming", "prefill_only", "oracle")})
+
+
 @pytest.fixture(scope="module")
 def per_row_runs(tiny_qwen3):
-    """The three-row batch with triggers at different steps, under several policies."""
+    """The three-row batch with triggers at different steps, under several policies, with the
+    selection in force at the end (diagnostics)."""
     prompts = _prompts(LONG, seed=9)
     forced = _forced_with_triggers(TRIGGER_AT)
     runs = {}
     with fast_compile():  # the tiny model's programs (conftest.py)
-        for policy in ("sfi", "tmax", "streaming", "prefill_only", "oracle"):
-            # tmax runs with a single refresh slot per step (see test_tmax_one_refresh_slot)
-            cfg = SMALL if policy == "sfi" else sfi_jax.SFIConfig(
-                n_sink=2, k_select=8, n_recent=8, t_max=8, policy=policy,
-                refresh_rows=1 if policy == "tmax" else None)
-            runs[policy] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW,
-                                            sfi=cfg, trigger_ids=[TRIGGER], forced_tokens=forced,
-                                            stop_at_eos=False, return_logits=True)
+        for name, cfg in POLICY_RUNS.items():
+            runs[name] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW,
+                                          sfi=cfg, trigger_ids=[TRIGGER], forced_tokens=forced,
+                                          stop_at_eos=False, return_logits=True,
+                                          diagnostics=True)
         runs["dense"] = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=NEW,
                                          mode="dense", forced_tokens=forced, stop_at_eos=False,
                                          return_logits=True)
@@ -210,6 +217,31 @@ def test_streaming_matches_a_masked_reference(tiny_qwen3, per_row_runs):
         assert rel_err(lg[b], ref) < 1e-4, f"row {b}"
         dense_ref = hf_masked_logits(tiny_qwen3.hf, seq, j <= i)[P - 1:]
         assert rel_err(dense_ref, ref) > 1e-3  # the mask matters here
+
+
+@pytest.mark.parametrize("name", list(POLICY_RUNS))
+def test_policy_matches_the_reference(tiny_qwen3, per_row_runs, name):
+    """Each policy's logits equal transformers' with SFI's attention sets (per layer and KV
+    head), whose selections the float64 selector of SFI_METHOD.md §4 makes from transformers'
+    own queries and keys (tests/sfi_reference.py); the selection in force at the end equals
+    the reference's. Slow steps are taken from the run (test_per_row_timeline_follows_the_rules
+    and test_tmax_one_refresh_slot check them)."""
+    prompts, forced, runs = per_row_runs
+    res, cfg = runs[name], POLICY_RUNS[name]
+    dense = runs["dense"].stats["logits"]
+    for b, prompt in enumerate(prompts):
+        seq = prompt + forced[b, :NEW - 1].tolist()
+        ref = sfi_reference(tiny_qwen3.hf, seq, len(prompt), cfg,
+                            slow=res.stats["slow_timeline"][b])
+        assert rel_err(res.stats["logits"][b], ref.logits) < 1e-4, f"row {b}"
+        for l, want in enumerate(ref.final):
+            assert_positions(res.stats["selected_positions"][l, b], want, len(seq), cfg,
+                             what=f"row {b} layer {l}")
+        if name == "t_max=1":  # every step slow, so dense
+            assert res.stats["slow_timeline"][b].all()
+            assert rel_err(ref.logits, dense[b]) < 1e-4
+        else:  # the attended sets matter
+            assert rel_err(ref.logits[1:], dense[b, 1:]) > 1e-3
 
 
 def test_policy_oracle_all_slow(per_row_runs):

@@ -13,71 +13,12 @@ import pytest
 from sfi_jax.config import SFIConfig
 from sfi_jax.selector import select, selector_scores, topk_positions, window_max
 from sfi_jax.selector.select import allowed_mask
+from sfi_reference import check_selection, ref_scores, ref_topk_sets
 
 from conftest import gpu_interpret
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain per-head float64 reference of SFI_METHOD.md §4.
-# ---------------------------------------------------------------------------------------------
-def ref_scores(logits, key_norms, lo, hi, cfg):
-    """z_adj [B, H, S] (float64, -inf outside J), written straight from the method text."""
-    B, H, R, S = logits.shape
-    eps, a = cfg.eps, cfg.power_alpha
-    out = np.full((B, H, S), -np.inf)
-    for b in range(B):
-        J = np.arange(max(lo[b], 0), min(hi[b], S))
-        if len(J) == 0:
-            continue
-        z_nms = np.zeros((H, len(J)))
-        for h in range(H):
-            # 1. evidence
-            mu = np.zeros(len(J))
-            for r in range(R):
-                row = logits[b, h, r, J].astype(np.float64)
-                if np.all(np.isneginf(row)):
-                    continue  # a row that sees nothing in J adds no evidence
-                e = np.exp(row - row.max())
-                mu += (e / e.sum()) ** a
-            mu /= R
-            f = mu ** (1.0 / a)
-            f /= f.sum()
-            # 2. prior
-            u = (J - J.min()) / (J.max() - J.min() + eps)
-            pi_kn = (key_norms[b, h, J].astype(np.float64) + eps) ** (-cfg.gamma)
-            pi_pos = np.exp(-cfg.beta * u**cfg.p) * (1 - u + eps) ** cfg.eta
-            rr = pi_kn * pi_pos
-            rr /= rr.sum()
-            # 3. fusion
-            den = f @ f - 2 * (f @ rr) + rr @ rr
-            lam = 0.0 if den == 0 else float(np.clip((f @ f - f @ rr) / den, 0.0, cfg.lam_clip))
-            s = (1 - lam) * f + lam * rr
-            # 4. log score
-            z = np.log(s + eps)
-            # 5. soft-NMS
-            n = cfg.nms_radius
-            m = np.array([z[max(0, i - n): i + n + 1].max() for i in range(len(J))])
-            z_nms[h] = z - cfg.alpha_soft * np.maximum(m - z, 0)
-        # 6. cross-head exclusivity
-        y = z_nms / cfg.cross_temp
-        q = np.exp(y - y.max(axis=0))
-        q /= q.sum(axis=0)
-        out[b][:, J] = z_nms + cfg.alpha_cross * np.log(np.maximum(q, eps))
-    return out
-
-
-def ref_topk_sets(scores, k):
-    """7. top-k of the finite scores per row (ties to the lowest position)."""
-    sets = np.empty(scores.shape[:-1], dtype=object)
-    for idx in np.ndindex(*scores.shape[:-1]):
-        row = scores[idx]
-        finite = np.nonzero(np.isfinite(row))[0]
-        order = finite[np.argsort(-row[finite], kind="stable")]
-        sets[idx] = set(order[:k].tolist())
-    return sets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,29 +33,6 @@ def make_inputs(seed, B=3, H=4, R=3, S=160, scale=2.0, lo=None, hi=None):
     for b in range(B):  # the cache is only filled up to some length past J
         logits[b, :, :, min(S, hi[b] + 5):] = -np.inf
     return logits, key_norms, lo, hi
-
-
-def check_selection(got, z_ref, lo, hi, k, tol=2e-4):
-    """Properties, then the selected set against the reference set; a swap is accepted only
-    between positions whose reference scores tie within float32 rounding at the k-th value."""
-    got = np.asarray(got)
-    B, H, _ = z_ref.shape
-    assert got.shape == (B, H, k) and got.dtype == np.int32
-    ref_sets = ref_topk_sets(z_ref, k)
-    for b in range(B):
-        size_j = max(0, min(hi[b], z_ref.shape[-1]) - max(lo[b], 0))
-        n = min(k, size_j)
-        for h in range(H):
-            row = got[b, h]
-            assert np.all(row[n:] == -1), (b, h, row)
-            valid = row[:n]
-            assert np.all((valid >= lo[b]) & (valid < hi[b])), (b, h, valid)
-            assert np.all(np.diff(valid) > 0), "ascending and unique"
-            diff = set(valid.tolist()) ^ ref_sets[b, h]
-            if diff:
-                kth = np.sort(z_ref[b, h][np.isfinite(z_ref[b, h])])[::-1][n - 1]
-                gaps = [abs(z_ref[b, h, j] - kth) for j in diff]
-                assert max(gaps) < tol, (b, h, sorted(diff), gaps)
 
 
 def run_both(logits, key_norms, lo, hi, cfg):
