@@ -57,8 +57,11 @@ def fold_scores(s, v_ref, m_sc, l_sc, acc_sc, start, lo, hi):
     bk = v_ref.shape[0]
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new[:, :1])
+    # a row that has seen no valid key yet (max -inf) folds zeros, not exp(-inf + inf) = NaN,
+    # so finish_rows tells it (l == 0) from a row fed NaN (l NaN)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe[:, :1])
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_new
     # Rows outside [lo, hi) may be padding or stale data: zero them so 0 * NaN cannot leak.

@@ -146,8 +146,8 @@ def test_window_queries_kept_across_chunks(tiny_qwen3):
     run = generation._validate(
         model, prompts, max_new_tokens=1, mode="sfi", sfi=sfi_jax.SFIConfig(prefill_window=W),
         temperature=0.0, top_p=1.0, top_k=0, tokenizer=None, chunk_steps=8, options=None,
-        impl=None, forced_tokens=None, trigger_ids=None, max_len=None, diagnostics=False,
-        mesh=None, prefill_chunk=16)
+        impl=None, forced_tokens=None, trigger_ids=None, max_len=None, diagnostics=True,
+        mesh=None, prefill_chunk=16)  # (diagnostics: the SFI path, though the rows fit)
     k, v, st = generation._allocate(run, model.dtype)
     pre = generation._prefill(run, k, v, st, model.dtype)
     wq = np.asarray(pre.carry.window_q)  # [L, B, W, Hq, D]

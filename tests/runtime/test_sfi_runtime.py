@@ -129,8 +129,11 @@ def test_full_budget_equals_dense_tiny_qwen3(tiny_qwen3, xla_fast_compile):
     assert cfg.budget == 40 + NEW  # exactly the longest context
     kw = dict(max_new_tokens=NEW, stop_at_eos=False, return_logits=True)
     dense = sfi_jax.generate(tiny_qwen3.model, prompts, mode="dense", **kw)
+    # (diagnostics keep the SFI program: with every row within the budget generate would
+    # otherwise run the dense program, what this test compares with)
     sfi = sfi_jax.generate(tiny_qwen3.model, prompts, mode="sfi", sfi=cfg,
-                           trigger_ids=list(range(0, 256, 5)), **kw)
+                           trigger_ids=list(range(0, 256, 5)), diagnostics=True, **kw)
+    assert sfi.stats["decode_path"] == "sfi"
     for b in range(3):
         assert_same_greedy(sfi.tokens[b], dense.tokens[b], dense.stats["logits"][b],
                            what=f"row {b}")
