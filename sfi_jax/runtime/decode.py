@@ -82,8 +82,8 @@ class LayerAttention(NamedTuple):
     qh: jax.Array | None = None  # the query history (evidence_window > 1)
 
 
-def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi, options,
-                 head_axis=None, qh=None, step=None) -> LayerAttention:
+def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi,
+                 options, head_axis=None, qh=None, step=None) -> LayerAttention:
     """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
     (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
     whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
@@ -105,8 +105,8 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
     deferred = sfi is not None and sfi.refreshes
     if not deferred:  # write first; the deferred path's sparse kernel writes them itself
         # (a dense step over an SFI state, exact mode's rounds without drafts, keeps the norms)
-        k, v, norms = write_new_token(k, v, None if st is None else st.key_norms, (kk, vv),
-                                      pos, l)
+        k, v, norms = write_new_token(k, v, None if st is None else st.key_norms,
+                                      (k_new, v_new), pos, l)
         if st is not None:
             st = st._replace(key_norms=norms)
     if sfi is None:
@@ -125,7 +125,7 @@ def attend_layer(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sf
             return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
                 k, v, st
         out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
-                                         new_kv=(kk, vv), key_norms=st.key_norms, **kw)
+                                         new_kv=(k_new, v_new), key_norms=st.key_norms, **kw)
         return out, k, v, st._replace(key_norms=norms)
 
     def dense_rows_with_logits():
@@ -197,25 +197,29 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     x, k, v, st, diag, buf, qh, sync = carry
     w, l = xs
     B = x.shape[0]
-    if sync is not None:
-        q, kk, vv, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
-    else:
-        q, kk, vv = attention_inputs(w, cfg, x, pos[:, None], heads=_heads_impl(options, plan),
-                                     matmul=matmul_impl(options, plan))
-    q, kk, vv = q[:, 0], kk[:, 0], vv[:, 0]
+    with jax.named_scope("qkv"):
+        if sync is not None:
+            q, k_new, v_new, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
+        else:
+            q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None],
+                                               heads=_heads_impl(options, plan),
+                                               matmul=matmul_impl(options, plan))
+    q, k_new, v_new = q[:, 0], k_new[:, 0], v_new[:, 0]
     attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
-    if plan is None:  # the query history is single-device only (generate checks)
-        attn, k, v, st, buf, qh = attend(q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots,
-                                         qh=qh, step=step)
-    else:
-        attn, k, v, st, buf = mesh.attend(plan, attend, q, kk, vv, k, v, st, buf, l, pos,
-                                          dense_rows, slots)
-    if sync is not None:
-        x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
-                                        moe=_moe_impl(options, plan))
-    else:
-        x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
-                                     matmul=matmul_impl(options, plan))
+    with jax.named_scope("attend"):
+        if plan is None:  # the query history is single-device only (generate checks)
+            attn, k, v, st, buf, qh = attend(q, k_new, v_new, k, v, st, buf, l, pos,
+                                             dense_rows, slots, qh=qh, step=step)
+        else:
+            attn, k, v, st, buf = mesh.attend(plan, attend, q, k_new, v_new, k, v, st, buf, l,
+                                              pos, dense_rows, slots)
+    with jax.named_scope("mlp"):  # (the attention's output projection and the MLP)
+        if sync is not None:
+            x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
+                                            moe=_moe_impl(options, plan))
+        else:
+            x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
+                                         matmul=matmul_impl(options, plan))
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh, sync), None
     lengths = pos + 1
@@ -309,7 +313,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
                 slots = jnp.full((n_slots,), B, jnp.int32)
         else:
             dense_rows, slots = None, None
-        x = embed_tokens(params, state.token[:, None])
+        with jax.named_scope("embed"):
+            x = embed_tokens(params, state.token[:, None])
         deferred = sfi is not None and sfi.refreshes
         if deferred:  # dense rows read no compact buffer (see `_attend`); no layer writes c_len
             c_len = st.c_len
@@ -327,16 +332,18 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
             st = st._replace(c_len=c_len)
         if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
             out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
-        logits = output_logits(params, cfg, x[:, 0])
+        with jax.named_scope("logits"):
+            logits = output_logits(params, cfg, x[:, 0])
         live = ~state.done
         rows = state.rows
-        if rows is None:
-            key, sub = jax.random.split(state.key)
-            token = sample(logits, sub, sampling)
-        else:  # per-row sampling and budgets (the Engine's slots)
-            key = state.key
-            token, keys = sample_rows(logits, rows)
-            rows = rows._replace(keys=keys, remaining=rows.remaining - live)
+        with jax.named_scope("sample"):
+            if rows is None:
+                key, sub = jax.random.split(state.key)
+                token = sample(logits, sub, sampling)
+            else:  # per-row sampling and budgets (the Engine's slots)
+                key = state.key
+                token, keys = sample_rows(logits, rows)
+                rows = rows._replace(keys=keys, remaining=rows.remaining - live)
         nonfinite = state.nonfinite
         if nonfinite is not None:  # a NaN/inf logit stops its row (the host reports it)
             nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
@@ -366,7 +373,8 @@ def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *,
         if buf is not None and slots is not None:  # this step's refreshed rows
             # + 0 that XLA cannot fold: the selection's update of the compact buffers waits for
             # this step's token, so for every layer's read of them (else XLA copies them)
-            st = apply_selections(st, buf, k, v, pos + jnp.minimum(token, 0), slots)
+            with jax.named_scope("select"):
+                st = apply_selections(st, buf, k, v, pos + jnp.minimum(token, 0), slots)
         # rows that had ended stay where they are (an idle slot never outgrows the cache)
         state = DecodeState(k=k, v=v, lengths=jnp.where(live, pos + 1, pos), token=token,
                             done=done, step=state.step + 1, key=key, sfi=st, diag=diag,

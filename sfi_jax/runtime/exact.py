@@ -165,11 +165,11 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
     def layer(carry, xs):
         x, k, v, norms, buf = carry
         w, l = xs
-        q, kk, vv = attention_inputs(w, cfg, x, wpos, heads="xla", matmul=options.matmul)
+        q, k_new, v_new = attention_inputs(w, cfg, x, wpos, heads="xla", matmul=options.matmul)
         at = (l, rows, slice(None), wpos)  # [B, T] positions -> values [B, T, Hkv, D]
-        k = k.at[at].set(kk.astype(k.dtype))
-        v = v.at[at].set(vv.astype(v.dtype))
-        norms = norms.at[at].set(jnp.linalg.norm(kk.astype(jnp.float32), axis=-1))
+        k = k.at[at].set(k_new.astype(k.dtype))
+        v = v.at[at].set(v_new.astype(v.dtype))
+        norms = norms.at[at].set(jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1))
         attend = functools.partial(multi_query_decode, q, k, v, q_start, kv_len, layer=l,
                                    impl=options.attention)
         if buf is None:

@@ -140,9 +140,9 @@ def _with_big(st, big):
     return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4])
 
 
-def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, buf, l, pos, dense_rows, slots):
+def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots):
     """Run one layer's decode attention (`runtime.decode.attend_layer`) under shard_map: each
-    device writes and attends its own rows and KV heads. fn(q, kk, vv, k, v, st, buf, l, pos,
+    device writes and attends its own rows and KV heads. fn(q, k_new, v_new, k, v, st, buf, l, pos,
     dense_rows, slots, head_axis=...) returns an object with fields attn, k, v, st, buf; this
     returns them as a tuple.
 
@@ -153,16 +153,17 @@ def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, buf, l, pos, dense_rows, sl
     B = q.shape[0]
     n_slots = None if slots is None else slots.shape[0]
     row, h = plan.rows, plan.per_head
-    heads3 = h(3)  # q, kk, vv [B, H, D]
+    heads3 = h(3)  # q, k_new, v_new [B, H, D]
     cache = h(5, lead=1)
     big = _big(st)
     big_specs = _big_specs(plan)
     mask = None if slots is None else jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
-    def body(q, kk, vv, k, v, big, buf, l, pos, dense_rows, mask):
+    def body(q, k_new, v_new, k, v, big, buf, l, pos, dense_rows, mask):
         local_st = None if big is None else SFIState(*big, None, None, None, None)
-        out = fn(q, kk, vv, k, v, local_st, buf, l, pos, dense_rows, local_slots(mask, n_slots)
-                 if mask is not None else None, head_axis=plan.head_axis)
+        slots_here = local_slots(mask, n_slots) if mask is not None else None
+        out = fn(q, k_new, v_new, k, v, local_st, buf, l, pos, dense_rows, slots_here,
+                 head_axis=plan.head_axis)
         return out.attn, out.k, out.v, _big(out.st), out.buf
 
     big_spec = big_specs if big is not None else None
@@ -171,7 +172,7 @@ def attend(plan: ShardPlan, fn, q, kk, vv, k, v, st, buf, l, pos, dense_rows, sl
                 None if dense_rows is None else row, None if mask is None else row)
     out_specs = (heads3, cache, cache, big_spec, buf_spec)
     attn, k, v, big, buf = _shard_map(plan, body, in_specs, out_specs)(
-        q, kk, vv, k, v, big, buf, l, pos, dense_rows, mask)
+        q, k_new, v_new, k, v, big, buf, l, pos, dense_rows, mask)
     if st is not None:
         st = _with_big(st, big)
     return attn, k, v, st, buf

@@ -134,11 +134,11 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
     def layer(c, xs):
         x, k, v, kn, wq = c
         w, l = xs
-        q, kk, vv = attention_inputs(w, cfg, x, pos)
-        k = _write_rows(k, l, kk, start)
-        v = _write_rows(v, l, vv, start)
+        q, k_new, v_new = attention_inputs(w, cfg, x, pos)
+        k = _write_rows(k, l, k_new, start)
+        v = _write_rows(v, l, v_new, start)
         if with_norms:
-            kn = _write_rows(kn, l, jnp.linalg.norm(kk.astype(jnp.float32), axis=-1), start)
+            kn = _write_rows(kn, l, jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1), start)
         attn = prefill_attention(q, k, v, starts, kv_len, layer=l, impl=impl)
         if W:
             picked = jnp.take_along_axis(q, jnp.clip(rel, 0, C - 1)[:, :, None, None], axis=1)
