@@ -27,7 +27,7 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, TINY_EOS, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])
+@pytest.mark.parametrize("mode", ["dense", "sfi", pytest.param("exact", marks=pytest.mark.slow)])
 def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode):
     """Five requests of different lengths and budgets over two slots (slots reused), arriving
     at different times while others decode, give generate()'s greedy tokens for each prompt
