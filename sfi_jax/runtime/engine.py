@@ -553,14 +553,13 @@ class Engine:
                     self._lock.wait()
                 if not self._all_requests() and not self._running:
                     return
-                if not self._running and not self._drain:
-                    pass  # cancelled flags are set; the passes below end them
-                self._admit()
+                self._admit()  # (after stop(drain=False) the cancelled flags end them)
             try:
                 self._step()
-            except Exception as e:  # a device error ends the requests in flight, not the engine
+            except Exception as e:  # a decode error ends the requests in flight, not the engine
                 for a in [a for a in self._slots if a is not None] + list(self._prefilling):
                     self._finish(a, "error", f"{type(e).__name__}: {e}")
+                self._prefilling.clear()
                 self._state, self._exact_counts = self._empty_state()
 
     def _admit(self):
@@ -581,15 +580,26 @@ class Engine:
     def _step(self):
         if self._prefilling:
             a = self._prefilling[0]
-            if a.handle.cancelled:
-                self._prefilling.popleft()
-                self._finish(a, "cancelled")
-            elif self._prefill_chunk(a):
-                self._prefilling.popleft()
-                self._enter_slot(a)
+            try:
+                if a.handle.cancelled:
+                    self._prefilling.popleft()
+                    self._finish(a, "cancelled")
+                elif self._prefill_chunk(a):
+                    self._prefilling.popleft()
+                    self._enter_slot(a)
+            except Exception as e:  # a prefill that fails ends its own request only
+                if self._prefilling and self._prefilling[0] is a:
+                    self._prefilling.popleft()
+                if not self._state_intact():
+                    raise
+                self._finish(a, "error", f"{type(e).__name__}: {e}")
         self._release_ended()
         if any(a is not None for a in self._slots):
             self._decode()
+
+    def _state_intact(self) -> bool:
+        """Whether the slots' state survived a failed call (a donated buffer may not have)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self._state))
 
     def _prefill_chunk(self, a: _Active) -> bool:
         """One prefill chunk of request `a`; True when its prompt is done."""

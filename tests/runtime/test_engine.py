@@ -335,3 +335,26 @@ def test_sfi_within_its_budget_runs_the_dense_program(tiny_qwen3):
     over = sfi_jax.generate(model, prompts, max_new_tokens=18, mode="sfi", sfi=wide,
                             stop_at_eos=False)  # 9 + 18 > 26: the SFI program
     assert over.stats["decode_path"] == "sfi" and over.stats["slow_timeline"][:, 0].all()
+
+
+def test_a_request_whose_prefill_fails_fails_alone(tiny_qwen3, monkeypatch):
+    from sfi_jax.runtime import prefill
+
+    model = tiny_qwen3.model
+    bad, good = _prompts([13, 9], seed=12)
+    real = prefill.prefill_chunk
+
+    def failing(params, k, v, key_norms, tokens, start, lengths, carry, **kw):
+        if int(np.asarray(lengths)[0]) == len(bad):
+            raise MemoryError("out of device memory (injected)")
+        return real(params, k, v, key_norms, tokens, start, lengths, carry, **kw)
+
+    monkeypatch.setattr(prefill, "prefill_chunk", failing)
+    ref = sfi_jax.generate(model, [good], max_new_tokens=6, mode="dense").tokens[0]
+    with sfi_jax.Engine(model, mode="dense", **ENGINE) as engine:
+        hb = engine.submit(sfi_jax.Request(prompt=bad, max_tokens=6))
+        hg = engine.submit(sfi_jax.Request(prompt=good, max_tokens=6))
+        rb, rg = hb.result(TIMEOUT), hg.result(TIMEOUT)
+        after = engine.submit(sfi_jax.Request(prompt=good, max_tokens=6)).result(TIMEOUT)
+    assert rb.finish_reason == "error" and "injected" in rb.error
+    assert rg.token_ids == ref and after.token_ids == ref

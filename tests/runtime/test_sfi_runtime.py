@@ -317,6 +317,9 @@ def test_gpu_kernels_in_the_decode_loop(tiny_qwen3, per_row_runs, refresh, repac
     assert rel_err(got.stats["logits"], want.stats["logits"]) < 1e-4
 
 
+# slow: test_exact's matmul-kernel test runs the same fused layout (split weights, fused q/k/v,
+# the heads kernel, fused epilogues) in the default suite; `-m gpu` runs it compiled on a GPU
+@pytest.mark.slow
 def test_gpu_kernels_with_fused_heads_in_the_decode_loop(tiny_qwen3, per_row_runs):
     """Split weights with the fused q/k/v matmul (the GPU layout) and every Triton kernel
     (interpret mode), the heads' norm + rope kernel and the top-k's radix-search kernel
