@@ -117,30 +117,20 @@ def draft_config(sfi: SFIConfig) -> SFIConfig:
     return dataclasses.replace(sfi, policy="prefill_only") if sfi.refreshes else sfi
 
 
-def _fast_step(params, k, v, st, token, pos, *, cfg, sfi, options):
-    """One fast (draft) step for the whole batch: logits [B, V] and the updated cache/state."""
+def _one_step(params, k, v, st, token, pos, *, cfg, sfi, options):
+    """One decode step for the whole batch, the decode loop's layer (its fused kernels
+    included): logits [B, V] and the updated cache/state. sfi: the draft's policy for a fast
+    (draft) step; None for a plain dense step that keeps the SFI state's key norms (a round in
+    which no row drafts)."""
     B = token.shape[0]
-    dsfi = draft_config(sfi)
-    slots = jnp.arange(B, dtype=jnp.int32) if dsfi.selects_every_step else \
-        jnp.full((1,), B, jnp.int32)
-    body = functools.partial(layer_step, cfg=cfg, sfi=dsfi, options=options, slots=slots,
-                             pos=pos, dense_rows=pos + 1 <= sfi.budget)
-    x = embed_tokens(params, token[:, None])
-    layers = params["layers"]
-    fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
-                               options.heads, options.matmul, options.epilogue)
-    (x, k, v, st, *_), _ = run_layers(body, (x, k, v, st, None, None, None,
-                                             new_sync() if fused else None),
-                                      layers, cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x[:, 0]), k, v, st
-
-
-def _dense_step(params, k, v, st, token, pos, *, cfg, options):
-    """One plain dense decode step for the whole batch (the decode loop's, its fused kernels
-    included), keeping the SFI state's key norms: exact mode's round when no row drafts."""
-    B = token.shape[0]
-    body = functools.partial(layer_step, cfg=cfg, sfi=None, options=options, slots=None,
-                             pos=pos, dense_rows=None)
+    if sfi is None:
+        slots = dense_rows = None
+    else:
+        slots = jnp.arange(B, dtype=jnp.int32) if sfi.selects_every_step else \
+            jnp.full((1,), B, jnp.int32)
+        dense_rows = pos + 1 <= sfi.budget
+    body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
+                             pos=pos, dense_rows=dense_rows)
     x = embed_tokens(params, token[:, None])
     layers = params["layers"]
     fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
@@ -270,8 +260,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         state, counts, i, out, n_out, buf = carry
         st, live, pos = state.sfi, ~state.done, state.lengths
         key, sub = jax.random.split(state.key)
-        logits, kc, vc, st = _dense_step(params, state.k, state.v, st, state.token, pos,
-                                         cfg=cfg, options=options)
+        logits, kc, vc, st = _one_step(params, state.k, state.v, st, state.token, pos,
+                                       cfg=cfg, sfi=None, options=options)
         if sampling.greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -319,8 +309,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         def draft_step(c):
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
             pos = jnp.minimum(len0 + j, S - 1)
-            logits, kc, vc, st = _fast_step(params, kc, vc, st, tok, pos, cfg=cfg, sfi=sfi,
-                                            options=options)
+            logits, kc, vc, st = _one_step(params, kc, vc, st, tok, pos, cfg=cfg,
+                                           sfi=draft_config(sfi), options=options)
             if sampling.greedy:
                 d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
