@@ -6,6 +6,8 @@ mode, and these skip."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -24,6 +26,9 @@ XLA = EngineOptions(attention="xla", prefill_attention="xla", selector_scores="x
 # the budget far below the prompts; soft-NMS radius 3 (not a power of two) with the selector's
 # steps 5-6 by the kernel on the GPU side
 SFI = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=6, draft_len=3, nms_radius=3)
+# exact mode drafts every round (adaptive drafts stop drafting on a random model, whose drafts
+# are rejected, and the sparse kernel would then not run)
+SFI_EXACT = dataclasses.replace(SFI, adaptive_draft=False)
 GPU = EngineOptions(selector_adjust="kernel")
 NEW = 24
 # (model kind, overrides): a group of 3 on 3 KV heads (SmolLM2-135M's layout: padded rows and
@@ -57,7 +62,8 @@ def run(tmp_path_factory):
                 models[name] = sfi_jax.load_model(d, dtype="float32")
             with jax.default_matmul_precision("highest"), fast_compile():
                 results[key] = sfi_jax.generate(
-                    models[name], prompts, mode=mode, sfi=SFI, options=options,
+                    models[name], prompts, mode=mode, sfi=SFI_EXACT if mode == "exact" else SFI,
+                    options=options,
                     max_new_tokens=NEW, stop_at_eos=False, return_logits=mode != "exact")
         return results[key]
 

@@ -10,11 +10,13 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
-from serve_support import FakeEngine, echo_text, openai_client, running_server
 
-from sfi_jax.serve import create_app
+openai = pytest.importorskip("openai")
+
+from serve_support import FakeEngine, echo_text, openai_client, running_server  # noqa: E402
+
+from sfi_jax.serve import create_app  # noqa: E402
 
 
 
