@@ -20,8 +20,12 @@ tokens arriving a gap g after the previous one gives k samples of g / k. Time to
 from sending the request to the first chunk with a token. Output tokens/s: all completion
 tokens of a rate's requests over the time from its first request sent to its last finished.
 
-The transformers library's own serving as a peer arm (`--transformers`) is not run by this
-script: the report says "not run".
+The transformers library's own server as the peer arm: `--engines sfi,dense,transformers`
+starts `transformers serve CHECKPOINT --continuous-batching` (paged attention) on the GPU. The
+checkpoint (`--peer-checkpoint`, written once if missing) holds random weights of `--model`'s
+shape and a word-level tokenizer that reads the text "t<id>" as token <id>: the peer gets the
+same token ids as text that the sfi_jax servers get as lists, and each streamed "t" is one
+token. The sfi_jax servers load the preset (random weights of the same shape).
 """
 
 from __future__ import annotations
@@ -68,8 +72,11 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds to wait for a started server's ready line")
-    p.add_argument("--transformers", action="store_true",
-                   help="the transformers peer arm: not run by this script (reported as such)")
+    p.add_argument("--peer-checkpoint", default=None,
+                   help="with the transformers engine: its checkpoint directory (written from "
+                        "--model's shape with random weights if it does not exist)")
+    p.add_argument("--peer-arg", action="append", default=[],
+                   help="one more flag for `transformers serve`, e.g. --peer-arg=--cb-num-blocks=4096")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny load: 3 requests at one rate, 16-token prompts, 8 new tokens")
     p.add_argument("--out", default="benchmarks/serve",
@@ -114,9 +121,11 @@ def check_args(parser, args):
         args.engine_list = [args.label]
     else:
         args.engine_list = [e for e in args.engines.split(",") if e]
-        bad = [e for e in args.engine_list if e not in ("sfi", "dense")]
+        bad = [e for e in args.engine_list if e not in ("sfi", "dense", "exact", "transformers")]
         if bad or not args.engine_list:
-            parser.error(f"--engines takes sfi and/or dense, got {args.engines!r}")
+            parser.error(f"--engines takes sfi, dense, exact and transformers, got {args.engines!r}")
+        if "transformers" in args.engine_list and not args.peer_checkpoint:
+            parser.error("the transformers engine needs --peer-checkpoint DIR")
 
 
 # --- one server per engine -------------------------------------------------------------------
@@ -146,6 +155,71 @@ def start_server(args, mode):
     raise SystemExit(f"error: the {mode} server was not ready in {args.start_timeout} s")
 
 
+def write_peer_checkpoint(preset, directory):
+    """Random bf16 weights of `preset`'s shape, saved by transformers, with a word-level tokenizer
+    of the same vocabulary ("t<id>" is token <id>)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+    from sfi_jax.models.config import PRESETS
+
+    c = PRESETS[preset]
+    config = Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_q_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+        rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+        eos_token_id=list(c.eos_token_ids), dtype="bfloat16")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(c.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0",
+                            eos_token=f"t{c.eos_token_ids[0]}").save_pretrained(directory)
+    del model
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_peer(args):
+    """`transformers serve` with continuous batching on 127.0.0.1; (process, base URL)."""
+    import httpx
+
+    if not os.path.exists(os.path.join(args.peer_checkpoint, "config.json")):
+        t = time.perf_counter()
+        write_peer_checkpoint(args.model, args.peer_checkpoint)
+        print(f"wrote the peer checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
+           "serve", args.peer_checkpoint, "--continuous-batching", "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", *args.peer_arg]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: transformers serve exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    raise SystemExit(f"error: transformers serve was not ready in {args.start_timeout} s")
+
+
 def stop_server(proc):
     proc.send_signal(signal.SIGTERM)
     try:
@@ -157,13 +231,17 @@ def stop_server(proc):
 
 # --- the load --------------------------------------------------------------------------------
 
-async def one_request(client, url, model, prompt, max_tokens, t0):
-    """Stream one completion; its timings (seconds from t0) and token counts."""
+async def one_request(client, url, model, prompt, max_tokens, t0, as_text=False):
+    """Stream one completion; its timings (seconds from t0) and token counts. With `as_text`
+    (the peer) the prompt goes as the text "t<id> t<id> ..." and each streamed "t" counts one
+    token (its usage comes only at the end)."""
     rec = {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "sent": time.perf_counter() - t0,
            "chunks": [], "completion_tokens": 0, "status": None, "error": None}
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True,
+    body = {"prompt": " ".join(f"t{i}" for i in prompt) if as_text else prompt,
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if model is not None:
+        body["model"] = model
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             rec["status"] = r.status_code
@@ -177,7 +255,12 @@ async def one_request(client, url, model, prompt, max_tokens, t0):
                 if "error" in event:
                     rec["error"] = event["error"].get("message")
                     break
-                n = (event.get("usage") or {}).get("completion_tokens", rec["completion_tokens"])
+                if as_text:
+                    text = "".join(c.get("text") or "" for c in event.get("choices") or [])
+                    n = rec["completion_tokens"] + text.count("t")
+                else:
+                    n = (event.get("usage") or {}).get("completion_tokens",
+                                                       rec["completion_tokens"])
                 if n > rec["completion_tokens"]:
                     rec["chunks"].append((time.perf_counter() - t0, n - rec["completion_tokens"]))
                     rec["completion_tokens"] = n
@@ -189,7 +272,7 @@ async def one_request(client, url, model, prompt, max_tokens, t0):
     return rec
 
 
-async def run_rate(args, url, model, rate, rng):
+async def run_rate(args, url, model, rate, rng, as_text=False):
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -200,7 +283,7 @@ async def run_rate(args, url, model, rate, rng):
             n = rng.choice(args.prompt_list)
             prompt = [rng.randrange(args.token_lo, args.token_hi) for _ in range(n)]
             tasks.append(asyncio.create_task(one_request(
-                client, url, model, prompt, rng.choice(args.output_list), t0)))
+                client, url, model, prompt, rng.choice(args.output_list), t0, as_text)))
             await asyncio.sleep(rng.expovariate(rate))
             if time.perf_counter() - t0 > args.max_seconds:
                 break
@@ -244,7 +327,7 @@ def run_engine(args, url, model, label):
     rng = random.Random(args.seed)
     rows, raw = [], []
     for rate in args.rate_list:
-        records = asyncio.run(run_rate(args, url, model, rate, rng))
+        records = asyncio.run(run_rate(args, url, model, rate, rng, as_text=label == "transformers"))
         rows.append(summarise(records, rate))
         raw.append({"rate": rate, "records": records})
         print(json.dumps({"engine": label, **rows[-1]}), flush=True)
@@ -273,7 +356,11 @@ def markdown(report):
                          f"{r['rejected_429']} | {r['output_tokens_per_s']:.1f} | "
                          f"{_fmt(r['ttft_p50_s'], digits=2)} | {_fmt(r['ttft_p99_s'], digits=2)} | "
                          f"{_fmt(r['itl_p50_s'], 1e3)} | {_fmt(r['itl_p99_s'], 1e3)} |")
-    lines += ["", f"transformers peer: {report['transformers']}", ""]
+    if "transformers" in report["results"]:
+        lines += ["", "transformers: `transformers serve --continuous-batching` (paged attention, "
+                  "bf16) on the same GPU, the same requests as text; "
+                  f"extra flags {report['config'].get('peer_args') or 'none'}."]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -323,6 +410,9 @@ def main(argv=None):
         proc = None
         if args.url:
             url, model = args.url.rstrip("/"), None
+        elif engine == "transformers":
+            proc, url = start_peer(args)
+            model = None
         else:
             proc, url = start_server(args, engine)
             model = engine
@@ -339,10 +429,8 @@ def main(argv=None):
                    "prompt_lens": args.prompt_list, "output_lens": args.output_list,
                    "rates": args.rate_list, "requests": args.requests,
                    "max_seconds": args.max_seconds, "server_args": args.server_arg,
-                   "seed": args.seed},
+                   "seed": args.seed, "peer_args": args.peer_arg},
         "results": results,
-        "transformers": "not run (this script has no transformers arm)" if args.transformers
-                        else "not run (not asked for)",
         "raw": raw,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
