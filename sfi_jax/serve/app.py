@@ -278,6 +278,9 @@ class _Server:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "messages: this model has no tokenizer (random weights); use "
+                           "/v1/completions with the prompt as token ids", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -104,6 +104,8 @@ def build_engine(args, sfi):
 
     import sfi_jax
     from sfi_jax.cache import default_compilation_cache_dir, enable_compilation_cache
+    from sfi_jax.models.config import PRESETS
+    from sfi_jax.models.loading import EMBEDDED_DEFAULT
 
     if not args.compile_cache_off:
         directory = args.compile_cache or default_compilation_cache_dir()
@@ -113,7 +115,13 @@ def build_engine(args, sfi):
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     model = sfi_jax.load_model(args.model, dtype=dtype)
-    tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
+    if args.tokenizer is None and args.model in PRESETS and args.model != EMBEDDED_DEFAULT:
+        # a random-weight preset (benchmarks): prompts as token ids; text and chat get a 400
+        print(f"{args.model} has random weights and no tokenizer: prompts must be token ids",
+              file=sys.stderr)
+        tokenizer = None
+    else:
+        tokenizer = sfi_jax.load_tokenizer(args.tokenizer or args.model)
     kw = {k: getattr(args, k) for k in ("max_slots", "max_len") if getattr(args, k) is not None}
     engine = sfi_jax.Engine(model, tokenizer=tokenizer, mode=args.mode, sfi=sfi,
                             chunk_steps=args.chunk_steps, max_queue=args.max_queue,

@@ -87,6 +87,20 @@ def test_chat_uses_the_template(served):
     assert r3.usage.completion_tokens == engine.max_len - len(templated)
 
 
+def test_chat_without_a_tokenizer_is_a_400(served):
+    """A random-weight model has no tokenizer: chat names the field, the server goes on."""
+    url, engine, _ = served
+    tokenizer, engine.tokenizer = engine.tokenizer, None
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    finally:
+        engine.tokenizer = tokenizer
+    assert r.status_code == 400, r.text
+    assert "no tokenizer" in r.text and "messages" in r.text
+    assert httpx.get(url + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("stop,want", [("def", "abc"), (["zz", "fg"], "abcde"),
                                        (["h", "cd"], "ab"), ("q", None)])
 def test_stop_strings(served, stop, want):
