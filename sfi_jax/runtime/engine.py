@@ -601,11 +601,30 @@ class Engine:
         """Whether the slots' state survived a failed call (a donated buffer may not have)."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self._state))
 
+    def prefill_length(self, n: int) -> int:
+        """The padded length a prompt of n tokens is prefilled at: a power of two up to one
+        chunk, and the slots' own padded length above that, so that prompts of any length
+        share a few programs (`warmup_lengths`) instead of one per multiple of the chunk."""
+        if n <= self.max_chunk:
+            return prefill.bucket(n, self.max_chunk)
+        return prefill.bucket(self.max_len, self.max_chunk)
+
+    def warmup_lengths(self) -> list[int]:
+        """A prompt length for each padded prefill length a request can meet (each leaves room
+        for two new tokens): requests of these lengths compile every program."""
+        out, seen = [], set()
+        for n in sorted({1, *(prefill.MIN_BUCKET << i for i in range(24)), self.max_chunk + 1}):
+            n = min(n, self.max_len - 2)
+            if n >= 1 and self.prefill_length(n) not in seen:
+                seen.add(self.prefill_length(n))
+                out.append(n)
+        return out
+
     def _prefill_chunk(self, a: _Active) -> bool:
         """One prefill chunk of request `a`; True when its prompt is done."""
         cfg, dtype = self.cfg, self.model.dtype
         if a.tokens is None:
-            T = prefill.bucket(len(a.ids), self.max_chunk)
+            T = self.prefill_length(len(a.ids))
             a.chunk = prefill.prefill_chunk_size(T, self.max_chunk)
             a.tokens = np.zeros((1, T), np.int32)
             a.tokens[0, :len(a.ids)] = a.ids

@@ -290,28 +290,35 @@ class _Server:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def warm_up(engine, timeout: float = 600.0) -> None:
-    """One short request through the engine, so that its programs are compiled before the
-    server says it is ready."""
-    handle = engine.submit(EngineRequest(prompt=[0], max_tokens=2, temperature=0.0))
-    result = handle.result(timeout=timeout)
-    if result.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"the warm-up request ended with {result.finish_reason}: "
-                           f"{result.error}")
+def warm_up(engine, lengths="all", timeout: float = 600.0) -> None:
+    """Requests through the engine before the server says it is ready, so that their programs
+    are compiled: one of each prompt length in `engine.warmup_lengths()` ("all": no request
+    meets a compile later), or only the shortest ("first": a quicker start; a longer prompt
+    compiles its prefill when it first comes)."""
+    every = getattr(engine, "warmup_lengths", lambda: [1])()
+    for n in every if lengths == "all" else every[:1]:
+        handle = engine.submit(EngineRequest(prompt=[0] * n, max_tokens=2, temperature=0.0))
+        result = handle.result(timeout=timeout)
+        if result.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"the warm-up request of {n} tokens ended with "
+                               f"{result.finish_reason}: {result.error}")
 
 
-def create_app(engine, *, served_model_name: str | None = None, warmup: bool = False) -> FastAPI:
+def create_app(engine, *, served_model_name: str | None = None, warmup: str | None = None
+               ) -> FastAPI:
     """The application over `engine` (an `sfi_jax.Engine` or an object with its interface).
-    Its lifespan starts the engine (and with `warmup` compiles its programs), and at shutdown
+    Its lifespan starts the engine (and with `warmup`, "all" or "first", compiles its
+    programs: `warm_up`), and at shutdown
     stops admitting and cancels what is still running (uvicorn waits for running requests
     first, up to its graceful-shutdown timeout)."""
     server = _Server(engine, served_model_name or engine.model_name)
+    warm_lengths = {True: "all", False: None, "none": None}.get(warmup, warmup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
-        if warmup:
-            await asyncio.to_thread(warm_up, engine)
+        if warm_lengths:
+            await asyncio.to_thread(warm_up, engine, warm_lengths)
         yield
         server.accepting = False
         await asyncio.to_thread(engine.stop, drain=False)

@@ -43,8 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before cancelling "
                         "them")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the one-token request that compiles the programs before 'ready'")
+    p.add_argument("--warmup", choices=("auto", "all", "first", "none"), default="auto",
+                   help="requests run before 'ready' to compile the programs: all (one per "
+                        "prefill shape, so no request waits for a compile), first (the "
+                        "shortest only; longer prompts compile when they first come), none; "
+                        "auto: first on a CPU, all elsewhere")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
+                   help="the same as --warmup none")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info logs every request)")
@@ -145,8 +150,13 @@ def main(argv=None) -> int:
         engine = build_engine(args, sfi)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         raise SystemExit(f"error: {e}")
+    warmup = args.warmup
+    if warmup == "auto":
+        import jax
+
+        warmup = "first" if jax.default_backend() == "cpu" else "all"
     app = create_app(engine, served_model_name=args.served_model_name or args.model,
-                     warmup=args.warmup)
+                     warmup=warmup)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     server = make_server(app, args, ready_line=f"serving {args.served_model_name or args.model}"

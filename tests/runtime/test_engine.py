@@ -140,6 +140,35 @@ def test_new_lengths_budgets_and_sampling_compile_nothing(tiny_qwen3):
     assert compiles == []
 
 
+def test_prompts_longer_than_a_chunk_share_one_prefill_shape(tiny_qwen3):
+    """After one request of each `warmup_lengths()` length, prompts of new lengths longer than
+    a prefill chunk compile nothing (they prefill at the slots' padded length), and give
+    generate()'s tokens."""
+    model = tiny_qwen3.model
+    compiles = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    prompts = _prompts([17, 45, 90, 120], seed=8)
+    with sfi_jax.Engine(model, mode="sfi", prefill_chunk=16, **ENGINE) as engine:
+        lengths = engine.warmup_lengths()
+        assert {engine.prefill_length(n) for n in lengths} == {16, 128}, lengths
+        for n in lengths:
+            engine.submit(sfi_jax.Request(prompt=[1] * n, max_tokens=2)).result(TIMEOUT)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            results = [engine.submit(sfi_jax.Request(prompt=p, max_tokens=5)).result(TIMEOUT)
+                       for p in prompts]
+        finally:
+            jax.monitoring.clear_event_listeners()
+    assert compiles == []
+    for p, r in zip(prompts, results):
+        ref = sfi_jax.generate(model, [p], max_new_tokens=5, mode="sfi", sfi=SMALL)
+        assert r.token_ids == ref.tokens[0], len(p)
+
+
 def test_cancel_frees_the_slot_and_full_queue_is_refused(tiny_qwen3):
     model = tiny_qwen3.model
     p = _prompts([8], seed=7)[0]
