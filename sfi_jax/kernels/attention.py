@@ -1,7 +1,8 @@
 """Public decode-attention entry points: pick an implementation and check shapes.
 
 impl: "auto" (the kernel of the current platform; "xla" on CPU), "xla" (pure jnp),
-"pallas_gpu" (Triton-lowered), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for
+"pallas_gpu" (Triton-lowered), "mosaic_gpu" (Mosaic GPU: the dense decode of half-precision
+caches; other inputs and the sparse decode take the Triton kernel), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for
 off its own platform runs in interpret mode, so both kernels can be tested on a CPU.
 """
 
@@ -86,6 +87,10 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
                              f"([N, {q.shape[1]}, {q.shape[2]}], [{n_rows}])")
     impl = resolve_impl(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import attention_mgpu as mgpu
+
+        impl = "mosaic_gpu" if mgpu.supported(q, k) else "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
@@ -99,6 +104,9 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     if impl == "xla":
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
                                      return_logits=with_logits)
+    elif impl == "mosaic_gpu":
+        res = mgpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=with_logits,
+                                interpret=interpret_for(impl))
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 
@@ -151,6 +159,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     c_len = jnp.asarray(c_len, jnp.int32)
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
+    if impl == "mosaic_gpu":  # no Mosaic GPU twin yet: the Triton kernel
+        impl = "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
