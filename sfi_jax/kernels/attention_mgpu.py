@@ -1,15 +1,16 @@
 """Split-K flash-decoding kernels for NVIDIA Hopper GPUs: Pallas with the Mosaic GPU lowering.
 
+The Mosaic GPU twins of the dense and sparse decode kernels of attention_gpu (Triton).
 Layout: one CTA (one warpgroup) per (query row, KV head, split). The KV head's query group is
-the M dimension of wgmma, padded to 64 rows. The CTA streams the bf16/f16 key and value blocks of
-its split that lie inside the row's valid range from global to shared memory with TMA, `stages`
+the M dimension of wgmma, padded to 64 rows. The CTA streams the key and value blocks of its
+split that lie inside the row's valid range from global to shared memory with TMA, `stages`
 blocks in flight, runs q·Kᵀ and P·V on the tensor cores and keeps the online softmax in
-registers. Each split writes a partial (acc, m, l); an exact merge follows.
+registers. Each split writes a partial (acc, m, l); an exact merge (jnp) follows.
 
-Only half-precision caches with head dim 64, 128 or 256 and GQA groups up to 64 take the tensor
-core path; other inputs (float32 caches: wgmma would round them to TF32) run the Triton kernel.
-Off a GPU the kernels run in Mosaic GPU's interpret mode (TMA reads past the end give zeros,
-as on the GPU).
+Only half-precision caches with head dim 64, 128 or 256 and GQA groups up to 64 are taken
+(`supported`); the public API sends other inputs (float32 caches: wgmma would round them to
+TF32) to the Triton kernels. Off a GPU the kernels run in Mosaic GPU's interpret mode, where TMA
+reads past an array's end give zeros, as on the GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Config:
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
+SPARSE = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)
 
 
 def interpret_params():
@@ -68,6 +70,16 @@ def _smem_kv(shape, dtype):
     sw = _swizzle(shape[-1], itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // itemsize)),
                                                 plgpu.SwizzleTransform(sw)))
+
+
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on Hopper
+
+
+def smem_bytes(cfg, d, itemsize=2, logits=False):
+    """Shared memory of one dense CTA: K/V stages, q, p, the f32 partial (and logits block)."""
+    return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
+            + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
+            + logits * _M * cfg.block_k * 4)
 
 
 def _splits(total, pairs, cfg):
@@ -103,16 +115,73 @@ def _qk(q_smem, k_smem, interpret):
     return pl.run_scoped(qk, plgpu.ACC((_M, k_smem.shape[0]), jnp.float32))
 
 
+def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, stages,
+           scale, interpret, on_scores=None):
+    """Online softmax over n key blocks, `stages` of them in flight: fetch(i, slot) starts
+    block i's TMA copies into K/V slot `slot`; valid(i) is how many leading keys of block i
+    count (the rest score -inf); on_scores(i, s) sees each block's masked, scaled scores.
+    Returns (acc [64, D], m [64], l [64]) in registers."""
+    bk, d = k_smem.shape[1], k_smem.shape[2]
+    dtype = k_smem.dtype
+    for i in range(stages):
+        pl.when(i < n)(functools.partial(fetch, i, i))
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = _qk(q_smem, k_smem.at[slot], interpret) * scale
+        s = jnp.where(_iota((_M, bk), 1, interpret) < valid(i), s, -jnp.inf)
+        if on_scores is not None:
+            on_scores(i, s)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((_M, d), jnp.float32))
+        # both wgmmas have read this slot: refill it
+        pl.when(i + stages < n)(lambda: fetch(i + stages, slot))
+        return acc, m_new, l
+
+    acc = _layout(jnp.zeros((_M, d), jnp.float32), plgpu.Layout.WGMMA, interpret)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = _layout(jnp.full((_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+    l = _layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
+    return lax.fori_loop(0, n, step, (acc, m, l))
+
+
+def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group):
+    """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64]."""
+    acc, m, l = carry
+    o_smem[...] = acc
+    ml_smem[0] = m
+    ml_smem[1] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[r, j, pl.ds(h * group, group)])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[r, j, h])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[r, j, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
                   *rest, group, split, s_len, bk, stages, scale, logits, interpret):
     """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h.
     Partials: o [R, n, Hq, D] (the group's rows), m, l [R, n, Hkv, 64] (padded rows too).
     logits: also the scaled scores [R, Hq, S], -inf from the row's length on."""
     if logits:
-        lg_ref, scratch = rest[0], rest[1:]
+        lg_ref, s_smem, *scratch = rest
     else:
-        lg_ref, scratch = None, rest
-    (q_smem, k_smem, v_smem, p_smem, s_smem, o_smem, ml_smem, q_bar, k_bar, v_bar) = scratch
+        lg_ref, s_smem, scratch = None, None, rest
+    (q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar) = scratch
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer, row = layer_ref[0], rows_ref[r]
     length = jnp.clip(len_ref[r], 0, s_len)
@@ -121,7 +190,6 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     hi = jnp.minimum(end, length)
     n = lax.div(jnp.maximum(hi - start, 0) + (bk - 1), bk)
     kv = (layer, row, h)
-    dtype = k_smem.dtype
 
     plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
 
@@ -129,10 +197,6 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         blk = (*kv, pl.ds(start + i * bk, bk))
         plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
-
-    for i in range(stages):
-        pl.when(i < n)(functools.partial(fetch, i, i))
-    plgpu.barrier_wait(q_bar)
 
     def store_logits(at):
         """The group's rows of s_smem to logits [at, at + bk). The hardware clips a block past
@@ -148,42 +212,16 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         else:
             store(bk)
 
-    def step(i, carry):
-        acc, m, l = carry
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        s = _qk(q_smem, k_smem.at[slot], interpret) * scale
-        col = _iota((_M, bk), 1, interpret)
-        s = jnp.where(col < hi - (start + i * bk), s, -jnp.inf)
-        if logits:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's store read it
-            s_smem[...] = s
-            plgpu.commit_smem()
-            store_logits(start + i * bk)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_smem[...] = p.astype(dtype)
+    def on_scores(i, s):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's store read it
+        s_smem[...] = s
         plgpu.commit_smem()
-        plgpu.barrier_wait(v_bar.at[slot])
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
+        store_logits(start + i * bk)
 
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((_M, acc.shape[1]), jnp.float32))
-        # both wgmmas have read this slot: refill it
-        pl.when(i + stages < n)(lambda: fetch(i + stages, slot))
-        return acc, m_new, l
-
-    d = q_smem.shape[-1]
-    acc = _layout(jnp.zeros((_M, d), jnp.float32), plgpu.Layout.WGMMA, interpret)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = _layout(jnp.full((_M,), -jnp.inf, jnp.float32), row_layout, interpret)
-    l = _layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
-    acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
+    plgpu.barrier_wait(q_bar)
+    carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+                   valid=lambda i: hi - (start + i * bk), stages=stages, scale=scale,
+                   interpret=interpret, on_scores=on_scores if logits else None)
 
     if logits:  # blocks of this split past the row's length: -inf, without reading K
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -196,14 +234,53 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         def _fill(i):
             store_logits(start + i * bk)
 
-    o_smem[...] = acc
-    ml_smem[0] = m
-    ml_smem[1] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[r, j, pl.ds(h * group, group)])
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[r, j, h])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[r, j, h])
-    plgpu.wait_smem_to_gmem(0)
+    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
+
+
+def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar,
+                   k_bar, v_bar, *, group, n_splits, s_len, c_size, bk, stages, scale,
+                   clen_stacked, interpret):
+    """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
+    [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
+    on, in place); the row's blocks are shared out evenly over the n_splits splits."""
+    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    layer = layer_ref[0]
+    c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
+    length = jnp.clip(len_ref[r], 0, s_len)
+    rs = jnp.clip(rs_ref[r], 0, length)
+    n_c = lax.div(c_len + (bk - 1), bk)
+    n_all = n_c + lax.div(length - rs + (bk - 1), bk)
+    chunk = lax.div(n_all + (n_splits - 1), n_splits)
+    first = j * chunk
+    n = jnp.clip(n_all - first, 0, chunk)
+    at = (layer, r, h)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
+
+    def fetch(i, slot):
+        b = first + i
+
+        @pl.when(b < n_c)
+        def _compact():
+            blk = (*at, pl.ds(b * bk, bk))
+            plgpu.copy_gmem_to_smem(ck_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(cv_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+        @pl.when(b >= n_c)
+        def _window():
+            blk = (*at, pl.ds(rs + (b - n_c) * bk, bk))
+            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+    def valid(i):
+        b = first + i
+        return jnp.where(b < n_c, c_len - b * bk, length - rs - (b - n_c) * bk)
+
+    plgpu.barrier_wait(q_bar)
+    carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+                   valid=valid, stages=stages, scale=scale, interpret=interpret)
+    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
 
 
 def _combine(o, m, l, group, dtype):
@@ -228,6 +305,47 @@ def _pad_q(q, hkv):
     return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
 
 
+def _check_config(cfg, d, logits=False):
+    if cfg.block_k % 64 or cfg.stages < 1 or smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+        raise ValueError(f"mosaic_gpu config {cfg}: block_k must be a multiple of 64 and the "
+                         f"CTA's shared memory ({smem_bytes(cfg, d, logits=logits)} B at "
+                         f"d={d}) at most {SMEM_BYTES} B")
+
+
+def _check_inputs(name, q, k):
+    if not supported(q, k):
+        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256 and "
+                         f"GQA groups <= {_M}; got {k.dtype}, d={q.shape[-1]}, "
+                         f"group={q.shape[-2] // k.shape[-3]}")
+
+
+def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
+            extra_out=(), extra_scratch=()):
+    """One program per (row, KV head, split): the partials (o, m, l) plus extra_out; the CTA's
+    scratch: q, the K/V stages, p, the f32 partial and its m, l, and the TMA barriers."""
+    out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
+    scratch = [
+        *extra_scratch,
+        _smem_kv((_M, d), dtype),
+        _smem_kv((stages, bk, d), dtype),
+        _smem_kv((stages, bk, d), dtype),
+        _smem_kv((_M, bk), dtype),
+        plgpu.SMEM((_M, d), jnp.float32),
+        plgpu.SMEM((2, _M), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch,
+        grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  interpret=False, config=None):
@@ -240,40 +358,59 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv
-    if not supported(q, k):
-        raise ValueError(f"mosaic_gpu dense_decode takes bf16/f16 caches, head dim 64/128/256 "
-                         f"and groups <= {_M}; got {k.dtype}, d={d}, group={group}")
+    _check_inputs("dense_decode", q, k)
+    _check_config(cfg, d, return_logits)
     bk = cfg.block_k
     split, n_splits = _splits(s_len, n_rows * hkv, cfg)
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, bk=bk, stages=cfg.stages,
         scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
-    out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
-                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
-                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32)]
     s_lg = -(-s_len // 4) * 4  # TMA: the logits' row stride a multiple of 16 bytes
-    if return_logits:
-        out_type.append(jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32))
-    scratch = [
-        _smem_kv((_M, d), k.dtype),
-        _smem_kv((cfg.stages, bk, d), k.dtype),
-        _smem_kv((cfg.stages, bk, d), k.dtype),
-        _smem_kv((_M, bk), k.dtype),
-        plgpu.SMEM((_M, bk), jnp.float32),
-        plgpu.SMEM((_M, d), jnp.float32),
-        plgpu.SMEM((2, _M), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=cfg.stages),
-        plgpu.Barrier(num_barriers=cfg.stages),
-    ]
-    res = plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch,
-        grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=interpret_params() if interpret else False,
-    )(layer_arr, lengths.astype(jnp.int32), rows, _pad_q(q.astype(k.dtype), hkv), k, v)
+    extra_out, extra_scratch = (), ()
+    if return_logits:  # and the scores block they are stored from
+        extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)
+        extra_scratch = (plgpu.SMEM((_M, bk), jnp.float32),)
+    res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
+                           _pad_q(q.astype(k.dtype), hkv), k, v),
+                  n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret,
+                  extra_out=extra_out, extra_scratch=extra_scratch)
     out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
     if not return_logits:
         return out
     return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
+
+
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
+def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
+                  interpret=False, config=None):
+    """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
+    prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
+    [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
+    c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
+    recent_start that sizes the splits (the kernel reads only the window either way)."""
+    cfg = config or SPARSE
+    ck, layer_arr = as_layer_stack(ck, layer)
+    cv, _ = as_layer_stack(cv, layer)
+    k, _ = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
+    n_rows, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    c_size = ck.shape[3]
+    group = hq // hkv
+    _check_inputs("sparse_decode", q, k)
+    _check_config(cfg, d)
+    bk = cfg.block_k
+    keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
+    _, n_splits = _splits(keys, n_rows * hkv, cfg)
+    kernel = functools.partial(
+        _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
+        stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
+        interpret=interpret)
+    res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
+                           lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
+                           ck, cv, k, v),
+                  n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret)
+    return _combine(res[0], res[1], res[2], group, q.dtype)[0]
