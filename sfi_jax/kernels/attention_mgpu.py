@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sfi_jax.kernels.common import as_layer_stack
 
 _M = 64  # wgmma's M per warpgroup: a query group is padded to this
+M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
 _NUM_SMS = 132
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -119,8 +120,10 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
            scale, interpret, on_scores=None):
     """Online softmax over n key blocks, `stages` of them in flight: fetch(i, slot) starts
     block i's TMA copies into K/V slot `slot`; valid(i) is how many leading keys of block i
-    count (the rest score -inf); on_scores(i, s) sees each block's masked, scaled scores.
-    Returns (acc [64, D], m [64], l [64]) in registers."""
+    count, a scalar or per query row ([64, block_k], from `_iota(.., 0, ..)`), the rest score
+    -inf; on_scores(i, s) sees each block's masked, scaled scores.
+    Returns (acc [64, D], m [64], l [64]) in registers; m starts at a finite M_INIT, so a row
+    with no valid key in a block keeps exp(m - m_new) = 1 (and l = 0 if it never sees one)."""
     bk, d = k_smem.shape[1], k_smem.shape[2]
     dtype = k_smem.dtype
     for i in range(stages):
@@ -154,7 +157,7 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
 
     acc = _layout(jnp.zeros((_M, d), jnp.float32), plgpu.Layout.WGMMA, interpret)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = _layout(jnp.full((_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+    m = _layout(jnp.full((_M,), M_INIT, jnp.float32), row_layout, interpret)
     l = _layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
     return lax.fori_loop(0, n, step, (acc, m, l))
 
