@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "it was measured faster (load_model's k_major_pays)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--impl", default=None, choices=("auto", "xla", "pallas_gpu", "pallas_tpu"),
+    p.add_argument("--impl", default=None, choices=("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu"),
                    help="attention kernels (a shortcut for --opt attention=IMPL; default: "
                         "the platform's, as --opt leaves it)")
     p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",

@@ -25,7 +25,7 @@ def on_gpu() -> bool:
     return platform() == "gpu"
 
 
-ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+ATTENTION = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
@@ -48,8 +48,10 @@ CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
 class EngineOptions:
     """Implementation choices (README: Engine options). Frozen and hashable: a static argument.
 
-    attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "pallas_tpu"
-        (Mosaic); a Pallas kernel off its platform runs in interpret mode.
+    attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "mosaic_gpu"
+        (Mosaic GPU: the dense decode with half-precision caches; the other decode kernels and
+        other inputs its Triton twins), "pallas_tpu" (Mosaic TPU); a Pallas kernel off its
+        platform runs in interpret mode.
     prefill_attention: prefill attention (`kernels.prefill_attention`): "cudnn" (cuDNN's fused
         attention; half precision and head dim <= 128, other inputs and other platforms take
         "pallas_gpu"),
@@ -79,7 +81,7 @@ class EngineOptions:
 
     "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
-    variants when attention is "pallas_gpu"; epilogue "fused" then too.
+    variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too.
     """
 
     attention: str = "auto"
@@ -115,7 +117,7 @@ class EngineOptions:
         gpu = p == "gpu"
         attention = self.attention if self.attention != "auto" else \
             {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(p, "xla")
-        gpu_kernels = attention == "pallas_gpu"
+        gpu_kernels = attention in ("pallas_gpu", "mosaic_gpu")
 
         def pick(value, auto):
             return auto if value == "auto" else value

@@ -179,6 +179,8 @@ def hf_greedy(model, prompt, max_new_tokens: int):
 # compiled on a GPU and in interpret mode elsewhere, and the engine tests that need a GPU.
 # `python -m pytest -o addopts="" -p no:xdist -m gpu` on a GPU runs them all for real.
 GPU_IMPL = pytest.param("pallas_gpu", marks=pytest.mark.gpu)
+# the Mosaic GPU kernels (impl="mosaic_gpu"): the same marker, Mosaic GPU's interpret mode off a GPU
+MGPU_IMPL = pytest.param("mosaic_gpu", marks=pytest.mark.gpu)
 
 
 def on_gpu() -> bool:

@@ -11,6 +11,10 @@ do not run out of L2. Median over repeats, after a warm-up.
 
     python3 scripts/bench/bench_kernels.py --out benchmarks          # on the GPU
     python3 scripts/bench/bench_kernels.py --smoke --out /tmp/bench   # tiny, anywhere
+
+--ab-mosaic: instead, the Triton kernels against their Mosaic GPU twins (impl "mosaic_gpu"):
+each checked against the reference first, then timed on the same shapes (a few Mosaic
+configurations too); a short table, and the results in OUT/ab_mosaic.json.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from sfi_jax.kernels import attention_gpu as gpu  # noqa: E402
+from sfi_jax.kernels import attention_mgpu as mgpu  # noqa: E402
 from sfi_jax.kernels import attention_reference as reference  # noqa: E402
 
 RETENTION = [1.5625, 6.25, 12.5, 25.0, 37.5, 50.0, 75.0, 98.4375, 100.0]
@@ -128,7 +133,9 @@ def rel_err(a, b):
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
-def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None, cfg=None):
+def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None, cfg=None,
+                kernels=gpu):
+    """kernels: the module under test, attention_gpu (Triton) or attention_mgpu (Mosaic)."""
     ks = jax.random.split(key, 3)
     cache = (layers, b, hkv, s, d) if layers else (b, hkv, s, d)
     nq = len(rows) if rows is not None else b
@@ -137,9 +144,9 @@ def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None
     lens = jnp.asarray(lengths, jnp.int32)
     layer = None if layers is None else jnp.int32(layers - 1)
     rws = None if rows is None else jnp.asarray(rows, jnp.int32)
-    out, lg, lse = gpu.dense_decode(q, k, v, lens, layer, rws, return_logits=True, config=cfg,
-                                   interpret=INTERPRET)
-    out2 = gpu.dense_decode(q, k, v, lens, layer, rws, config=cfg, interpret=INTERPRET)
+    out, lg, lse = kernels.dense_decode(q, k, v, lens, layer, rws, return_logits=True,
+                                       config=cfg, interpret=INTERPRET)
+    out2 = kernels.dense_decode(q, k, v, lens, layer, rws, config=cfg, interpret=INTERPRET)
     r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True, layer=layer,
                                                 rows=rws)
     errs = {"out": rel_err(out, r_out), "out_nologits": rel_err(out2, r_out),
@@ -147,7 +154,8 @@ def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None
     return errs
 
 
-def check_sparse(key, *, b, hq, hkv, s, c, d, dtype, layers=None, window=None, cfg=None):
+def check_sparse(key, *, b, hq, hkv, s, c, d, dtype, layers=None, window=None, cfg=None,
+                 kernels=gpu):
     ks = jax.random.split(key, 8)
     pre = (layers,) if layers else ()
     q = rand(ks[0], (b, hq, d), dtype)
@@ -158,8 +166,8 @@ def check_sparse(key, *, b, hq, hkv, s, c, d, dtype, layers=None, window=None, c
     w = window if window is not None else s
     rs = jnp.maximum(lens - jax.random.randint(ks[7], (b,), 0, w + 1), 0)
     layer = None if layers is None else jnp.int32(layers - 1)
-    out = gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window, config=cfg,
-                            interpret=INTERPRET)
+    out = kernels.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window,
+                                config=cfg, interpret=INTERPRET)
     ref = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer=layer)
     return {"out": rel_err(out, ref)}
 
@@ -607,12 +615,167 @@ def short_table(res):
         f"{t['what']} {t['value']} {'ok' if t['met'] else 'MISS'}" for t in res["targets"]))
 
 
+# ------------------------------------------------------------ Triton vs Mosaic GPU A/B
+
+MGPU_SWEEP = [(128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 2, 2), (64, 3, 2), (64, 4, 2),
+              (64, 4, 4), (64, 3, 8)]  # (block_k, stages, programs in waves of 132)
+
+
+def ab_mosaic(args, on_gpu):
+    """Triton vs Mosaic GPU decode kernels: correctness of both, then times on the shapes of
+    benchmarks/kernels.md (dense with and without logits by KV length; sparse by retention at
+    KV 16K). Writes OUT/ab_mosaic.json."""
+    st = Setting(args.smoke)
+    dev = jax.devices()[0]
+    res = {"machine": f"{dev.device_kind} ({dev.platform}), {platform.node()}",
+           "jax": jax.__version__, "python": platform.python_version(),
+           "command": "python3 scripts/bench/bench_kernels.py " + " ".join(sys.argv[1:]),
+           "setting": {"batch": st.b, "q_heads": st.hq, "kv_heads": st.hkv, "head_dim": st.d,
+                       "dtype": "bfloat16", "kv_lens": st.s_list},
+           "correctness": [], "results": []}
+    path = os.path.join(args.out, "ab_mosaic.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    cases = [("dense", dict(b=3, hq=4, hkv=2, s=300, d=64, dtype=jnp.bfloat16,
+                            lengths=[0, 300, 97])),
+             ("dense", dict(b=3, hq=32, hkv=8, s=1000, d=128, dtype=jnp.bfloat16,
+                            lengths=[1, 999, 1000])),
+             ("dense", dict(b=2, hq=16, hkv=1, s=300, d=128, dtype=jnp.bfloat16,
+                            lengths=[300, 17], layers=3, rows=[1, 0])),
+             ("sparse", dict(b=3, hq=32, hkv=8, s=1000, c=300, d=128, dtype=jnp.bfloat16)),
+             ("sparse", dict(b=3, hq=10, hkv=2, s=513, c=77, d=64, dtype=jnp.bfloat16,
+                             layers=2, window=100))]
+    if not args.smoke:
+        cases += [("dense", dict(b=16, hq=32, hkv=8, s=16384, d=128, dtype=jnp.bfloat16,
+                                 lengths=[16384 - 37 * i for i in range(16)])),
+                  ("sparse", dict(b=16, hq=32, hkv=8, s=16384, c=2052, d=128,
+                                  dtype=jnp.bfloat16, window=257))]
+    ok = {}
+    for name, mod in (("triton", gpu), ("mosaic", mgpu)):
+        for i, (kind, kw) in enumerate(cases):
+            desc = {k: (str(jnp.dtype(v)) if k == "dtype" else v) for k, v in kw.items()}
+            cfg = mgpu.Config(64, 2, 12) if (name == "mosaic" and args.smoke) else None
+            try:
+                check = check_dense if kind == "dense" else check_sparse
+                errs = check(jax.random.PRNGKey(200 + i), cfg=cfg, kernels=mod, **kw)
+                row = {"impl": name, "kernel": kind, **desc, "rel_err": errs,
+                       "pass": all(e <= TOL["bfloat16"] for e in errs.values())}
+            except Exception as e:
+                traceback.print_exc()
+                row = {"impl": name, "kernel": kind, **desc, "error": repr(e)[:800],
+                       "pass": False}
+            res["correctness"].append(row)
+            ok[name] = ok.get(name, True) and row["pass"]
+            log("check", name, kind, desc, row.get("rel_err", row.get("error")),
+                "PASS" if row["pass"] else "FAIL")
+    save()
+    bw = copy_bandwidth(4e9 if on_gpu else 64e6, args.repeats)["bytes_per_s"]
+    res["copy_bw"] = bw
+    sweep_cfgs = MGPU_SWEEP
+    s_list = st.s_list[:1] if args.smoke else st.s_list
+    for s in s_list:
+        q, k, v, lens = dense_arms(st, s, args.smoke)
+        base = st.kv_bytes(s) + st.qo_bytes()
+        lg_bytes = st.b * st.hq * (s + 1) * 4
+        arms = []
+        if ok["triton"]:
+            for lg in (False, True):
+                arms.append((f"triton{'+logits' if lg else ''}", gpu, None, lg))
+        if ok["mosaic"]:
+            cfgs = [mgpu.DENSE] + [mgpu.Config(bk, ns, w * 132) for bk, ns, w in sweep_cfgs]
+            if args.smoke:
+                cfgs = [mgpu.Config(64, 2, 12)]
+            for cfg in dict.fromkeys(cfgs):
+                for lg in (False, True):
+                    if mgpu.smem_bytes(cfg, st.d, logits=lg) > mgpu.SMEM_BYTES:
+                        continue
+                    tag = "" if cfg == mgpu.DENSE else f" {cfg.block_k}/{cfg.stages}/{cfg.programs}"
+                    arms.append((f"mosaic{'+logits' if lg else ''}{tag}", mgpu, cfg, lg))
+        for arm, mod, cfg, lg in arms:
+            def fn(q, k, v, lens, _m=mod, _c=cfg, _lg=lg):
+                r = _m.dense_decode(q, k, v, lens, return_logits=_lg, config=_c,
+                                    interpret=args.smoke)
+                return r[0] if _lg else r
+
+            nbytes = base + lg * lg_bytes
+            measure(res["results"], "dense", arm, s, None, fn, q, [(k, v, lens)], nbytes,
+                    nbytes / 3.5e12, bw, args)
+            save()
+        del q, k, v
+    # sparse at KV 16K by retention: Triton and Mosaic (default config, and 128-key blocks)
+    rets = st.retention[:1] if args.smoke else st.retention
+    sp_arms = []
+    if ok["triton"]:
+        sp_arms.append(("triton", gpu, None))
+    if ok["mosaic"]:
+        sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
+        if not args.smoke:
+            sp_arms += [("mosaic 128/2/264", mgpu, mgpu.Config(128, 2, 264)),
+                        ("mosaic 64/4/528", mgpu, mgpu.Config(64, 4, 528))]
+    for ret in rets:
+        t_keep = int(round(ret / 100 * st.s_sparse))
+        nbytes = st.kv_bytes(t_keep) + st.qo_bytes()
+        n_sets = int(min(8, max(1, math.ceil(4 * L2_BYTES / nbytes))))
+        sets, c, recent = sparse_sets(st, t_keep, n_sets, jax.random.PRNGKey(int(ret * 100)))
+        q = rand(jax.random.PRNGKey(3), (st.b, st.hq, st.d), st.dtype)
+        for arm, mod, cfg in sp_arms:
+            def fn(q, ck, cv, c_len, k, v, rs, lens, _m=mod, _c=cfg, _w=recent):
+                return _m.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=_w, config=_c,
+                                        interpret=args.smoke)
+
+            measure(res["results"], "sparse", arm, st.s_sparse, ret, fn, q, sets, nbytes,
+                    nbytes / 3.5e12 + 5e-6, bw, args, extra={"compact": c, "recent": recent})
+            save()
+        del sets
+    log("\n== Triton vs Mosaic GPU, sparse decode at KV %d: us per call ==" % st.s_sparse)
+    for ret in rets:
+        rows = [r for r in res["results"] if r["kernel"] == "sparse" and r["retention"] == ret
+                and "time_us" in r]
+        t = [r for r in rows if r["arm"] == "triton"]
+        m = sorted((r for r in rows if r["arm"].startswith("mosaic")), key=lambda r: r["time_us"])
+        if t and m:
+            log(f"retention {ret:8.4f}%  triton {t[0]['time_us']:8.1f}  mosaic {m[0]['time_us']:8.1f}"
+                f"  ratio {m[0]['time_us'] / t[0]['time_us']:.3f}  ({m[0]['arm']})")
+    log("\n== Triton vs Mosaic GPU, dense decode: us per call (best Mosaic config) ==")
+    log(f"{'KV':>7s} {'triton':>9s} {'mosaic':>9s} {'ratio':>6s} {'triton+lg':>10s} "
+        f"{'mosaic+lg':>10s} {'ratio':>6s}  best mosaic configs")
+    summary = []
+    for s in s_list:
+        rows = [r for r in res["results"] if r["kernel"] == "dense" and r["kv_len"] == s
+                and "time_us" in r]
+
+        def best(prefix, lg):
+            c = [r for r in rows if r["arm"].startswith(prefix)
+                 and ("+logits" in r["arm"]) == lg]
+            return min(c, key=lambda r: r["time_us"]) if c else None
+
+        t, m = best("triton", False), best("mosaic", False)
+        tl, ml = best("triton", True), best("mosaic", True)
+        f = lambda r: f"{r['time_us']:9.1f}" if r else f"{'-':>9s}"
+        ratio = lambda a, b: f"{b['time_us'] / a['time_us']:6.3f}" if a and b else f"{'-':>6s}"
+        log(f"{s:7d} {f(t)} {f(m)} {ratio(t, m)} {f(tl):>10s} {f(ml):>10s} {ratio(tl, ml)}  "
+            f"{m['arm'] if m else '-'}; {ml['arm'] if ml else '-'}")
+        summary.append({"kv_len": s, "triton_us": t and t["time_us"], "mosaic_us": m and m["time_us"],
+                        "mosaic_arm": m and m["arm"], "triton_logits_us": tl and tl["time_us"],
+                        "mosaic_logits_us": ml and ml["time_us"],
+                        "mosaic_logits_arm": ml and ml["arm"]})
+    res["summary"] = summary
+    save()
+    log(f"correctness: triton {'PASS' if ok['triton'] else 'FAIL'}, "
+        f"mosaic {'PASS' if ok['mosaic'] else 'FAIL'}; results in {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--no-sweep", action="store_true", help="use the module's default configs")
+    ap.add_argument("--ab-mosaic", action="store_true",
+                    help="only the Triton vs Mosaic GPU A/B of the decode kernels")
     ap.add_argument("--report-only", metavar="JSON",
                     help="rewrite the .md/.png from a results file")
     args = ap.parse_args(argv)
@@ -634,6 +797,9 @@ def main(argv=None):
     on_gpu = dev.platform == "gpu"
     if not on_gpu and not args.smoke:
         sys.exit("no GPU: run with --smoke for a CPU check of the script")
+    if args.ab_mosaic:
+        ab_mosaic(args, on_gpu)
+        return
     st = Setting(args.smoke)
     res = {"machine": f"{dev.device_kind} ({dev.platform}), {platform.node()}",
            "jax": jax.__version__, "python": platform.python_version(),

@@ -1,7 +1,8 @@
 """Public decode-attention entry points: pick an implementation and check shapes.
 
 impl: "auto" (the kernel of the current platform; "xla" on CPU), "xla" (pure jnp),
-"pallas_gpu" (Triton-lowered), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for
+"pallas_gpu" (Triton-lowered), "mosaic_gpu" (Mosaic GPU, for half-precision caches with
+head dim 64/128/256; other inputs take the Triton kernel), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for
 off its own platform runs in interpret mode, so both kernels can be tested on a CPU.
 """
 
@@ -86,6 +87,10 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
                              f"([N, {q.shape[1]}, {q.shape[2]}], [{n_rows}])")
     impl = resolve_impl(impl)
     lengths = jnp.asarray(lengths, jnp.int32)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import attention_mgpu as mgpu
+
+        impl = "mosaic_gpu" if mgpu.supported(q, k) else "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
@@ -99,6 +104,9 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     if impl == "xla":
         res = reference.dense_decode(q, k, v, lengths, layer=layer, rows=rows,
                                      return_logits=with_logits)
+    elif impl == "mosaic_gpu":
+        res = mgpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=with_logits,
+                                interpret=interpret_for(impl))
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 
@@ -124,7 +132,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     new_kv: (kn, vn) [B, Hkv, D], this step's key and value: they are first stored at
     position lengths[b] - 1 of k, v (lengths >= 1, recent_start < lengths), and with
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
-    (out, k, v, key_norms). On GPU one launch does the stores and the attention.
+    (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention
+    ("mosaic_gpu": an XLA scatter, then the kernel).
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
     """
     _check(q, k, v, lengths, layer)
@@ -151,6 +160,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     c_len = jnp.asarray(c_len, jnp.int32)
     recent_start = jnp.asarray(recent_start, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import attention_mgpu as mgpu
+
+        impl = "mosaic_gpu" if mgpu.supported(q, k) else "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
@@ -159,11 +172,15 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
                                  interpret=interpret_for(impl))
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
+    c_len_in = c_len
     if c_len.ndim == 3:
         c_len = c_len[layer]
     if impl == "xla":
         out = reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
                                       layer=layer, window=window)
+    elif impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
+        out = mgpu.sparse_decode(q, ck, cv, c_len_in, k, v, recent_start, lengths, layer,
+                                 window=window, interpret=interpret_for(impl))
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 

@@ -38,13 +38,14 @@ def merge_splits(m, l, o, jmask):
 
 
 def interpret_for(impl: str):
-    """pallas_call's `interpret` for a kernel of implementation `impl` ("pallas_gpu" or
-    "pallas_tpu") on this platform: off the kernel's own platform it runs in interpret mode, so
-    every kernel can be tested on a CPU."""
-    if impl == "pallas_gpu":
+    """pallas_call's `interpret` for a kernel of implementation `impl` ("pallas_gpu",
+    "mosaic_gpu" or "pallas_tpu") on this platform: off the kernel's own platform it runs in
+    interpret mode, so every kernel can be tested on a CPU."""
+    if impl in ("pallas_gpu", "mosaic_gpu"):
         return platform() != "gpu"
     if impl != "pallas_tpu":
-        raise ValueError(f"interpret_for({impl!r}): expected 'pallas_gpu' or 'pallas_tpu'")
+        raise ValueError(f"interpret_for({impl!r}): expected 'pallas_gpu', 'mosaic_gpu' or "
+                         "'pallas_tpu'")
     if platform() == "tpu":
         return None
     from jax.experimental.pallas import tpu as pltpu

@@ -3,7 +3,9 @@ themselves, over the head-major cache that already holds their keys (exact mode'
 which is also SFI's slow step: it can return the logits the selector reads).
 
 impl: "auto" (pallas_gpu on GPU, pallas_tpu on TPU, xla elsewhere), "xla" (pure jnp),
-"pallas_gpu" (Triton-lowered), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for off its
+"pallas_gpu" (Triton-lowered), "mosaic_gpu" (Mosaic GPU, for half-precision caches, head dim
+64/128/256 and G * T <= 64 rows per KV head; other inputs take the Triton kernel),
+"pallas_tpu" (Mosaic TPU). A Pallas kernel asked for off its
 own platform runs in interpret mode, so both can be tested on a CPU.
 """
 
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 from sfi_jax.kernels.common import interpret_for
 from sfi_jax.options import platform
 
-IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 MAX_QUERIES = 16
 
 
@@ -78,6 +80,14 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
 
         return ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
                                       return_logits=return_logits)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import multi_query_decode_mgpu as mgpu
+
+        if mgpu.supported(q, k):
+            return mgpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
+                                           return_logits=return_logits,
+                                           interpret=interpret_for("mosaic_gpu"))
+        impl = "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import multi_query_decode_gpu as gpu
 

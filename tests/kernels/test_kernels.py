@@ -18,25 +18,31 @@ pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
 from sfi_jax.kernels import attention as api
 from sfi_jax.kernels import attention_gpu as gpu
+from sfi_jax.kernels import attention_mgpu as mgpu
 from sfi_jax.kernels import attention_reference as reference
 from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.options import platform
 
-from conftest import GPU_IMPL, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
+from conftest import GPU_IMPL, MGPU_IMPL, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
 GPU_CFG = gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
-IMPLS = ["pallas_gpu", "pallas_tpu"]
-IMPL_PARAMS = [GPU_IMPL, "pallas_tpu"]  # the GPU kernel's tests marked `gpu`
+# Mosaic GPU: 64-key blocks (its smallest) and few programs, so splits end mid-cache.
+MGPU_CFG = mgpu.Config(block_k=64, stages=2, programs=8)
+IMPLS = ["pallas_gpu", "mosaic_gpu", "pallas_tpu"]
+IMPL_PARAMS = [GPU_IMPL, MGPU_IMPL, "pallas_tpu"]  # the GPU kernels' tests marked `gpu`
 
 
 def _dense(impl, q, k, v, lens, **kw):
     if impl == "pallas_gpu":
         return gpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
                                 config=GPU_CFG, interpret=gpu_interpret(), **kw)
+    if impl == "mosaic_gpu":
+        return mgpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
+                                 config=MGPU_CFG, interpret=gpu_interpret(), **kw)
     return tpu.dense_decode(q, k, v, lens, kw.pop("layer", None), kw.pop("rows", None),
                             interpret=pltpu.InterpretParams(), block_k=TPU_BLOCK, **kw)
 
@@ -45,6 +51,9 @@ def _sparse(impl, *args, **kw):
     if impl == "pallas_gpu":
         return gpu.sparse_decode(*args, kw.pop("layer", None), config=GPU_CFG,
                                  interpret=gpu_interpret(), **kw)
+    if impl == "mosaic_gpu":
+        return mgpu.sparse_decode(*args, kw.pop("layer", None), config=MGPU_CFG,
+                                  interpret=gpu_interpret(), **kw)
     return tpu.sparse_decode(*args, kw.pop("layer", None), interpret=pltpu.InterpretParams(),
                              block_k=TPU_BLOCK, **kw)
 
@@ -63,6 +72,8 @@ DENSE_CASES = [
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", DENSE_CASES)
 def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
+    if impl == "mosaic_gpu" and dtype == jnp.float32:
+        pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
     b = len(lengths)
     ks = jax.random.split(jax.random.PRNGKey(hq * 1000 + s), 3)
     q = normal(ks[0], (b, hq, d), dtype)
@@ -75,7 +86,7 @@ def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
     assert rel_err(out, r_out) <= TOL[dtype]
     assert_close_logits(lg, r_lg, 1e-5)
     assert_close_logits(lse, r_lse, 1e-5)
-    if s == 130:  # the no-logits variant once per implementation (compiles are slow here)
+    if s == 130 or (impl == "mosaic_gpu" and s == 96):  # the no-logits variant once per impl
         assert rel_err(_dense(impl, q, k, v, lens), r_out) <= TOL[dtype]
     for i, n in enumerate(lengths):
         if n == 0:
@@ -93,19 +104,21 @@ def _stacked_case(seed, n_keys, dtype):
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_dense_layer_and_rows_read_in_place(impl):
-    q, k, v, _ = _stacked_case(5, 3, jnp.float32)
+    dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
+    q, k, v, _ = _stacked_case(5, 3, dtype)
     rows = jnp.asarray([3, 0, 3], jnp.int32)
     lens = jnp.asarray([200, 65, 7], jnp.int32)
     layer = jnp.int32(1)
     out, lg, lse = _dense(impl, q, k, v, lens, return_logits=True, layer=layer, rows=rows)
     r_out, r_lg, r_lse = reference.dense_decode(q, k[1][rows], v[1][rows], lens,
                                                 return_logits=True)
-    assert rel_err(out, r_out) <= 1e-5
+    assert rel_err(out, r_out) <= TOL[dtype]
     assert_close_logits(lg, r_lg, 1e-5)
     assert_close_logits(lse, r_lse, 1e-5)
     # The layer index may be traced (as inside a scan over layers).
     f = jax.jit(lambda l: _dense(impl, q, k, v, lens, layer=l, rows=rows))
-    assert rel_err(f(jnp.int32(2)), reference.dense_decode(q, k[2][rows], v[2][rows], lens)) <= 1e-5
+    want = reference.dense_decode(q, k[2][rows], v[2][rows], lens)
+    assert rel_err(f(jnp.int32(2)), want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
@@ -155,12 +168,19 @@ SPARSE_CASES = [
     (2, 2, 128, 200, 37, jnp.bfloat16, [[37, 0], [5, 36]], [10, 199], [139, 200]),
     (10, 2, 64, 100, 60, jnp.float32, [[0, 0], [60, 33]], [50, 0], [50, 100]),
     (16, 1, 128, 130, 20, jnp.bfloat16, [[20], [0]], [64, 0], [129, 0]),
+    # half precision, head dim 64 (the Mosaic kernel's), the first case's edges
+    (4, 2, 64, 300, 150, jnp.bfloat16, [[0, 150], [77, 1], [129, 128]], [300, 0, 256],
+     [300, 257, 257]),
 ]
 
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths", SPARSE_CASES)
 def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
+    if impl == "mosaic_gpu" and dtype == jnp.float32:
+        pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
+    if impl != "mosaic_gpu" and dtype == jnp.bfloat16 and d == 64:
+        pytest.skip("the half-precision twin of the first case, for the Mosaic kernel")
     b = len(lengths)
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(s + c), b=b, hq=hq, hkv=hkv, s=s, c=c,
                                      d=d, dtype=dtype)
@@ -183,17 +203,18 @@ def f_stacked(impl, *args):
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_sparse_layer_read_in_place(impl):
+    dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=260, c=140,
-                                     d=64, dtype=jnp.float32, layers=3)
+                                     d=64, dtype=dtype, layers=3)
     c_len = jnp.asarray([[140, 3], [0, 129]], jnp.int32)
     rs, lens = jnp.asarray([200, 1], jnp.int32), jnp.asarray([260, 130], jnp.int32)
     f = jax.jit(lambda l: _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, layer=l, window=130))
     out = f(jnp.int32(2))
     ref = reference.sparse_decode(q, ck[2], cv[2], c_len, k[2], v[2], rs, lens)
-    assert rel_err(out, ref) <= 1e-5
-    if impl == "pallas_gpu":  # c_len stacked like the caches: layer 2's counts are read
+    assert rel_err(out, ref) <= TOL[dtype]
+    if impl != "pallas_tpu":  # c_len stacked like the caches: layer 2's counts are read
         stacked = jnp.stack([c_len[::-1], c_len[::-1], c_len])
-        assert rel_err(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= 1e-5
+        assert rel_err(f_stacked(impl, q, ck, cv, stacked, k, v, rs, lens), ref) <= TOL[dtype]
 
 
 def _new_token_case(seed, n_layers, b, hq, hkv, s, c, d, dtype):
@@ -220,9 +241,11 @@ def _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2, layer=1):
     return want_k, want_v
 
 
-@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, MGPU_IMPL, "xla"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_writes_the_new_token(impl, dtype):
+    if impl == "mosaic_gpu" and dtype == jnp.float32:
+        pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
     """new_kv: the step's key/value land at position lengths - 1 of layer l (norm too), nothing
     else changes, and the output equals the reference over the updated cache (the GPU kernel
     attends to the new token from registers, so it never reads the position it writes)."""
@@ -582,3 +605,46 @@ def test_moe_token_tiles_match_ragged_dot(n, dtype):
     assert ("sfi_moe_token_swiglu" in jaxpr) == (n <= 16) and "ragged_dot" not in jaxpr
     with pytest.raises(ValueError, match="moe impl"):
         moe_mlp(w, cfg, x, impl="pallas_gpu")
+
+
+# ------------------------------------------------------------------ Mosaic GPU dispatch
+
+
+@pytest.mark.gpu
+def test_mosaic_dense_buffers_through_api():
+    """impl="mosaic_gpu" through the public API: logits written into a stacked buffer, the
+    output into chosen rows of a buffer, q gathered by rows, each equal to the reference."""
+    q, k, v, ks = _stacked_case(9, 4, jnp.bfloat16)
+    q_all = normal(ks[3], (4, 8, 64), jnp.bfloat16)  # one query row per cache row
+    rows = jnp.asarray([2, 0, 3], jnp.int32)
+    lens = jnp.asarray([200, 0, 71], jnp.int32)
+    buf = normal(ks[3], (3, 3, 8, 200), jnp.float32)
+    base = normal(ks[2], (4, 8, 64), jnp.bfloat16)
+    dest = jnp.asarray([3, 1, 9], jnp.int32)  # 9 >= 4: dropped
+    out, new, lse = api.dense_decode(q_all, k, v, lens, layer=jnp.int32(1), rows=rows,
+                                     gather_q=True, logits_into=buf, out_into=(base, dest),
+                                     impl="mosaic_gpu")
+    r_out, r_lg, r_lse = reference.dense_decode(q_all[rows], k[1][rows], v[1][rows], lens,
+                                                return_logits=True)
+    want = np.asarray(base, np.float32).copy()
+    want[3], want[1] = np.asarray(r_out[0], np.float32), np.asarray(r_out[1], np.float32)
+    assert rel_err(out, want) <= TOL[jnp.bfloat16]
+    np.testing.assert_array_equal(np.asarray(out)[[0, 2]], np.asarray(base)[[0, 2]])
+    assert_close_logits(lse, r_lse, 1e-5)
+    new = np.asarray(new)
+    np.testing.assert_array_equal(new[[0, 2]], np.asarray(buf)[[0, 2]])
+    for i, n in enumerate(np.asarray(lens)):
+        if n:
+            assert rel_err(new[1, i, :, :n], r_lg[i, :, :n]) <= 1e-5
+
+
+def test_mosaic_dispatch():
+    """mosaic_gpu takes half-precision caches with head dim 64/128/256; float32 (wgmma would
+    round it to TF32) and other head dims take the Triton kernel, with its results."""
+    q = jnp.zeros((2, 8, 64), jnp.bfloat16)
+    assert mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.bfloat16))
+    assert not mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.float32))
+    assert not mgpu.supported(q[..., :48], jnp.zeros((2, 2, 40, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bf16/f16"):
+        mgpu.dense_decode(q.astype(jnp.float32), jnp.zeros((2, 2, 40, 64)),
+                          jnp.zeros((2, 2, 40, 64)), jnp.zeros((2,), jnp.int32))

@@ -3,6 +3,7 @@ runtime's finite checks see it), a row with no valid key gives 0, the other rows
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,3 +73,24 @@ def test_multi_query_and_prefill_keep_nan(impl):
         assert np.isnan(out[0, 2, 1]).all()
         assert np.isfinite(out[0, :2]).all() and np.isfinite(out[2]).all()
     np.testing.assert_array_equal(mq[1], 0.0)
+
+
+@pytest.mark.gpu
+def test_mosaic_dense_decode_keeps_nan():
+    """The Mosaic GPU kernel (half precision, head dim 64): NaN in -> NaN out, no valid key
+    -> 0 and lse -inf, the other rows their values."""
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(B, HQ, 64)).astype(np.float32)
+    k = rng.normal(size=(B, HKV, S, 64)).astype(np.float32)
+    v = rng.normal(size=(B, HKV, S, 64)).astype(np.float32)
+    q[0, 1] = np.nan
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    lengths = np.array([40, 0, 23], np.int32)
+    with fast_compile():
+        ref = np.asarray(dense_decode(q, k, v, lengths, impl="xla"), np.float32)
+        out, logits, lse = dense_decode(q, k, v, lengths, impl="mosaic_gpu", return_logits=True)
+    out = np.asarray(out, np.float32)
+    assert np.isnan(out[0, 1]).all(), "NaN input swallowed"
+    np.testing.assert_array_equal(out[1], 0.0)
+    assert np.isfinite(out[2]).all() and np.abs(out[2] - ref[2]).max() < 2e-2
+    assert np.isnan(np.asarray(lse)[0, 1]) and np.asarray(lse)[1].max() == -np.inf

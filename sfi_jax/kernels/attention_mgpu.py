@@ -1,0 +1,419 @@
+"""Split-K flash-decoding kernels for NVIDIA Hopper GPUs: Pallas with the Mosaic GPU lowering.
+
+The Mosaic GPU twins of the dense and sparse decode kernels of attention_gpu (Triton).
+Layout: one CTA (one warpgroup) per (query row, KV head, split). The KV head's query group is
+the M dimension of wgmma, padded to 64 rows. The CTA streams the key and value blocks of its
+split that lie inside the row's valid range from global to shared memory with TMA, `stages`
+blocks in flight, runs q·Kᵀ and P·V on the tensor cores and keeps the online softmax in
+registers. Each split writes a partial (acc, m, l); an exact merge (jnp) follows.
+
+Only half-precision caches with head dim 64, 128 or 256 and GQA groups up to 64 are taken
+(`supported`); the public API sends other inputs (float32 caches: wgmma would round them to
+TF32) to the Triton kernels. Off a GPU the kernels run in Mosaic GPU's interpret mode, where TMA
+reads past an array's end give zeros, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sfi_jax.kernels.common import as_layer_stack
+
+_M = 64  # wgmma's M per warpgroup: a query group is padded to this
+M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
+_NUM_SMS = 132
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """block_k: keys per pipeline step (a multiple of 64); stages: blocks in flight;
+    programs: the grid size aimed for (splits = programs / (rows * KV heads))."""
+
+    block_k: int = 128
+    stages: int = 2
+    programs: int = 2 * _NUM_SMS
+
+
+DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
+SPARSE = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)
+
+
+def interpret_params():
+    """Mosaic GPU interpret mode as the kernels expect it: TMA reads past an array's end give
+    zeros, as the hardware's bounds fill does."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def supported(q, k) -> bool:
+    """Whether the tensor-core kernels take these inputs (else the Triton twin runs)."""
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-3]
+    return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M)
+
+
+def _swizzle(d, itemsize):
+    return min(128, d * itemsize)
+
+
+def _smem_kv(shape, dtype):
+    itemsize = jnp.dtype(dtype).itemsize
+    sw = _swizzle(shape[-1], itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // itemsize)),
+                                                plgpu.SwizzleTransform(sw)))
+
+
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on Hopper
+
+
+def smem_bytes(cfg, d, itemsize=2, logits=False):
+    """Shared memory of one dense CTA: K/V stages, q, p, the f32 partial (and logits block)."""
+    return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
+            + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
+            + logits * _M * cfg.block_k * 4)
+
+
+def _splits(total, pairs, cfg):
+    """Split length (a multiple of block_k) and count covering `total` keys per (row, head)."""
+    bk = cfg.block_k
+    want = max(1, -(-cfg.programs // max(pairs, 1)))
+    split = max(bk, -(-max(total, 1) // want))
+    split = -(-split // bk) * bk
+    return split, max(1, -(-max(total, 1) // split))
+
+
+def _layout(x, layout, interpret):
+    """x in register layout `layout` (interpret mode has no layouts)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _iota(shape, dim, interpret):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _qk(q_smem, k_smem, interpret):
+    """q·kᵀ [64, block_k] in float32 on the tensor cores. Interpret mode has no transposed
+    wgmma operand: there the same product is a jnp dot of the shared-memory tiles."""
+    if interpret:
+        return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC((_M, k_smem.shape[0]), jnp.float32))
+
+
+def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, stages,
+           scale, interpret, on_scores=None):
+    """Online softmax over n key blocks, `stages` of them in flight: fetch(i, slot) starts
+    block i's TMA copies into K/V slot `slot`; valid(i) is how many leading keys of block i
+    count, a scalar or per query row ([64, block_k], from `_iota(.., 0, ..)`), the rest score
+    -inf; on_scores(i, s) sees each block's masked, scaled scores.
+    Returns (acc [64, D], m [64], l [64]) in registers; m starts at a finite M_INIT, so a row
+    with no valid key in a block keeps exp(m - m_new) = 1 (and l = 0 if it never sees one)."""
+    bk, d = k_smem.shape[1], k_smem.shape[2]
+    dtype = k_smem.dtype
+    for i in range(stages):
+        pl.when(i < n)(functools.partial(fetch, i, i))
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = _qk(q_smem, k_smem.at[slot], interpret) * scale
+        s = jnp.where(_iota((_M, bk), 1, interpret) < valid(i), s, -jnp.inf)
+        if on_scores is not None:
+            on_scores(i, s)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((_M, d), jnp.float32))
+        # both wgmmas have read this slot: refill it
+        pl.when(i + stages < n)(lambda: fetch(i + stages, slot))
+        return acc, m_new, l
+
+    acc = _layout(jnp.zeros((_M, d), jnp.float32), plgpu.Layout.WGMMA, interpret)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = _layout(jnp.full((_M,), M_INIT, jnp.float32), row_layout, interpret)
+    l = _layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
+    return lax.fori_loop(0, n, step, (acc, m, l))
+
+
+def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group):
+    """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64]."""
+    acc, m, l = carry
+    o_smem[...] = acc
+    ml_smem[0] = m
+    ml_smem[1] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[r, j, pl.ds(h * group, group)])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[r, j, h])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[r, j, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+                  *rest, group, split, s_len, bk, stages, scale, logits, interpret):
+    """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h.
+    Partials: o [R, n, Hq, D] (the group's rows), m, l [R, n, Hkv, 64] (padded rows too).
+    logits: also the scaled scores [R, Hq, S], -inf from the row's length on."""
+    if logits:
+        lg_ref, s_smem, *scratch = rest
+    else:
+        lg_ref, s_smem, scratch = None, None, rest
+    (q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar) = scratch
+    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    layer, row = layer_ref[0], rows_ref[r]
+    length = jnp.clip(len_ref[r], 0, s_len)
+    start = j * split
+    end = jnp.minimum(start + split, s_len)
+    hi = jnp.minimum(end, length)
+    n = lax.div(jnp.maximum(hi - start, 0) + (bk - 1), bk)
+    kv = (layer, row, h)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
+
+    def fetch(i, slot):
+        blk = (*kv, pl.ds(start + i * bk, bk))
+        plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+    def store_logits(at):
+        """The group's rows of s_smem to logits [at, at + bk). The hardware clips a block past
+        S; interpret mode drops such a store, so there the last block is stored at its size."""
+        def store(size):
+            plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, group), pl.ds(0, size)],
+                                    lg_ref.at[r, pl.ds(h * group, group), pl.ds(at, size)])
+
+        tail = s_len % bk
+        if interpret and tail:
+            pl.when(at + bk <= s_len)(lambda: store(bk))
+            pl.when(at + bk > s_len)(lambda: store(tail))
+        else:
+            store(bk)
+
+    def on_scores(i, s):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's store read it
+        s_smem[...] = s
+        plgpu.commit_smem()
+        store_logits(start + i * bk)
+
+    plgpu.barrier_wait(q_bar)
+    carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+                   valid=lambda i: hi - (start + i * bk), stages=stages, scale=scale,
+                   interpret=interpret, on_scores=on_scores if logits else None)
+
+    if logits:  # blocks of this split past the row's length: -inf, without reading K
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        neg = jnp.full((_M, bk), -jnp.inf, jnp.float32)
+        s_smem[...] = _layout(neg, plgpu.Layout.WGMMA, interpret)
+        plgpu.commit_smem()
+        n_all = lax.div(end - start + (bk - 1), bk)
+
+        @pl.loop(n, jnp.maximum(n, n_all))
+        def _fill(i):
+            store_logits(start + i * bk)
+
+    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
+
+
+def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar,
+                   k_bar, v_bar, *, group, n_splits, s_len, c_size, bk, stages, scale,
+                   clen_stacked, interpret):
+    """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
+    [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
+    on, in place); the row's blocks are shared out evenly over the n_splits splits."""
+    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    layer = layer_ref[0]
+    c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
+    length = jnp.clip(len_ref[r], 0, s_len)
+    rs = jnp.clip(rs_ref[r], 0, length)
+    n_c = lax.div(c_len + (bk - 1), bk)
+    n_all = n_c + lax.div(length - rs + (bk - 1), bk)
+    chunk = lax.div(n_all + (n_splits - 1), n_splits)
+    first = j * chunk
+    n = jnp.clip(n_all - first, 0, chunk)
+    at = (layer, r, h)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
+
+    def fetch(i, slot):
+        b = first + i
+
+        @pl.when(b < n_c)
+        def _compact():
+            blk = (*at, pl.ds(b * bk, bk))
+            plgpu.copy_gmem_to_smem(ck_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(cv_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+        @pl.when(b >= n_c)
+        def _window():
+            blk = (*at, pl.ds(rs + (b - n_c) * bk, bk))
+            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+    def valid(i):
+        b = first + i
+        return jnp.where(b < n_c, c_len - b * bk, length - rs - (b - n_c) * bk)
+
+    plgpu.barrier_wait(q_bar)
+    carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+                   valid=valid, stages=stages, scale=scale, interpret=interpret)
+    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
+
+
+def _combine(o, m, l, group, dtype):
+    """Exact merge of the splits: o [R, n, Hq, D], m, l [R, n, Hkv, 64] -> (out, lse)."""
+    n_rows, n_splits, hq, _ = o.shape
+    m = m[..., :group].reshape(n_rows, n_splits, hq)
+    l = l[..., :group].reshape(n_rows, n_splits, hq)
+    mx = jnp.max(m, axis=1)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None])
+    lsum = jnp.sum(l * w, axis=1)
+    acc = jnp.sum(o * w[..., None], axis=1)
+    ok = lsum != 0  # no valid key: 0; NaN inputs stay NaN
+    out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
+    return out.astype(dtype), lse
+
+
+def _pad_q(q, hkv):
+    """q [R, Hq, D] -> [R, Hkv, 64, D]: each KV head's query group, zero rows below."""
+    n_rows, hq, d = q.shape
+    qg = q.reshape(n_rows, hkv, hq // hkv, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
+
+
+def _check_config(cfg, d, logits=False):
+    if cfg.block_k % 64 or cfg.stages < 1 or smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+        raise ValueError(f"mosaic_gpu config {cfg}: block_k must be a multiple of 64 and the "
+                         f"CTA's shared memory ({smem_bytes(cfg, d, logits=logits)} B at "
+                         f"d={d}) at most {SMEM_BYTES} B")
+
+
+def _check_inputs(name, q, k):
+    if not supported(q, k):
+        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256 and "
+                         f"GQA groups <= {_M}; got {k.dtype}, d={q.shape[-1]}, "
+                         f"group={q.shape[-2] // k.shape[-3]}")
+
+
+def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
+            extra_out=(), extra_scratch=()):
+    """One program per (row, KV head, split): the partials (o, m, l) plus extra_out; the CTA's
+    scratch: q, the K/V stages, p, the f32 partial and its m, l, and the TMA barriers."""
+    out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
+    scratch = [
+        *extra_scratch,
+        _smem_kv((_M, d), dtype),
+        _smem_kv((stages, bk, d), dtype),
+        _smem_kv((stages, bk, d), dtype),
+        _smem_kv((_M, bk), dtype),
+        plgpu.SMEM((_M, d), jnp.float32),
+        plgpu.SMEM((2, _M), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch,
+        grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
+                 interpret=False, config=None):
+    """Dense decode attention (see kernels.attention.dense_decode) of q [R, Hq, D] over cache
+    rows `rows` (default: row r) of k, v [(L,) B, Hkv, S, D], half precision. Returns out, or
+    (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq])."""
+    cfg = config or DENSE
+    k, layer_arr = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
+    n_rows, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    group = hq // hkv
+    _check_inputs("dense_decode", q, k)
+    _check_config(cfg, d, return_logits)
+    bk = cfg.block_k
+    split, n_splits = _splits(s_len, n_rows * hkv, cfg)
+    rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    kernel = functools.partial(
+        _dense_kernel, group=group, split=split, s_len=s_len, bk=bk, stages=cfg.stages,
+        scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
+    s_lg = -(-s_len // 4) * 4  # TMA: the logits' row stride a multiple of 16 bytes
+    extra_out, extra_scratch = (), ()
+    if return_logits:  # and the scores block they are stored from
+        extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)
+        extra_scratch = (plgpu.SMEM((_M, bk), jnp.float32),)
+    res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
+                           _pad_q(q.astype(k.dtype), hkv), k, v),
+                  n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret,
+                  extra_out=extra_out, extra_scratch=extra_scratch)
+    out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
+    if not return_logits:
+        return out
+    return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
+
+
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
+def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
+                  interpret=False, config=None):
+    """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
+    prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
+    [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
+    c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
+    recent_start that sizes the splits (the kernel reads only the window either way)."""
+    cfg = config or SPARSE
+    ck, layer_arr = as_layer_stack(ck, layer)
+    cv, _ = as_layer_stack(cv, layer)
+    k, _ = as_layer_stack(k, layer)
+    v, _ = as_layer_stack(v, layer)
+    n_rows, hq, d = q.shape
+    _, _, hkv, s_len, _ = k.shape
+    c_size = ck.shape[3]
+    group = hq // hkv
+    _check_inputs("sparse_decode", q, k)
+    _check_config(cfg, d)
+    bk = cfg.block_k
+    keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
+    _, n_splits = _splits(keys, n_rows * hkv, cfg)
+    kernel = functools.partial(
+        _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
+        stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
+        interpret=interpret)
+    res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
+                           lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
+                           ck, cv, k, v),
+                  n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret)
+    return _combine(res[0], res[1], res[2], group, q.dtype)[0]
