@@ -8,6 +8,7 @@ device with `jax.make_array_from_callback`, so a mesh never needs the whole mode
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 from typing import Callable
@@ -108,6 +109,8 @@ _DEVICE_DTYPES = ("bfloat16", "float16", "float32")
 # Checkpoint bytes read ahead of the parameter being finished, and the threads reading them
 READ_AHEAD_BYTES = 2 << 30
 READ_THREADS = min(8, os.cpu_count() or 1)
+# Platforms whose devices are the host's CPU: stacked layers are laid out there in numpy
+HOST_LAYOUT_PLATFORMS = ("cpu",)
 
 
 class _Source:
@@ -248,29 +251,45 @@ def params_from_getter(cfg: ModelConfig, getter: Getter, dtype="bfloat16", mesh=
                 for n in shapes if n != "layers"}
     per_layer = [{n: sources(n, l) for n in layer_names} for l in range(cfg.num_layers)]
 
-    # the work, in order: (pieces to read and place, a function of the placed pieces)
-    work = []
+    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    host = not split_layers and all(d.platform in HOST_LAYOUT_PLATFORMS for d in devices)
+    work = []  # in order: (reads for the threads, a function of their arrays, bytes read)
     for n, src in globals_.items():
+        if host:
+            work.append(([functools.partial(_host_array, shapes[n], 0, lambda src=src: src,
+                                            dtype, shardings[n])], _first, src.nbytes))
+            continue
         same = not src.transpose and src.dtype.name == dtype
-        work.append(([([src], False, shardings[n])],
-                     (lambda raw, n=n: raw[0]) if same else
+        work.append(([functools.partial(_place, [src], False, shardings[n])],
+                     _first if same else
                      (lambda raw, n=n, src=src: _one_to_ours(
-                         raw[0], src.transpose, dtype, None if mesh is None else shardings[n]))))
+                         raw[0], src.transpose, dtype, None if mesh is None else shardings[n])),
+                     src.nbytes))
     transposes = tuple((n, plan[n][1]) for n in layer_names)
+    nbytes = lambda srcs: sum(s.nbytes for s in srcs)
     if split_layers:
         out_shardings = None if mesh is None else tuple(layer_shardings.items())
         for layer in per_layer:
-            work.append(([(layer[n], n.startswith("we_"), layer_shardings[n])
-                          for n in layer_names],
+            work.append(([functools.partial(_place, layer[n], n.startswith("we_"),
+                                            layer_shardings[n]) for n in layer_names],
                          lambda raw: _layer_to_ours(dict(zip(layer_names, raw)), transposes,
-                                                    dtype, k_major, fuse_qkv, out_shardings)))
+                                                    dtype, k_major, fuse_qkv, out_shardings),
+                         sum(nbytes(layer[n]) for n in layer_names)))
     else:
         for n in layer_names:
-            work.append(([(layer[n], n.startswith("we_"), layer_shardings[n])
-                          for layer in per_layer],
+            size = sum(nbytes(layer[n]) for layer in per_layer)
+            if host:
+                at = lambda l, e=0, n=n: per_layer[l][n][e]
+                lead = 2 if n.startswith("we_") else 1
+                work.append(([functools.partial(_host_array, shapes["layers"][n], lead, at,
+                                                dtype, shardings["layers"][n])], _first, size))
+                continue
+            work.append(([functools.partial(_place, layer[n], n.startswith("we_"),
+                                            layer_shardings[n]) for layer in per_layer],
                          lambda raw, n=n: _stack_to_ours(
                              raw, plan[n][1], dtype,
-                             None if mesh is None else shardings["layers"][n])))
+                             None if mesh is None else shardings["layers"][n]),
+                         size))
 
     results = _run_pipelined(work)
     out = {n: results[i] for i, n in enumerate(globals_)}
@@ -279,10 +298,32 @@ def params_from_getter(cfg: ModelConfig, getter: Getter, dtype="bfloat16", mesh=
     return out
 
 
+def _first(arrays):
+    return arrays[0]
+
+
+def _host_array(shape: tuple, lead: int, source_at, dtype: str, sharding) -> jax.Array:
+    """A parameter laid out on the host, for devices that are the host's CPU (where XLA's
+    transposes and stacks were measured slower than numpy's): each shard is one array in our
+    layout and dtype, filled tensor by tensor from the reads (`lead` leading axes index the
+    layer and expert of `source_at(*indices)`)."""
+    def read(index):
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = [range(n)[i] for n, i in zip(shape, index)]
+        out = np.empty([len(r) for r in ranges], dtype)
+        for pos in itertools.product(*[range(len(r)) for r in ranges[:lead]]):
+            src = source_at(*[r[p] for r, p in zip(ranges, pos)])
+            tail = index[lead:]
+            x = src.read(tail[::-1] if src.transpose else tail)
+            out[pos] = x.T if src.transpose else x
+        return out
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
 def _run_pipelined(work: list) -> list:
-    """Each work item's pieces read and placed by threads, up to READ_AHEAD_BYTES ahead of
-    the item being finished; the finishing functions (device work) run here, in order, and
-    the placed pieces are freed once each item's result is dispatched."""
+    """Each work item's reads run on threads, up to READ_AHEAD_BYTES ahead of the item being
+    finished; the finishing functions (device work) run here, in order, and the arrays the
+    reads placed are freed once each item's result is dispatched."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
@@ -295,9 +336,8 @@ def _run_pipelined(work: list) -> list:
                 item = next(items, None)
                 if item is None:
                     break
-                pieces, finish = item
-                size = sum(s.nbytes for p in pieces for s in p[0])
-                queued.append(([pool.submit(_place, *p) for p in pieces], finish, size))
+                reads, finish, size = item
+                queued.append(([pool.submit(r) for r in reads], finish, size))
                 ahead += size
             futures, finish, size = queued.popleft()
             raw = [f.result() for f in futures]
