@@ -100,13 +100,13 @@ def worker_sfi(directory: str, logits_path: str) -> dict:
     import sfi_jax
 
     jax.block_until_ready(jax.numpy.zeros(1) + 1)  # the backend started
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = sfi_jax.load_model(directory)
     jax.block_until_ready(jax.tree.leaves(model.params))
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     logits = np.asarray(sfi_jax.forward(model, _prompt(model.config.vocab_size)))[0, -1]
     np.save(logits_path, logits)
-    return {"seconds": seconds, "device": str(jax.devices()[0].device_kind),
+    return {"seconds": seconds, "cpu_s": cpu, "device": str(jax.devices()[0].device_kind),
             "layers_split": model.layers_split}
 
 
@@ -119,17 +119,17 @@ def worker_hf(directory: str, logits_path: str) -> dict:
     if cuda:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.bfloat16, device_map="cuda" if cuda else "cpu")
     if cuda:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     ids = torch.as_tensor(_prompt(model.config.vocab_size), device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, -1].float().cpu().numpy()
     np.save(logits_path, logits)
-    return {"seconds": seconds, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    return {"seconds": seconds, "cpu_s": cpu, "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
 def run_worker(which: str, directory: str, tmp: str) -> dict:
@@ -161,9 +161,10 @@ def compare(sfi_logits: str, hf_logits: str) -> dict:
             "logits_rel_diff": float(np.linalg.norm(a - b) / np.linalg.norm(b))}
 
 
-def summary(runs: list[float]) -> dict:
+def summary(runs: list[float], cpu: list[float]) -> dict:
+    """Wall seconds (and the process's CPU seconds, steadier on a shared machine)."""
     return {"first_s": runs[0], "min_s": min(runs), "median_s": statistics.median(runs),
-            "runs_s": runs}
+            "runs_s": runs, "cpu_min_s": min(cpu), "cpu_runs_s": cpu}
 
 
 def main():
@@ -202,6 +203,7 @@ def main():
               f"{written['bytes'] / 1e9:.2f} GB", flush=True)
         which = [args.only] if args.only else ["sfi", "hf"]
         times = {w: [] for w in which}
+        cpu = {w: [] for w in which}
         last = {}
         evicted = None
         for r in range(args.repeats):
@@ -210,10 +212,12 @@ def main():
                     evicted = evict(directory)
                 last[w] = run_worker(w, directory, tmp)
                 times[w].append(last[w]["seconds"])
-                print(f"run {r + 1} {w}: {last[w]['seconds']:.2f} s", flush=True)
+                cpu[w].append(last[w]["cpu_s"])
+                print(f"run {r + 1} {w}: {last[w]['seconds']:.2f} s "
+                      f"(CPU {last[w]['cpu_s']:.2f} s)", flush=True)
         result = {"preset": args.preset, "layers": args.layers, "checkpoint": written,
                   "device": next(iter(last.values()))["device"],
-                  "first_run_cold": bool(args.cold and evicted), **{w: summary(times[w])
+                  "first_run_cold": bool(args.cold and evicted), **{w: summary(times[w], cpu[w])
                                                                     for w in which}}
         if len(which) == 2:
             result["ratio_min"] = result["sfi"]["min_s"] / result["hf"]["min_s"]
@@ -235,12 +239,14 @@ def markdown(r: dict) -> str:
              f"{r['checkpoint']['bytes'] / 1e9:.2f} GB in {len(r['checkpoint']['files'])} "
              f"safetensors files, on {r['device']}; first run "
              f"{cached}.",
-             "", "| loader | first (s) | min (s) | median (s) | runs (s) |", "|---|---|---|---|---|"]
+             "", "| loader | first (s) | min (s) | median (s) | runs (s) | process CPU, min (s) |",
+             "|---|---|---|---|---|---|"]
     for w, name in (("sfi", "sfi_jax.load_model"), ("hf", "transformers from_pretrained")):
         if w in r:
             s = r[w]
             lines.append(f"| {name} | {s['first_s']:.2f} | {s['min_s']:.2f} | "
-                         f"{s['median_s']:.2f} | {', '.join(f'{t:.2f}' for t in s['runs_s'])} |")
+                         f"{s['median_s']:.2f} | {', '.join(f'{t:.2f}' for t in s['runs_s'])} | "
+                         f"{s['cpu_min_s']:.2f} |")
     if "check" in r:
         c = r["check"]
         verdict = "same" if c["same_token"] else "near tie" if c["near_tie"] else "DIFFERENT"

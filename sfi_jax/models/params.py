@@ -342,8 +342,8 @@ def _run_pipelined(work: list) -> list:
             futures, finish, size = queued.popleft()
             raw = [f.result() for f in futures]
             result = finish(raw)
-            if not any(result is r for r in raw):
-                _free(raw)
+            kept = {id(a) for a in jax.tree.leaves(result)}  # an array passed through as is
+            _free([a for a in raw if id(a) not in kept])
             results.append(result)
             ahead -= size
     finally:

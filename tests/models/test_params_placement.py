@@ -224,7 +224,7 @@ for platforms in (("cpu",), ()):  # laid out on the host, then by the devices
     params.HOST_LAYOUT_PLATFORMS = platforms
     check(dense, False, "1x4", "bfloat16", False)
     check(dense, False, "2x2", "float32", False)
-    check(moe, True, "1x4", "bfloat16", False)
+    check(moe, True, "2x2", "bfloat16", False)  # 2 experts a shard
 check(dense, False, "2x2", "bfloat16", True)
 check(moe, True, "1x4", "bfloat16", True)
 print("MESH OK")
