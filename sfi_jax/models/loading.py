@@ -150,33 +150,44 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
         raise ValueError("k_major=True is a one-device layout; it cannot be used with a mesh")
     if k_major is True and split_layers is False:
         raise ValueError("k_major=True needs split layers; split_layers=False was passed")
-    model = _load(source, dtype=dtype, mesh=mesh, seed=seed)
-    if k_major == "auto":
-        k_major = k_major_pays(model.config, decode_rows, dtype, mesh)
-    return _maybe_split(model, split_layers, mesh, k_major)
+
+    def layout(cfg: ModelConfig) -> dict:
+        """The layer layout asked for, as `params_from_getter` builds it."""
+        km = k_major_pays(cfg, decode_rows, dtype, mesh) if k_major == "auto" else k_major
+        split = (on_gpu() or km) if split_layers is None else split_layers
+        return dict(split_layers=bool(split), fuse_qkv=bool(split) and mesh is None,
+                    k_major=bool(km) and bool(split))
+
+    model = _load(source, dtype=dtype, mesh=mesh, seed=seed, layout=layout)
+    return _maybe_split(model, layout(model.config))
 
 
-def _maybe_split(model: Model, split_layers, mesh, k_major=False) -> Model:
-    if split_layers is None:
-        split_layers = on_gpu() or k_major
-    one = mesh is None
-    return model.split_layers(fuse_qkv=one, k_major=k_major) if split_layers else model
+def _maybe_split(model: Model, layout: dict) -> Model:
+    """The model in `layout` (a no-op for layers a loader already split)."""
+    if not layout["split_layers"]:
+        return model
+    return model.split_layers(fuse_qkv=layout["fuse_qkv"], k_major=layout["k_major"])
 
 
-def _load(source: str, *, dtype, mesh, seed) -> Model:
+def _load(source: str, *, dtype, mesh, seed, layout=None) -> Model:
+    """The model of `source`; checkpoints are placed in `layout(cfg)` (stacked when None)."""
     source = _check_source(source)
     dtype = _check_dtype(dtype)
+
+    def placed(cfg, getter):
+        return Model(cfg, params_from_getter(cfg, getter, dtype, mesh,
+                                             **(layout(cfg) if layout else {})))
+
     if source in PRESETS:
         cfg = PRESETS[source]
         if source == EMBEDDED_DEFAULT:
             path = gguf_loader.embedded_gguf_path()
-            return Model(cfg, params_from_getter(cfg, gguf_loader.gguf_getter(path, cfg),
-                                                 dtype, mesh))
+            return placed(cfg, gguf_loader.gguf_getter(path, cfg))
         return Model(cfg, random_params(cfg, dtype, seed, mesh))
     path = os.path.expanduser(source)
     if os.path.isfile(path) and path.endswith(".gguf"):
         cfg = gguf_loader.gguf_config(path, name=os.path.basename(path))
-        return Model(cfg, params_from_getter(cfg, gguf_loader.gguf_getter(path, cfg), dtype, mesh))
+        return placed(cfg, gguf_loader.gguf_getter(path, cfg))
     hub = _hub_id(source)
     if hub is not None:
         path = _resolve_hub(hub)
@@ -190,7 +201,7 @@ def _load(source: str, *, dtype, mesh, seed) -> Model:
         raise FileNotFoundError(f"{path} has no config.json (and is not an Orbax checkpoint "
                                 f"written by sfi_jax)")
     cfg = _read_hf_config(path)
-    return Model(cfg, params_from_getter(cfg, safetensors_getter(path), dtype, mesh))
+    return placed(cfg, safetensors_getter(path))
 
 
 def load_tokenizer(source: str = EMBEDDED_DEFAULT):
@@ -265,4 +276,6 @@ def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None,
     target = jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh),
                           param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
-    return _maybe_split(Model(cfg, params), split_layers, mesh)
+    split = on_gpu() if split_layers is None else bool(split_layers)
+    return _maybe_split(Model(cfg, params), dict(split_layers=split,
+                                                 fuse_qkv=split and mesh is None, k_major=False))
