@@ -132,7 +132,8 @@ def worker_hf(directory: str, logits_path: str) -> dict:
         with torch.no_grad():
             logits = model(ids).logits[0, -1].float().cpu().numpy()
         np.save(logits_path, logits)
-    return {"seconds": seconds, "cpu_s": cpu, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    return {"seconds": seconds, "cpu_s": cpu, "device": device}
 
 
 def run_worker(which: str, directory: str, tmp: str, score: bool) -> dict:

@@ -129,7 +129,8 @@ class _Source:
         except TypeError:
             dtype = None
         if dtype is None or (dtype.kind != "f" and dtype.name != "bfloat16"):
-            raise ValueError(f"{where}: tensor {name!r} has dtype {getattr(dtype, 'name', t.dtype)}; expected a "
+            found = dtype.name if dtype is not None else t.dtype
+            raise ValueError(f"{where}: tensor {name!r} has dtype {found}; expected a "
                              f"floating-point tensor ({', '.join(_DEVICE_DTYPES)})")
         self.tensor, self.name, self.transpose, self.shape = t, name, transpose, want
         self.dtype = dtype if dtype.name in _DEVICE_DTYPES else np.dtype(np.float32)
