@@ -8,7 +8,8 @@ times, each run in a fresh process with its device already started:
   cpu) until the device is idle (torch.cuda.synchronize).
 The runs alternate between the two (the files stay in the page cache; --cold evicts them
 before each library's first run, where the OS allows it). Both models then score one random
-prompt: the same greedy next token (or a near tie) and the logits' relative difference.
+prompt after their last load: the same greedy next token (or a near tie) and the logits'
+relative difference.
 
     python scripts/bench/bench_load.py --preset qwen3-0.6b --out /tmp/load      # CPU
     python scripts/bench/bench_load.py --preset qwen3-4b --out /tmp/load         # H200
@@ -104,8 +105,9 @@ def worker_sfi(directory: str, logits_path: str) -> dict:
     model = sfi_jax.load_model(directory)
     jax.block_until_ready(jax.tree.leaves(model.params))
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    logits = np.asarray(sfi_jax.forward(model, _prompt(model.config.vocab_size)))[0, -1]
-    np.save(logits_path, logits)
+    if logits_path:
+        logits = np.asarray(sfi_jax.forward(model, _prompt(model.config.vocab_size)))[0, -1]
+        np.save(logits_path, logits)
     return {"seconds": seconds, "cpu_s": cpu, "device": str(jax.devices()[0].device_kind),
             "layers_split": model.layers_split}
 
@@ -125,17 +127,20 @@ def worker_hf(directory: str, logits_path: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    ids = torch.as_tensor(_prompt(model.config.vocab_size), device=model.device)
-    with torch.no_grad():
-        logits = model(ids).logits[0, -1].float().cpu().numpy()
-    np.save(logits_path, logits)
-    return {"seconds": seconds, "cpu_s": cpu, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if logits_path:
+        ids = torch.as_tensor(_prompt(model.config.vocab_size), device=model.device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].float().cpu().numpy()
+        np.save(logits_path, logits)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    return {"seconds": seconds, "cpu_s": cpu, "device": device}
 
 
-def run_worker(which: str, directory: str, tmp: str) -> dict:
-    logits = os.path.join(tmp, f"{which}_logits.npy")
+def run_worker(which: str, directory: str, tmp: str, score: bool) -> dict:
+    """One timed load in a fresh process; `score`: also the prompt's last logits."""
+    logits = os.path.join(tmp, f"{which}_logits.npy") if score else None
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", which,
-                           "--dir", directory, "--logits", logits],
+                           "--dir", directory] + (["--logits", logits] if score else []),
                           capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -210,7 +215,7 @@ def main():
             for w in which:
                 if args.cold and r == 0:
                     evicted = evict(directory)
-                last[w] = run_worker(w, directory, tmp)
+                last[w] = run_worker(w, directory, tmp, score=r == args.repeats - 1)
                 times[w].append(last[w]["seconds"])
                 cpu[w].append(last[w]["cpu_s"])
                 print(f"run {r + 1} {w}: {last[w]['seconds']:.2f} s "

@@ -277,5 +277,5 @@ def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None,
                           param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
     split = on_gpu() if split_layers is None else bool(split_layers)
-    return _maybe_split(Model(cfg, params), dict(split_layers=split,
-                                                 fuse_qkv=split and mesh is None, k_major=False))
+    layout = dict(split_layers=split, fuse_qkv=split and mesh is None, k_major=False)
+    return _maybe_split(Model(cfg, params), layout)

@@ -129,7 +129,8 @@ class _Source:
         except TypeError:
             dtype = None
         if dtype is None or (dtype.kind != "f" and dtype.name != "bfloat16"):
-            raise ValueError(f"{where}: tensor {name!r} has dtype {getattr(dtype, 'name', t.dtype)}; expected a "
+            found = dtype.name if dtype is not None else t.dtype
+            raise ValueError(f"{where}: tensor {name!r} has dtype {found}; expected a "
                              f"floating-point tensor ({', '.join(_DEVICE_DTYPES)})")
         self.tensor, self.name, self.transpose, self.shape = t, name, transpose, want
         self.dtype = dtype if dtype.name in _DEVICE_DTYPES else np.dtype(np.float32)
@@ -315,9 +316,18 @@ def _host_array(shape: tuple, lead: int, source_at, dtype: str, sharding) -> jax
             src = source_at(*[r[p] for r, p in zip(ranges, pos)])
             tail = index[lead:]
             x = src.read(tail[::-1] if src.transpose else tail)
-            out[pos] = x.T if src.transpose else x
+            if src.transpose:
+                _transpose_into(out[pos], x)
+            else:
+                out[pos] = x
         return out
     return jax.make_array_from_callback(shape, sharding, read)
+
+
+def _transpose_into(out: np.ndarray, x: np.ndarray, rows: int = 64):
+    """out[...] = x.T, a block of x's rows at a time (twice as fast as one strided copy)."""
+    for i in range(0, x.shape[0], rows):
+        out[:, i:i + rows] = x[i:i + rows].T
 
 
 def _run_pipelined(work: list) -> list:
