@@ -357,7 +357,7 @@ def engine_check(k_major=False, options=None):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
-    near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py).
+    near-tied token of the xla arm on the H200 (diag_engine_check.py in docs/findings.md).
     k_major: the model's weight layout (`Model.split_layers`); options: the run's engine
     options (`--opt`), for every arm but the xla one."""
     with jax.default_matmul_precision("highest"):
