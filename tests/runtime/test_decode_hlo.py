@@ -160,3 +160,30 @@ def test_fused_epilogues_take_the_heads_launch(epilogue):
     assert _launches(fast, "sfi_skinny_matmul") == 4 * CFG.num_layers
     heads = 0 if epilogue == "fused" else CFG.num_layers
     assert _launches(fast, "sfi_norm_rope_heads") == heads
+
+
+def _grids(jaxpr, name):
+    """The grids of the Pallas calls named `name` in a jaxpr (nested ones included)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+            out.append(tuple(eqn.params["grid_mapping"].grid))
+        for sub in _sub_jaxprs(eqn):
+            out += _grids(sub, name)
+    return out
+
+
+def test_kernel_tuning_reaches_the_kernels():
+    """`EngineOptions.tuning` is how a benchmark sweeps a kernel's config in the decode loop:
+    a sparse config aiming at one program per call gives every sparse launch one split, where
+    the tuned config splits each (row, KV head) over many programs."""
+    from sfi_jax.kernels import attention_gpu
+    from sfi_jax.options import KernelTuning
+
+    one = attention_gpu.Config(block_k=16, num_warps=4, num_stages=1, programs=1)
+    tuned = EngineOptions(attention="pallas_gpu", epilogue="xla")
+    _, fast = _loop_bodies(tuned)
+    assert {g[-1] for g in _grids(fast, "sfi_sparse_decode")} != {1}
+    _, fast = _loop_bodies(dataclasses.replace(tuned, tuning=KernelTuning(sparse_attention=one)))
+    grids = _grids(fast, "sfi_sparse_decode")
+    assert len(grids) == CFG.num_layers and {g[-1] for g in grids} == {1}
