@@ -101,7 +101,9 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
 @pytest.mark.parametrize("r", [4, 3, 64])
 def test_selector_scores_kernel_exports_for_cuda(r):
     """The selector's kernels compile for CUDA: the scores (SFI_METHOD.md §4 steps 1-4) from
-    the engine's scratch-buffer layout, with and without the prior term, and steps 5-6."""
+    the engine's scratch-buffer layout, with and without the prior term, and steps 5-6. The
+    query rows per KV head (4, 3: not a power of two, 64) shape the scores kernel only: steps
+    5-6 and every pad radius are exported once (r = 4), one padded scores kernel per r."""
     from sfi_jax.config import SFIConfig
     from sfi_jax.kernels import selector_gpu
 
@@ -115,12 +117,15 @@ def test_selector_scores_kernel_exports_for_cuda(r):
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
     # steps 5-6; radii 3 and 5: pads that are not a power of two (stored by masked
     # power-of-two stores: Triton's arrays have power-of-two sizes)
-    for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
-                SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0)):
+    radii = (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
+             SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0))
+    for cfg in radii if r == 4 else radii[3:4]:
         pad = selector_gpu.adjust_pad(cfg)
         fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, sfi=c, pad=p))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+        if r != 4:
+            continue
         fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, sfi=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             sds((L, 8, 4096 + 2 * pad), jnp.float32), args[2], args[3])

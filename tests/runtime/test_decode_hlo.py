@@ -67,11 +67,13 @@ def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
 
 
-@pytest.mark.parametrize("repack", ["xla", "kernel"])
+@pytest.mark.parametrize("repack", [pytest.param("xla", marks=pytest.mark.slow), "kernel"])
 def test_gpu_kernels_update_in_place(repack):
     """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
     logits into the scratch buffer, the sparse kernel the cache, and the repack kernel the
-    compact buffers, through aliased outputs, without copying them."""
+    compact buffers, through aliased outputs, without copying them. (XLA's repack beside the
+    GPU kernels is in the slow suite: the default suite checks it beside XLA's attention,
+    test_decode_loop_has_no_big_copies[sfi-split].)"""
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     options = EngineOptions(attention="pallas_gpu", repack=repack)
     assert _big_copies(sfi, True, options) == []
