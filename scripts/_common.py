@@ -81,7 +81,7 @@ def engine_check_model(k_major=False):
     (head dim 128, GQA 4; on a GPU with split layers, fused q/k/v weights and, with k_major,
     the K-major o and MLP weights, so the few-row kernels and their fused epilogues run) and
     three prompts of different lengths.
-    bench_e2e.py and diag_engine_check.py run their arms on it."""
+    bench_e2e.py runs its arms on it."""
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
     from sfi_jax.models.params import random_params

@@ -175,6 +175,7 @@ def run_teacher_forced(model, tok, text, args, context, bar, log):
                       stop_at_eos=False, tokenizer=tok, chunk_steps=args.chunk_steps,
                       max_len=context, impl=args.impl)
         with shared_prefill() as cache:
+            common["prefill_fn"] = cache.prefill_fn
             t0 = time.perf_counter()
             dense = sfi_jax.generate(model, prompts, mode="dense", **common)
             bar.update(1)
@@ -208,7 +209,7 @@ def run_teacher_forced(model, tok, text, args, context, bar, log):
                                 stab["within"].append(float(jac[b, t]))
                 bar.update(1)
             log(f"teacher-forced {context}: {len(rows)} rows in {time.perf_counter() - t0:.0f}s "
-                f"(prefill cache {cache})")
+                f"(prefill cache {cache.counts})")
     out = {"prompt_tokens": P, "continuation_tokens": N, "samples": len(windows),
            "dense_log_loss": None, "configs": []}
     for (policy, r), a in acc.items():
@@ -307,7 +308,9 @@ def run_retrieval(model, tok, text, args, context, bar, log):
                 max_new_tokens=M, forced_tokens=forced, stop_at_eos=False, tokenizer=tok,
                 chunk_steps=args.chunk_steps, max_len=context, impl=args.impl,
                 return_logits=True)))
-        with shared_prefill(max_entries=len(batches)):
+        with shared_prefill(max_entries=len(batches)) as cache:
+            for _, common in calls:
+                common["prefill_fn"] = cache.prefill_fn
             for batch, (prompts, common) in zip(batches, calls):
                 res = sfi_jax.generate(model, prompts, mode="dense", **common)
                 per["dense"] += _answer_rows(batch, res.tokens, None, tok)

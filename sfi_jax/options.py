@@ -45,6 +45,30 @@ CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Sweep points of the GPU kernels, for benchmarks' A/B runs (frozen: part of a program's
+    key). None everywhere: each kernel's tuned default. Changes how fast a result comes, never
+    what it is.
+
+    dense_attention: an `attention_gpu.Config` for the dense reads without logits (the dense
+        arm), in place of its DENSE.
+    sparse_attention: an `attention_gpu.Config` for every sparse read, in place of SPARSE and
+        SPARSE_SMALL.
+    fused_programs_per_sm: the fused matmul epilogues' grid aim in programs per SM, in place
+        of the tuned configs'.
+    kmajor: a `skinny_matmul_gpu.KMajorConfig` for every K-major matmul.
+    launch_dependents: whether the decode kernels signal `griddepcontrol.launch_dependents`
+        (None: on a Hopper or newer GPU).
+    """
+
+    dense_attention: object = None
+    sparse_attention: object = None
+    fused_programs_per_sm: int | None = None
+    kmajor: object = None
+    launch_dependents: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Implementation choices (README: Engine options). Frozen and hashable: a static argument.
 
@@ -78,6 +102,7 @@ class EngineOptions:
         "xla" (XLA's fusions after each kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
+    tuning: the GPU kernels' sweep points (`KernelTuning`; the defaults: the tuned kernels).
 
     "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
@@ -96,6 +121,7 @@ class EngineOptions:
     matmul: str = "auto"
     epilogue: str = "auto"
     layer_unroll: int | str | None = None
+    tuning: KernelTuning = KernelTuning()
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
@@ -110,6 +136,8 @@ class EngineOptions:
                              "integer >= 1 or 'all'")
         if isinstance(u, numbers.Integral):
             object.__setattr__(self, "layer_unroll", int(u))
+        if not isinstance(self.tuning, KernelTuning):
+            raise ValueError(f"EngineOptions.tuning={self.tuning!r}: expected a KernelTuning")
 
     def resolved(self, platform: str | None = None) -> "EngineOptions":
         """A copy with every "auto" made concrete for `platform` (default: JAX's backend)."""
@@ -151,7 +179,7 @@ class EngineOptions:
         """Options from "field=value" strings (a CLI's repeated `--opt`, a benchmark variant),
         applied over `base` (default: all defaults). layer_unroll takes an integer, "all" or
         "auto"."""
-        fields = [f.name for f in dataclasses.fields(cls)]
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "tuning"]
         changes = {}
         for item in items:
             name, sep, value = str(item).partition("=")

@@ -83,3 +83,18 @@ def test_no_module_reads_engine_environment_variables():
     root = pathlib.Path(sfi_jax.__file__).parent
     readers = [str(p.relative_to(root)) for p in root.rglob("*.py") if old.search(p.read_text())]
     assert readers == []
+
+
+def test_kernel_tuning_is_part_of_the_options():
+    """The kernels' sweep points ride in the options (so in every program's key), survive
+    `resolved`, and are not settable from strings; anything but a KernelTuning is refused."""
+    from sfi_jax.options import KernelTuning
+
+    tuning = KernelTuning(fused_programs_per_sm=2, launch_dependents=False)
+    plain, tuned = EngineOptions(), EngineOptions(tuning=tuning)
+    assert plain != tuned and hash(plain) != hash(tuned)
+    assert tuned.resolved("gpu").tuning == tuning and plain.resolved("gpu").tuning == KernelTuning()
+    with pytest.raises(ValueError, match="tuning"):
+        EngineOptions(tuning={"launch_dependents": False})
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        EngineOptions.from_strings(["tuning=x"])

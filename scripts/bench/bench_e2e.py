@@ -44,7 +44,7 @@ from sfi_jax.models.modeling import split_layers  # noqa: E402
 from sfi_jax.runtime import decode, exact  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
-from sfi_jax.options import EngineOptions  # noqa: E402
+from sfi_jax.options import EngineOptions, KernelTuning  # noqa: E402
 
 
 def pick_batch(cfg: ModelConfig, ctx: int, want: int, S: int, sfi: SFIConfig, limit: int):
@@ -171,9 +171,22 @@ def _steps(ctx, args):
 
 
 def engine_options(args) -> EngineOptions:
-    """The engine options of this run (`--opt` over the defaults), resolved for the platform:
-    the record names what each "auto" stood for."""
-    return EngineOptions.from_strings(args.opt).resolved()
+    """The engine options of this run (`--opt` over the defaults, the kernels' sweep points
+    from their flags), resolved for the platform: the record names what each "auto" stood
+    for."""
+    options = EngineOptions.from_strings(args.opt).resolved()
+    return dataclasses.replace(options, tuning=kernel_tuning(args))
+
+
+def kernel_tuning(args) -> KernelTuning:
+    """The GPU kernels' sweep points of this run (`--sparse-config`, `--dense-config`,
+    `--fused-programs`, `--kmajor-config`, `--no-launch-dependents`; absent: the tuned kernels)."""
+    return KernelTuning(
+        dense_attention=attention_config(args.dense_config) if args.dense_config else None,
+        sparse_attention=attention_config(args.sparse_config) if args.sparse_config else None,
+        fused_programs_per_sm=args.fused_programs or None,
+        kmajor=_common.kmajor_config(args.kmajor_config) if args.kmajor_config else None,
+        launch_dependents=False if args.no_launch_dependents else None)
 
 
 def bench_one(name, cfg, params, ctx, args, bw, B):
@@ -357,7 +370,7 @@ def engine_check(k_major=False, options=None):
     """On this device: SFI with a budget covering the context equals dense token for token, and
     with a small budget the platform kernels give the same tokens as the xla path. Float32
     matmuls run at full precision: on GPU jnp's default takes TF32 passes, which moved a
-    near-tied token of the xla arm on the H200 (scripts/diag/diag_engine_check.py).
+    near-tied token of the xla arm on the H200 (diag_engine_check.py in docs/findings.md).
     k_major: the model's weight layout (`Model.split_layers`); options: the run's engine
     options (`--opt`), for every arm but the xla one."""
     with jax.default_matmul_precision("highest"):
@@ -605,11 +618,11 @@ def main(argv=None):
                    help="write the report from these e2e.json files (no device work)")
     p.add_argument("--notes", default=None, help="Markdown appended to e2e.md")
     p.add_argument("--sparse-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
-                   help="a sweep point: this run's sparse decode kernel config (both of "
-                        "attention_gpu's SPARSE configs), in place of the tuned ones")
+                   help="a sweep point: this run's sparse decode kernel config, in place of "
+                        "attention_gpu's SPARSE and SPARSE_SMALL (KernelTuning.sparse_attention)")
     p.add_argument("--dense-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
-                   help="a sweep point: the dense arm's decode kernel config (attention_gpu's "
-                        "DENSE), in place of the tuned one")
+                   help="a sweep point: the dense arm's decode kernel config, in place of "
+                        "attention_gpu's DENSE (KernelTuning.dense_attention)")
     p.add_argument("--fused-programs", type=int, default=None, metavar="PER_SM",
                    help="a sweep point: the fused matmul epilogues' grid aim in programs per SM "
                         "(fewer, longer K splits for the last program to add up)")
@@ -620,31 +633,13 @@ def main(argv=None):
     p.add_argument("--kmajor-config", default=None,
                    metavar="BN:BK:WARPS:STAGES:PER_SM[:PREFETCH]",
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
-                        "of skinny_matmul_gpu.KMajorConfig's defaults")
+                        "of skinny_matmul_gpu.KMajorConfig's defaults (KernelTuning.kmajor)")
     p.add_argument("--no-launch-dependents", action="store_true",
                    help="an A/B point: the Pallas kernels do not signal "
-                        "griddepcontrol.launch_dependents (triton_lowering.LAUNCH_DEPENDENTS)")
+                        "griddepcontrol.launch_dependents (KernelTuning.launch_dependents)")
     args = p.parse_args(argv)
     from sfi_jax.kernels import triton_lowering
 
-    if args.no_launch_dependents:
-        triton_lowering.LAUNCH_DEPENDENTS = False
-    if args.kmajor_config:
-        from sfi_jax.kernels import skinny_matmul_gpu
-
-        skinny_matmul_gpu.KMAJOR_CONFIG = _common.kmajor_config(args.kmajor_config)
-    if args.fused_programs:
-        from sfi_jax.kernels import skinny_matmul_gpu
-
-        skinny_matmul_gpu.FUSED_PROGRAMS_PER_SM = args.fused_programs
-    if args.sparse_config:  # set before anything is traced; the run's meta records it
-        from sfi_jax.kernels import attention_gpu
-
-        attention_gpu.SPARSE = attention_gpu.SPARSE_SMALL = attention_config(args.sparse_config)
-    if args.dense_config:
-        from sfi_jax.kernels import attention_gpu
-
-        attention_gpu.DENSE = attention_config(args.dense_config)
     try:
         engine_options(args)
     except ValueError as e:
@@ -671,7 +666,8 @@ def main(argv=None):
                 sparse_config=args.sparse_config, dense_config=args.dense_config,
                 fused_programs=args.fused_programs,
                 kmajor_config=args.kmajor_config,
-                launch_dependents=triton_lowering.signals_dependents(),
+                launch_dependents=triton_lowering.signals_dependents(
+                    engine_options(args).tuning.launch_dependents),
                 k_major=args.k_major == "on")
     if not args.smoke and not args.no_check:
         meta["engine_check"] = engine_check(k_major=args.k_major == "on",

@@ -134,8 +134,10 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
 def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None, cfg=None,
-                kernels=gpu):
-    """kernels: the module under test, attention_gpu (Triton) or attention_mgpu (Mosaic)."""
+                kernels=gpu, pallas_combine=True):
+    """kernels: the module under test, attention_gpu (Triton) or attention_mgpu (Mosaic);
+    pallas_combine: the Triton kernel's split merge (a sweep point)."""
+    extra = {"pallas_combine": pallas_combine} if kernels is gpu else {}
     ks = jax.random.split(key, 3)
     cache = (layers, b, hkv, s, d) if layers else (b, hkv, s, d)
     nq = len(rows) if rows is not None else b
@@ -145,8 +147,9 @@ def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None
     layer = None if layers is None else jnp.int32(layers - 1)
     rws = None if rows is None else jnp.asarray(rows, jnp.int32)
     out, lg, lse = kernels.dense_decode(q, k, v, lens, layer, rws, return_logits=True,
-                                       config=cfg, interpret=INTERPRET)
-    out2 = kernels.dense_decode(q, k, v, lens, layer, rws, config=cfg, interpret=INTERPRET)
+                                       config=cfg, interpret=INTERPRET, **extra)
+    out2 = kernels.dense_decode(q, k, v, lens, layer, rws, config=cfg, interpret=INTERPRET,
+                                **extra)
     r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True, layer=layer,
                                                 rows=rws)
     errs = {"out": rel_err(out, r_out), "out_nologits": rel_err(out2, r_out),
@@ -155,7 +158,8 @@ def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None
 
 
 def check_sparse(key, *, b, hq, hkv, s, c, d, dtype, layers=None, window=None, cfg=None,
-                 kernels=gpu):
+                 kernels=gpu, pallas_combine=True):
+    extra = {"pallas_combine": pallas_combine} if kernels is gpu else {}
     ks = jax.random.split(key, 8)
     pre = (layers,) if layers else ()
     q = rand(ks[0], (b, hq, d), dtype)
@@ -167,12 +171,14 @@ def check_sparse(key, *, b, hq, hkv, s, c, d, dtype, layers=None, window=None, c
     rs = jnp.maximum(lens - jax.random.randint(ks[7], (b,), 0, w + 1), 0)
     layer = None if layers is None else jnp.int32(layers - 1)
     out = kernels.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window,
-                                config=cfg, interpret=INTERPRET)
+                                config=cfg, interpret=INTERPRET, **extra)
     ref = reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer=layer)
     return {"out": rel_err(out, ref)}
 
 
-def correctness(smoke):
+def correctness(smoke, pallas_combine=True):
+    """Each kernel against the jnp reference; pallas_combine=False: the splits merged with
+    jnp."""
     big = not smoke
     cases = [
         ("dense", dict(b=3, hq=32, hkv=8, s=1000, d=128, dtype=jnp.bfloat16,
@@ -197,7 +203,8 @@ def correctness(smoke):
         desc = {k: (str(jnp.dtype(v)) if k == "dtype" else v) for k, v in kw.items()
                 if k != "lengths"}
         try:
-            errs = (check_dense if kind == "dense" else check_sparse)(key, **kw)
+            errs = (check_dense if kind == "dense" else check_sparse)(
+                key, pallas_combine=pallas_combine, **kw)
             tol = TOL[desc["dtype"]]
             ok = all(e <= tol for e in errs.values())
             rows.append({"kernel": kind, **desc, "rel_err": errs, "tol": tol, "pass": ok})
@@ -242,8 +249,10 @@ def dense_arms(st, s, interpret):
     return q, k, v, lens
 
 
-def run_dense(st, args, cfg, cudnn_ok, bw, results):
+def run_dense(st, args, configs, cudnn_ok, bw, results):
+    """configs: the kernel's config per regime ("dense", "dense_logits")."""
     interpret = args.smoke
+    combine = dict(pallas_combine=args.pallas_combine)
     for s in st.s_list:
         q, k, v, lens = dense_arms(st, s, interpret)
         base = st.kv_bytes(s) + st.qo_bytes()
@@ -252,11 +261,13 @@ def run_dense(st, args, cfg, cudnn_ok, bw, results):
         arms = {}
 
         def ours(q, k, v, lens):
-            return gpu.dense_decode(q, k, v, lens, config=cfg, interpret=interpret)
+            return gpu.dense_decode(q, k, v, lens, config=configs["dense"], interpret=interpret,
+                                    **combine)
 
         def ours_logits(q, k, v, lens):
-            out, lg, lse = gpu.dense_decode(q, k, v, lens, return_logits=True, config=cfg,
-                                            interpret=interpret)
+            out, lg, lse = gpu.dense_decode(q, k, v, lens, return_logits=True,
+                                            config=configs["dense_logits"], interpret=interpret,
+                                            **combine)
             return out
 
         arms["pallas"] = (ours, (k, v, lens), base)
@@ -279,7 +290,8 @@ def run_dense(st, args, cfg, cudnn_ok, bw, results):
             k2, v2 = jnp.stack([v, k]), jnp.stack([k, v])
 
             def ours_layer(q, k, v, lens, layer):
-                return gpu.dense_decode(q, k, v, lens, layer, config=cfg, interpret=interpret)
+                return gpu.dense_decode(q, k, v, lens, layer, config=configs["dense"],
+                                        interpret=interpret, **combine)
 
             measure(results, "dense", "pallas_layer", s, None, ours_layer, q,
                     [(k2, v2, lens, jnp.int32(1))], base, est, bw, args)
@@ -350,7 +362,9 @@ def sparse_sets(st, t_keep, n_sets, key):
     return sets, c, recent
 
 
-def run_sparse(st, args, cfg, bw, results, retention=None, arm="pallas"):
+def run_sparse(st, args, cfg, bw, results, retention=None, arm="pallas", configs=None):
+    """cfg: the kernel's config, or None: configs["sparse_small"] or configs["sparse"] by the
+    keys read (as the kernel picks its defaults)."""
     s = st.s_sparse
     for ret in retention or st.retention:
         t_keep = int(round(ret / 100 * s))
@@ -359,9 +373,11 @@ def run_sparse(st, args, cfg, bw, results, retention=None, arm="pallas"):
         sets, c, recent = sparse_sets(st, t_keep, n_sets, jax.random.PRNGKey(int(ret * 100)))
         q = rand(jax.random.PRNGKey(3), (st.b, st.hq, st.d), st.dtype)
 
-        def fn(q, ck, cv, c_len, k, v, rs, lens, _w=recent):
-            return gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=_w, config=cfg,
-                                     interpret=args.smoke)
+        use = cfg or configs["sparse_small" if c + min(recent, s) <= gpu.SMALL_KEYS else "sparse"]
+
+        def fn(q, ck, cv, c_len, k, v, rs, lens, _w=recent, _c=use):
+            return gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=_w, config=_c,
+                                     interpret=args.smoke, pallas_combine=args.pallas_combine)
 
         measure(results, "sparse", arm, s, ret, fn, q, sets, nbytes, nbytes / 3.5e12 + 5e-6, bw,
                 args, extra={"compact": c, "recent": recent, "operand_sets": n_sets})
@@ -395,7 +411,7 @@ def sweep(st, args, bw, which):
 
             def fn(q, k, v, lens, _c=cfg, _lg=logits):
                 res = gpu.dense_decode(q, k, v, lens, return_logits=_lg, config=_c,
-                                       interpret=args.smoke)
+                                       interpret=args.smoke, pallas_combine=args.pallas_combine)
                 return res[0] if _lg else res
 
             measure(sub, "dense", "sweep", s, None, fn, q, [(k, v, lens)], nbytes,
@@ -813,34 +829,36 @@ def main(argv=None):
             json.dump(res, f, indent=1, default=str)
 
     t_start = time.perf_counter()
+    args.pallas_combine = True  # every kernel call below passes it
     res["correctness"] = correctness(args.smoke)
     if any("error" in r for r in res["correctness"]):
         log("a kernel failed; retrying with the jnp combine")
-        gpu.PALLAS_COMBINE = False
+        args.pallas_combine = False
         res["correctness_pallas_combine"] = res["correctness"]
-        res["correctness"] = correctness(args.smoke)
-    res["pallas_combine"] = gpu.PALLAS_COMBINE
+        res["correctness"] = correctness(args.smoke, pallas_combine=False)
+    res["pallas_combine"] = args.pallas_combine
     save()
     res["copy_bw"] = copy_bandwidth(4e9 if on_gpu else 64e6, args.repeats)
     bw = res["copy_bw"]["bytes_per_s"]
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s", res["copy_bw"]["variants"])
     res["sweep"] = []
-    names = {"dense": "DENSE", "dense_logits": "DENSE_LOGITS", "sparse_small": "SPARSE_SMALL",
-             "sparse": "SPARSE"}
+    # the kernel's configs per regime: its tuned defaults, replaced by each sweep's best
+    configs = {"dense": gpu.DENSE, "dense_logits": gpu.DENSE_LOGITS,
+               "sparse_small": gpu.SPARSE_SMALL, "sparse": gpu.SPARSE}
     if not args.no_sweep:
-        for which, attr in names.items():
+        for which in configs:
             best, rows = sweep(st, args, bw, which)
             res["sweep"] += rows
             if best is not None:
-                setattr(gpu, attr, best)
+                configs[which] = best
             save()
-    res["config"] = {k: list(dataclasses_tuple(getattr(gpu, a))) for k, a in names.items()}
+    res["config"] = {k: list(dataclasses_tuple(c)) for k, c in configs.items()}
     log("configs", res["config"])
     res["results"] = []
     cudnn_ok = on_gpu
-    run_dense(st, args, None, cudnn_ok, bw, res["results"])
+    run_dense(st, args, configs, cudnn_ok, bw, res["results"])
     save()
-    run_sparse(st, args, None, bw, res["results"])
+    run_sparse(st, args, None, bw, res["results"], configs=configs)
     summarize(res)
     res["wall_s"] = time.perf_counter() - t_start
     save()

@@ -1,17 +1,19 @@
 """Reuse one prefill across many `generate` calls on the same prompts.
 
 An evaluation decodes the same prompts under a dozen policies and budgets; the dense prefill is
-identical for all of them and dominates the cost on a CPU. Inside `shared_prefill()`, the chunk
-calls `generate` makes to `runtime.prefill.prefill_chunk` are recorded; at the last chunk the whole
-prompt batch is looked up, and a cached result (copied, since decode donates the cache) is
-returned; otherwise the recorded chunks are run for real, each on the causal prefix of the
-cache it can see. The decode path is untouched.
+identical for all of them and dominates the cost on a CPU. `shared_prefill()` hands out a chunk
+function for `generate(..., prefill_fn=...)` with `runtime.prefill.prefill_chunk`'s signature:
+it records the chunk calls; at the last chunk the whole prompt batch is looked up, and a cached
+result (copied, since decode donates the cache) is returned; otherwise the recorded chunks are
+run for real, each on the causal prefix of the cache it can see. The decode path is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +44,24 @@ def _replay(real, params, pending, lengths, cfg, kw):
             jnp.pad(kn, ((0, 0),) * 3 + ((0, rest),)), carry)
 
 
+@dataclasses.dataclass
+class SharedPrefill:
+    """What `shared_prefill` yields: `prefill_fn` for `generate(..., prefill_fn=...)`, and
+    the hit / miss counters of its lookups."""
+
+    prefill_fn: Callable
+    counts: dict
+
+
 @contextlib.contextmanager
-def shared_prefill(max_entries: int = 2):
-    """Context manager; yields a dict with hit/miss counters.
+def shared_prefill(max_entries: int = 2, real: Callable = prefill.prefill_chunk):
+    """Context manager; yields a `SharedPrefill`. Pass its prefill_fn to the `generate` calls
+    that should share prefills; real: the chunk function it runs on a miss.
 
     Key norms are always computed (an SFI call needs them; a dense call just does not get them).
     An SFI prefill also keeps the window queries of the initial selection, so it serves later
     dense calls too; a dense prefill cannot serve an SFI call (it is replayed and replaced).
     """
-    real = prefill.prefill_chunk
     store: dict = {}
     pending: list = []
     counts = {"hits": 0, "misses": 0}
@@ -90,8 +101,8 @@ def shared_prefill(max_entries: int = 2):
         pending.clear()
         return kk, vv, out_kn, out_carry
 
-    prefill.prefill_chunk = cached
     try:
-        yield counts
+        yield SharedPrefill(cached, counts)
     finally:
-        prefill.prefill_chunk = real
+        store.clear()
+        pending.clear()

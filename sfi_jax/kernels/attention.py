@@ -48,7 +48,8 @@ def _check(q, k, v, lengths, layer, n_rows=None):
 
 
 def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
-                 logits_into=None, out_into=None, gather_q=False):
+                 logits_into=None, out_into=None, gather_q=False, config=None,
+                 launch_dependents=None):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
@@ -65,6 +66,8 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     Buffers passed in are updated in place inside a jitted caller that owns them.
     gather_q: q has one row per cache row and row i of the result uses q[rows[i]] (the kernel
     reads it there: no gathered copy); lengths, the outputs and buffers then have R rows.
+    config, launch_dependents: the GPU kernel's (`attention_gpu.dense_decode`; other
+    implementations ignore them).
     """
     if gather_q and rows is None:
         raise ValueError("gather_q=True needs rows")
@@ -97,7 +100,8 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
         buf, dest = out_into if out_into is not None else (None, None)
         return gpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=return_logits,
                                 logits_into=logits_into, out_into=buf, out_rows=dest,
-                                gather_q=gather_q, interpret=interpret_for(impl))
+                                gather_q=gather_q, interpret=interpret_for(impl), config=config,
+                                launch_dependents=launch_dependents)
     if gather_q:
         q = q[rows]
     with_logits = return_logits or logits_into is not None
@@ -121,7 +125,8 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
 
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
-                  window=None, new_kv=None, key_norms=None):
+                  window=None, new_kv=None, key_norms=None, config=None,
+                  launch_dependents=None):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -135,6 +140,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention
     ("mosaic_gpu": an XLA scatter, then the kernel).
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
+    config, launch_dependents: the GPU kernel's (`attention_gpu.sparse_decode`).
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -169,7 +175,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                  window=window, new_kv=new_kv, key_norms=key_norms,
-                                 interpret=interpret_for(impl))
+                                 interpret=interpret_for(impl), config=config,
+                                 launch_dependents=launch_dependents)
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
     c_len_in = c_len

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.common import as_layer_stack, dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
-from sfi_jax.kernels.triton_lowering import dependents_mask
+from sfi_jax.kernels.triton_lowering import dependents_mask, signals_dependents
 
 _ROWS = 16  # smallest M of tl.dot: query groups are padded to this
 
@@ -39,7 +39,7 @@ class Config:
 
 
 # Chosen by the sweep of scripts/bench/bench_kernels.py; neighbouring configurations were
-# within a few percent.
+# within a few percent. A call's `config=` replaces them (a sweep point).
 DENSE = Config(block_k=128, num_warps=8, num_stages=2, programs=8 * _NUM_SMS)
 DENSE_LOGITS = Config(block_k=128, num_warps=4, num_stages=2, programs=16 * _NUM_SMS)
 # The engine's refresh call (logits written in place): its slots are mostly empty, and an
@@ -48,7 +48,6 @@ REFRESH = Config(block_k=128, num_warps=4, num_stages=2, programs=2 * _NUM_SMS, 
 SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
 SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
 SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
-PALLAS_COMBINE = True  # False: merge the splits with jnp (several XLA launches)
 
 
 def _splits(total, pairs, cfg):
@@ -115,7 +114,7 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
 
 
 def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, interpret):
+                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, signal):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
@@ -158,7 +157,7 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(end - done, 0), bk), fill, 0)
     # a split past the row's length stores nothing (the merge reads only the row's splits);
     # the stores' row mask passes through the dependents' signal, placed after the loop
-    sig = dependents_mask(_ROWS, interpret, carry[1])
+    sig = dependents_mask(_ROWS, signal, carry[1])
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask,
                    keep=start < hi)
 
@@ -181,7 +180,7 @@ def _new_token(q, kn_ref, vn_ref, r, h, carry, use, *, dp, dmask, scale, cache_d
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    *refs, group, n_splits, s_len, c_size, d, dp, bk, scale, precision,
-                   write_kv, write_norms, clen_stacked, interpret):
+                   write_kv, write_norms, clen_stacked, signal):
     """write_kv: this step's key/value (refs kn, vn) sit at position length - 1; split 0
     attends to them from registers and stores them into the aliased caches (and, with
     write_norms, the key's L2 norm into the aliased norms), so no program reads a position
@@ -224,11 +223,11 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
             kf = kn.astype(jnp.float32)
             norm = jnp.broadcast_to(jnp.sqrt(jnp.sum(kf * kf)), (1,))
             plgpu_triton.store(n_out.at[at], norm, mask=jnp.full((1,), True) & first)
-    sig = dependents_mask(_ROWS, interpret, carry[1])  # (as in the dense kernel)
+    sig = dependents_mask(_ROWS, signal, carry[1])  # (as in the dense kernel)
     _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask & sig, omask)
 
 
-def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpret):
+def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, signal):
     """One query head of one row: merge its first valid_ref[r] per-split partials exactly (all
     n_splits with all_valid: no count array to build per call) and store the result in output
     row r, or with `into` row dst_ref[r] of the aliased buffer (none when it is >= n_out)."""
@@ -248,7 +247,7 @@ def _combine_kernel(*refs, n_splits, nsp, d, dp, n_out, into, all_valid, interpr
                           mask=jmask[:, None] & dmask[None, :], other=0.0)
     out, mx, lsum, ok = merge_splits(m, l, o, jmask)
     dst = dst_ref[r] if into else r
-    sig = dependents_mask(dp, interpret, out)
+    sig = dependents_mask(dp, signal, out)
     plgpu_triton.store(out_ref.at[jnp.minimum(dst, n_out - 1), h, pl.ds(0, dp)],
                        out.astype(out_ref.dtype), mask=dmask & sig & (dst < n_out))
     plgpu_triton.store(lse_ref.at[r, h], jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)),
@@ -268,7 +267,8 @@ def _combine_xla(o, m, l, valid, dtype):
     return out.astype(dtype), lse
 
 
-def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
+def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None, *, pallas=True,
+             signal=False):
     """Exact merge of per-split partials o [R, n, Hq, D], m/l [R, n, Hq]; row r merges its
     first valid[r] splits (the others were not written; valid None: all). Returns
     (out [R, Hq, D], lse), or with out_into [N, Hq, D] and out_rows [R] that buffer with row
@@ -276,13 +276,15 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
 
     One small kernel: XLA splits the same jnp into several launches, and at short
     lengths each dependent launch costs about as much as the attention itself.
+    pallas=False merges with jnp instead (several XLA launches); signal: the kernel signals
+    its dependents (`triton_lowering.launch_dependents`).
     """
     n_rows, n_splits, hq, d = o.shape
     all_valid = valid is None
     if not all_valid:
         valid = valid.astype(jnp.int32)
     into = out_into is not None
-    if not PALLAS_COMBINE:
+    if not pallas:
         if all_valid:
             valid = jnp.full((n_rows,), n_splits, jnp.int32)
         out, lse = _combine_xla(o, m, l, valid, dtype)
@@ -292,7 +294,7 @@ def _combine(o, m, l, valid, dtype, interpret, out_into=None, out_rows=None):
     nsp, dp = max(2, pow2(n_splits)), pow2(d)
     n_out = out_into.shape[0] if into else n_rows
     kernel = functools.partial(_combine_kernel, n_splits=n_splits, nsp=nsp, d=d, dp=dp,
-                               n_out=n_out, into=into, all_valid=all_valid, interpret=interpret)
+                               n_out=n_out, into=into, all_valid=all_valid, signal=signal)
     # one warp holds a few splits' partials in registers; many splits (a few long rows, e.g.
     # the refreshed rows of a slow step: 128 splits at 128K) need more warps
     warps = 1 if nsp * dp <= 4096 else 4
@@ -313,10 +315,13 @@ def _params(cfg):
     return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "gather_q", "interpret", "config"))
+_STATIC = ("interpret", "config", "pallas_combine", "launch_dependents")
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "gather_q") + _STATIC)
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  logits_into=None, out_into=None, out_rows=None, gather_q=False, interpret=False,
-                 config=None):
+                 config=None, pallas_combine=True, launch_dependents=None):
     """Dense decode attention (see kernels.attention.dense_decode); one pass over K and V.
 
     logits_into: a float32 [L, R, Hq, S] buffer (L as the stacked cache, or 1 without `layer`)
@@ -326,8 +331,12 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     out_into [N, Hq, D], out_rows [R]: row r's output goes to out_into[out_rows[r]] in place
     (rows >= N dropped), and that buffer is returned as `out`.
     gather_q: q has the cache's rows and row r uses q[rows[r]] (no gathered copy of q).
+    config: a `Config` (None: REFRESH, DENSE_LOGITS or DENSE for the call's kind);
+    pallas_combine=False: the splits merged with jnp; launch_dependents: see
+    `triton_lowering.signals_dependents` (None: on Hopper or newer).
     """
     into = logits_into is not None
+    signal = signals_dependents(launch_dependents, interpret)
     cfg = config or (REFRESH if into else DENSE_LOGITS if return_logits else DENSE)
     k, layer_arr = as_layer_stack(k, layer)
     v, _ = as_layer_stack(v, layer)
@@ -351,7 +360,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype),
         logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None,
-        interpret=interpret)
+        signal=signal)
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -369,21 +378,25 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
     valid = -(-jnp.clip(lengths, 0, s_len) // split)
-    out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows)
+    out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows,
+                        pallas=pallas_combine, signal=signal)
     if return_logits or into:
         return out, res[3], lse
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("window",) + _STATIC)
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  new_kv=None, key_norms=None, interpret=False, config=None):
+                  new_kv=None, key_norms=None, interpret=False, config=None, pallas_combine=True,
+                  launch_dependents=None):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode).
 
     new_kv (kn, vn) [B, Hkv, D]: this step's key and value, stored at position lengths - 1 of
     k, v (and the key's norm in key_norms [L, B, Hkv, S], when given) by the same launch;
     returns (out, k, v, key_norms), updated in place inside a jitted caller that owns them.
     c_len may be stacked [L, B, Hkv] like the caches (layer `layer` is read).
+    config: a `Config` (None: SPARSE_SMALL or SPARSE by the keys read); pallas_combine and
+    launch_dependents as in `dense_decode`.
     """
     write_kv, write_norms = new_kv is not None, key_norms is not None
     if write_norms and not write_kv:
@@ -407,7 +420,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype), write_kv=write_kv,
-        write_norms=write_norms, clen_stacked=c_len.ndim == 3, interpret=interpret)
+        write_norms=write_norms, clen_stacked=c_len.ndim == 3,
+        signal=signals_dependents(launch_dependents, interpret))
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, hq), jnp.float32)]
@@ -428,7 +442,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         input_output_aliases=aliases,
         compiler_params=_params(cfg), interpret=interpret, name="sfi_sparse_decode",
     )(*args)
-    out = _combine(res[0], res[1], res[2], None, q.dtype, interpret)[0]
+    out = _combine(res[0], res[1], res[2], None, q.dtype, interpret, pallas=pallas_combine,
+                   signal=signals_dependents(launch_dependents, interpret))[0]
     if not write_kv:
         return out
     unstack = (lambda x: x) if stacked else (lambda x: x[0])

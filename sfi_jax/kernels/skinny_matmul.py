@@ -31,7 +31,7 @@ def uses_kernel(impl: str, rows: int) -> bool:
 
 
 def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=None,
-                  transposed: bool = False):
+                  transposed: bool = False, kmajor_config=None, launch_dependents=None):
     """x [..., K] (RMS-normed by `norm` [K] first, when given) times each of `weights` (one or
     two [K, N] of one shape; [N, K] when `transposed`) -> a tuple of float32 [..., N].
 
@@ -39,7 +39,8 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     by the row factor after it; the reference rounds the normed rows (float rounding apart,
     the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default).
     Transposed weights take the K-major kernel for up to FUSED_MAX_ROWS rows (its products
-    rounded to x's dtype) and XLA for more."""
+    rounded to x's dtype) and XLA for more: kmajor_config its `KMajorConfig` (None: the
+    defaults), launch_dependents its signal (`triton_lowering.signals_dependents`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if transposed:
@@ -48,7 +49,8 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
         from sfi_jax.kernels import skinny_matmul_gpu
 
         return tuple(skinny_matmul_gpu.skinny_matmul_kmajor(
-            x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"))
+            x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"),
+            config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
@@ -81,14 +83,23 @@ def new_sync():
     return skinny_matmul_gpu.new_sync()
 
 
-def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, transposed=False, **kwargs):
+def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, transposed=False, tuning=None,
+                        **kwargs):
     """`skinny_matmul_gpu.skinny_matmul_fused` (interpret mode off the GPU): x [R, K] times the
     weights, the epilogue applied by the kernel; returns its outputs and the counters.
     transposed: [N, K] weights, for `skinny_matmul_gpu.skinny_matmul_kmajor` (its "residual"
-    and "silu" epilogues; no counters: `sync` comes back as it went)."""
+    and "silu" epilogues; no counters: `sync` comes back as it went).
+    tuning: an `options.KernelTuning` (None: the tuned kernels): its K-major config, the fused
+    grids' programs per SM and the dependents' signal."""
     from sfi_jax.kernels import skinny_matmul_gpu
 
     interpret = interpret_for("pallas_gpu")
+    if tuning is not None:
+        kwargs["launch_dependents"] = tuning.launch_dependents
+        if transposed:
+            kwargs["config"] = tuning.kmajor
+        else:
+            kwargs["programs_per_sm"] = tuning.fused_programs_per_sm
     if transposed:
         if epilogue not in ("residual", "silu"):
             raise ValueError(f"transposed weights take the 'residual' and 'silu' epilogues, "

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.common import dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import (NUM_SMS as _NUM_SMS, dependents_mask,
-                                             launch_dependents, plgpu_triton)
+                                             launch_dependents, plgpu_triton, signals_dependents)
 
 _MIN_ROWS = 16  # smallest M of tl.dot
 MODES = ("dot", "fma", "fma_defer")
@@ -42,14 +42,6 @@ MAX_ROWS = 64
 FUSED_MAX_ROWS = 4  # the epilogue walks the rows one by one
 EPILOGUES = ("residual", "silu", "heads")
 SYNC_SIZE = 1024  # counters: at least the column blocks of any one call
-# The fused epilogues' grid aim in programs per SM in place of the tuned configs' (None): a
-# sweep point that bench_e2e's --fused-programs sets before anything is traced
-FUSED_PROGRAMS_PER_SM = None
-# A diagnostic (scripts/diag/diag_phases.py sets it before tracing): each fused kernel also
-# returns every program's %globaltimer stamps int32 [programs, 4, 16] (the 16 copies alike):
-# its first instruction, its K loop's end, its counter bump, and (the block's last program)
-# its epilogue's stores made visible
-PHASE_STAMPS = False
 _SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, some left to Triton
 
 
@@ -100,7 +92,7 @@ def plan(n: int, k: int, config: Config) -> tuple[int, int]:
 
 def _timer(dep):
     """%globaltimer_lo (ns, wrapping at 2**32) as int32 [len(dep)], read once `dep` (int32) is
-    computed (PHASE_STAMPS)."""
+    computed (`skinny_matmul_fused(phase_stamps=True)`)."""
     out, = plgpu_triton.elementwise_inline_asm(
         "mov.u32 $0, %globaltimer_lo;", args=[dep], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(dep.shape, jnp.int32)])
@@ -108,9 +100,10 @@ def _timer(dep):
 
 
 def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_splits, normed,
-            precision, mode, epilogue, eps, heads, interpret):
+            precision, mode, epilogue, eps, heads, interpret, signal, stamp):
     """Program (j, s): column block j over K split s. With an epilogue, the refs continue with
-    the counters (aliased, read from the output side), the epilogue's inputs and outputs."""
+    the counters (aliased, read from the output side), the epilogue's inputs and outputs.
+    signal: signal the dependents after the counter; stamp: also store the phase stamps."""
     w_refs, refs = refs[:n_w], refs[n_w:]
     if epilogue is not None:
         n_in = {"residual": 1, "silu": 0, "heads": 4}[epilogue]
@@ -118,7 +111,6 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
         ep_in, refs = refs[:n_in], refs[n_in:]
     o_refs, ss_ref, refs = refs[:n_w], refs[n_w] if normed else None, refs[n_w + normed:]
     j, s = pl.program_id(0), pl.program_id(1)
-    stamp = PHASE_STAMPS and epilogue is not None and not interpret
     if stamp:
         t0 = _timer(jnp.zeros((16,), jnp.int32) + j * n_splits + s)
     rmask = jnp.arange(rows) < n_rows
@@ -185,7 +177,7 @@ def _kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, k_split, n_sp
     done = plgpu_triton.atomic_add(sync_ref, (j,), jnp.array(1, jnp.int32))
     # the dependents' signal after this program's stores (its operand: the counter); its
     # result's always-true test keeps it
-    sig = launch_dependents(jnp.arange(16), interpret, after=jnp.zeros((16,), jnp.int32) + done)
+    sig = launch_dependents(jnp.arange(16), signal, after=jnp.zeros((16,), jnp.int32) + done)
     if stamp:
         t2 = _timer(jnp.zeros((16,), jnp.int32) + done)
         for i, t in enumerate((t0, t1, t2, t2)):
@@ -344,8 +336,10 @@ def _setup(x, weights, config):
 
 
 def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue=None,
-          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None):
+          extra_in=(), extra_out=(), sync=None, eps=0.0, heads=None, launch_dependents=None,
+          phase_stamps=False):
     n_rows, k = x.shape
+    stamp = phase_stamps and epilogue is not None and not interpret
     n = weights[0].shape[1]
     n_blocks = pl.cdiv(n, cfg.block_n)
     normed = norm is not None
@@ -353,7 +347,8 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
         _kernel, n_w=len(weights), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
         bk=cfg.block_k, k_split=k_split, n_splits=n_splits, normed=normed,
         precision=dot_precision(weights[0].dtype), mode=cfg.mode, epilogue=epilogue, eps=eps,
-        heads=heads, interpret=interpret)
+        heads=heads, interpret=interpret, signal=signals_dependents(launch_dependents, interpret),
+        stamp=stamp)
     # with the epilogue each column block's partials and sums of squares are a region of
     # whole 128-byte lines of their own, so no cache line mixes two blocks' data
     out = [jax.ShapeDtypeStruct((n_splits, n_rows, n) if epilogue is None else
@@ -373,7 +368,7 @@ def _call(x, weights, norm, cfg, rows, k_split, n_splits, *, interpret, epilogue
         aliases = {len(args): len(out) + len(extra_out)}
         args += [sync, *extra_in]
         out += [*extra_out, jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
-        if PHASE_STAMPS and not interpret:
+        if stamp:
             out.append(jax.ShapeDtypeStruct((n_blocks * n_splits, 4, 16), jnp.int32))
     return pl.pallas_call(
         kernel, grid=(n_blocks, n_splits), out_shape=out, input_output_aliases=aliases,
@@ -403,10 +398,12 @@ def new_sync():
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "eps", "num_q_heads", "num_kv_heads",
-                                             "interpret", "config"))
+                                             "interpret", "config", "programs_per_sm",
+                                             "launch_dependents", "phase_stamps"))
 def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=None, sin=None,
                         q_norm=None, k_norm=None, num_q_heads=None, num_kv_heads=None, eps=1e-6,
-                        interpret=False, config=None):
+                        interpret=False, config=None, programs_per_sm=None,
+                        launch_dependents=None, phase_stamps=False):
     """x [R, K] (R <= FUSED_MAX_ROWS; RMS-normed by `norm` [K] first, when not None) times the
     weights, with the split sums added up by each column block's last program (a counter per
     block in `sync`), which then applies the epilogue, so no XLA fusion runs after the matmul:
@@ -418,7 +415,14 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         (q [R, Hq, D], k [R, Hkv, D], v, sync)
 
     Each product is rounded to x's dtype before the epilogue, as the unfused path rounds it.
-    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place)."""
+    sync: int32 [SYNC_SIZE] zeros (`new_sync`), returned zero again (updated in place).
+    config: a `Config` (None: `default_config` for the weight's shape); programs_per_sm: a
+    sweep point, the default config's grid aim in programs per SM instead of its tuned one;
+    launch_dependents: see `triton_lowering.signals_dependents` (None: on Hopper or newer).
+    phase_stamps (a diagnostic, on the GPU): the outputs end with every program's
+    %globaltimer stamps int32 [programs, 4, 16] (the 16 copies alike): its first instruction,
+    its K loop's end, its counter bump, and (the block's last program) its epilogue's stores
+    made visible."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     n_rows = x.shape[0]
@@ -427,9 +431,9 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
     if len(weights) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
                          f"weight(s), got {len(weights)}")
-    if config is None and FUSED_PROGRAMS_PER_SM is not None:
+    if config is None and programs_per_sm is not None:
         config = dataclasses.replace(default_config(weights[0].shape[1], x.shape[1], n_rows),
-                                     programs=FUSED_PROGRAMS_PER_SM * _NUM_SMS)
+                                     programs=programs_per_sm * _NUM_SMS)
     cfg, rows, k_split, n_splits = _setup(x, weights, config)
     n = weights[0].shape[1]
     heads = None
@@ -460,7 +464,7 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
         extra_out = tuple(jax.ShapeDtypeStruct((n_rows, h, d), x.dtype) for h in (hq, hkv, hkv))
     res = _call(x, weights, norm, cfg, rows, k_split, n_splits, interpret=interpret,
                 epilogue=epilogue, extra_in=extra_in, extra_out=extra_out, sync=sync, eps=eps,
-                heads=heads)
+                heads=heads, launch_dependents=launch_dependents, phase_stamps=phase_stamps)
     return tuple(res[len(weights) + (norm is not None):])
 
 
@@ -468,8 +472,7 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
 class KMajorConfig:
     """Tiles of the K-major kernel: block_n weight rows (output columns) per program, each
     read over the whole of K in block_k steps. The defaults are the H200 sweeps' best at every
-    weight size measured, qwen3-0.6b's and qwen3-4b's (scripts/diag/diag_kmajor.py,
-    benchmarks/kmajor.md)."""
+    weight size measured, qwen3-0.6b's and qwen3-4b's (benchmarks/kmajor.md)."""
 
     block_n: int = 2
     block_k: int = 1024
@@ -481,13 +484,9 @@ class KMajorConfig:
     # software pipeline, whatever Triton's pipeliner makes of the loop); 0: none
 
 
-# A sweep point: bench_e2e's --kmajor-config sets it before anything is traced (None: the
-# defaults of `KMajorConfig`)
-KMAJOR_CONFIG = None
-
 
 def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed, epilogue,
-                   eps, interpret, n_prog, prefetch):
+                   eps, signal, n_prog, prefetch):
     """Program p: output columns [b * bn, (b + 1) * bn) for blocks b = p, p + n_prog, ... over
     the whole of K (weights [N, K]: each weight row one contiguous read), in one loop over
     (block, K step) so the loads run on across blocks; a block's last K step applies the
@@ -565,7 +564,7 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
                 y = g / (1.0 + jnp.exp(-g)) * u
             else:
                 y = ys[0]
-            sig = dependents_mask(bn, interpret, jnp.sum(y, axis=0))
+            sig = dependents_mask(bn, signal, jnp.sum(y, axis=0))
             plgpu_triton.store(out_ref.at[pl.ds(0, rows), pl.ds(blk * bn, bn)], y.astype(dt),
                                mask=rmask[:, None] & (cmask & sig)[None, :])
 
@@ -575,13 +574,15 @@ def _kmajor_kernel(x_ref, nw_ref, *refs, n_w, rows, n_rows, k, n, bn, bk, normed
     lax.fori_loop(0, steps, body, (tuple(zeros for _ in w_refs), queue))
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "eps", "interpret", "config",
+                                             "launch_dependents"))
 def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=None, eps=1e-6,
-                         interpret=False, config=None):
+                         interpret=False, config=None, launch_dependents=None):
     """x [R, K] (RMS-normed by `norm` first, when given) times the transposed weights
     `weights_t` (one or two [N, K]), the product rounded to x's dtype, then the epilogue:
     None (the product), "residual" (residual [R, N] + product) or "silu" (silu(gate) * up,
-    two weights) -> [R, N] in x's dtype."""
+    two weights) -> [R, N] in x's dtype. config: a `KMajorConfig` (None: its defaults);
+    launch_dependents as in `skinny_matmul_fused`."""
     if epilogue not in (None, "residual", "silu"):
         raise ValueError(f"epilogue must be None, 'residual' or 'silu', got {epilogue!r}")
     n_rows, k = x.shape
@@ -592,7 +593,7 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
         raise ValueError(f"skinny_matmul_kmajor takes at most {FUSED_MAX_ROWS} rows, got {n_rows}")
     if len(weights_t) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} weight(s)")
-    cfg = config or KMAJOR_CONFIG or KMajorConfig()
+    cfg = config or KMajorConfig()
     rows = pow2(n_rows)
     bk = min(cfg.block_k, max(16, pow2(k)))
     normed = norm is not None
@@ -602,7 +603,8 @@ def skinny_matmul_kmajor(x, weights_t, norm=None, *, epilogue=None, residual=Non
             raise ValueError(f"residual must be [{n_rows}, {n}]")
         args.append(residual)
     common = dict(n_w=len(weights_t), rows=rows, n_rows=n_rows, k=k, n=n, bn=cfg.block_n,
-                  bk=bk, normed=normed, epilogue=epilogue, eps=eps, interpret=interpret,
+                  bk=bk, normed=normed, epilogue=epilogue, eps=eps,
+                  signal=signals_dependents(launch_dependents, interpret),
                   prefetch=cfg.prefetch)
     n_blocks = pl.cdiv(n, cfg.block_n)
     n_prog = min(n_blocks, cfg.programs) if cfg.programs else n_blocks

@@ -20,9 +20,9 @@ NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim a
 # a `griddepcontrol.wait` at its entry. Each decode kernel here signals
 # `griddepcontrol.launch_dependents` after its main loop, so the next kernel's programs take the
 # SMs its last programs leave while those finish (the signal releases nothing: the next kernel
-# still waits for this one to end). "auto": on a GPU of compute capability 9.0 or more (the
-# instruction's minimum); True / False: always / never (tests, A/B runs). Set before tracing.
-LAUNCH_DEPENDENTS = "auto"
+# still waits for this one to end). The kernels take it as a static `launch_dependents`
+# argument: None (the default) on a GPU of compute capability 9.0 or more (the instruction's
+# minimum); True / False: always / never (tests, A/B runs).
 
 
 @functools.cache
@@ -35,17 +35,21 @@ def _hopper_or_newer() -> bool:
     return cc is not None and float(cc) >= 9.0
 
 
-def signals_dependents() -> bool:
-    if LAUNCH_DEPENDENTS == "auto":
+def signals_dependents(launch_dependents: bool | None = None, interpret: bool = False) -> bool:
+    """Whether a kernel signals its dependents: never in interpret mode; `launch_dependents`
+    None: on a Hopper or newer GPU."""
+    if interpret:
+        return False
+    if launch_dependents is None:
         return _hopper_or_newer()
-    return bool(LAUNCH_DEPENDENTS)
+    return bool(launch_dependents)
 
 
-def launch_dependents(idx, interpret: bool, after):
-    """idx (an int32 vector) unchanged; on the GPU it passes through
+def launch_dependents(idx, signal: bool, after):
+    """idx (an int32 vector) unchanged; with `signal` (`signals_dependents`) it passes through
     `griddepcontrol.launch_dependents`, placed after `after` (an int32 vector of idx's shape
     computed from the kernel's main loop: the signal's operand, so it cannot move above)."""
-    if interpret or not signals_dependents():
+    if not signal:
         return idx
     out, = plgpu_triton.elementwise_inline_asm(
         "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[idx, after],
@@ -54,12 +58,12 @@ def launch_dependents(idx, interpret: bool, after):
     return out
 
 
-def dependents_mask(n: int, interpret: bool, after):
+def dependents_mask(n: int, signal: bool, after):
     """An all-true bool [n] mask through `launch_dependents`, for a kernel's last stores:
     `after` is a float or int vector [n] from the main loop's results."""
     if jax.numpy.issubdtype(after.dtype, jax.numpy.floating):
         after = jax.lax.bitcast_convert_type(after.astype(jax.numpy.float32), jax.numpy.int32)
-    return launch_dependents(jax.numpy.arange(n), interpret, after) < n
+    return launch_dependents(jax.numpy.arange(n), signal, after) < n
 
 
 __all__ = ["M_INIT", "NUM_SMS", "dependents_mask", "launch_dependents", "plgpu_triton",

@@ -12,6 +12,8 @@ and decode kernels in between; `forward` is the plain full-sequence causal path.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,16 +279,26 @@ def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
     return heads == "kernel" and T == 1 and "wqkv" in w and heads_kernels.supported(cfg.head_dim)
 
 
-def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=False):
+def _kmajor_tuning(tuning) -> dict:
+    """The K-major kernel's sweep points from an `options.KernelTuning` (None: the defaults)."""
+    if tuning is None:
+        return {}
+    return dict(kmajor_config=tuning.kmajor, launch_dependents=tuning.launch_dependents)
+
+
+def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=False,
+                    tuning=None):
     """RMSNorm of x by `norm`, then each weight, rounded to x's dtype (the kernel folds the
     norm into the product: `kernels.skinny_matmul`); transposed: the weights are [N, K]."""
     return tuple(y.astype(x.dtype) for y in skinny_matmul(
-        x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul, transposed=transposed))
+        x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul, transposed=transposed,
+        **_kmajor_tuning(tuning)))
 
 
-def _proj(x, w: dict, name: str, matmul: str):
+def _proj(x, w: dict, name: str, matmul: str, tuning=None):
     weight, transposed = layer_weight(w, name)
-    return skinny_matmul(x, (weight,), impl=matmul, transposed=transposed)[0].astype(x.dtype)
+    return skinny_matmul(x, (weight,), impl=matmul, transposed=transposed,
+                         **_kmajor_tuning(tuning))[0].astype(x.dtype)
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
@@ -324,17 +336,19 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
 
 
 def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla",
-                             matmul: str = "xla"):
+                             matmul: str = "xla", tuning=None):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
-    moe: see `moe_mlp`; matmul: see `attention_inputs`."""
+    moe: see `moe_mlp`; matmul: see `attention_inputs`; tuning: the GPU kernels' sweep points
+    (`options.KernelTuning`; None: the tuned kernels)."""
     B, T = attn.shape[:2]
-    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, "wo", matmul)
+    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, "wo", matmul, tuning)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
     (wg, t), (wu, _) = layer_weight(w, "w_gate"), layer_weight(w, "w_up")
-    gate, up = _normed_matmuls(x, w["mlp_norm"], (wg, wu), cfg, matmul, transposed=t)
-    return x + _proj(jax.nn.silu(gate) * up, w, "w_down", matmul)
+    gate, up = _normed_matmuls(x, w["mlp_norm"], (wg, wu), cfg, matmul, transposed=t,
+                               tuning=tuning)
+    return x + _proj(jax.nn.silu(gate) * up, w, "w_down", matmul, tuning)
 
 
 def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul: str,
@@ -346,25 +360,27 @@ def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul:
             and heads == "kernel" and "wqkv" in w and heads_kernels.supported(cfg.head_dim))
 
 
-def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync):
+def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync, tuning=None):
     """`attention_inputs` for one decode step (x [B, 1, H]) with q/k/v from the matmul's
     epilogue: the split sums, the RMSNorm's row scale, the heads' norms and rope in the
-    kernel. sync: the kernels' counters. Returns q, k, v and the counters."""
+    kernel. sync: the kernels' counters; tuning: as in `attention_output_and_mlp`. Returns q,
+    k, v and the counters."""
     B = x.shape[0]
     cos, sin = rope_cos_sin(positions, cfg)
     q, k, v, sync = skinny_matmul_kernels.skinny_matmul_fused(
         x.reshape(B, -1), (w["wqkv"],), w["attn_norm"], sync, epilogue="heads", cos=cos[:, 0],
         sin=sin[:, 0], q_norm=w.get("q_norm") if cfg.qk_norm else None,
         k_norm=w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps)
+        num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, tuning=tuning)
     return q[:, None], k[:, None], v[:, None], sync
 
 
-def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla"):
+def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla",
+                          tuning=None):
     """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
     product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
-    fused = skinny_matmul_kernels.skinny_matmul_fused
+    fused = functools.partial(skinny_matmul_kernels.skinny_matmul_fused, tuning=tuning)
     wo, t = layer_weight(w, "wo")
     x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
                     epilogue="residual", residual=x.reshape(B, -1), transposed=t)

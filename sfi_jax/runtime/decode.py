@@ -101,6 +101,8 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
     slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
     B = q.shape[0]
     impl = options.attention
+    tuning = options.tuning  # the GPU kernels' sweep points (defaults: the tuned kernels)
+    signal = dict(launch_dependents=tuning.launch_dependents)
     lengths = pos + 1
     deferred = sfi is not None and sfi.refreshes
     if not deferred:  # write first; the deferred path's sparse kernel writes them itself
@@ -110,7 +112,8 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
         if st is not None:
             st = st._replace(key_norms=norms)
     if sfi is None:
-        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl), k, v, st, buf)
+        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl,
+                                           config=tuning.dense_attention, **signal), k, v, st, buf)
 
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
 
@@ -120,7 +123,8 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
         c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
         # dense rows (context within the budget) read [0, length) as their "recent" window,
         # so no row reads more than `budget` cache positions in place
-        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]))
+        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]),
+                  config=tuning.sparse_attention, **signal)
         if not deferred:
             return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
                 k, v, st
@@ -130,7 +134,7 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
 
     def dense_rows_with_logits():
         return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
-                            impl=impl)
+                            impl=impl, **signal)
 
     if slots is not None:
         n_slots = slots.shape[0]
@@ -169,7 +173,8 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
         if qh is None:
             out_d, logits, _ = dense_rows_with_logits()
         else:
-            out_d = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl)
+            out_d = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
+                                 config=tuning.dense_attention, **signal)
             logits = window_logits(qh[l, safe], k[l, safe], row_len, step)
         return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out_d
 
@@ -182,7 +187,8 @@ def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, c
         # layer and step), no logits copy, no merge launch
         flat = _per_query_head(buf, q.shape[1])
         attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=safe, impl=impl,
-                                     logits_into=flat, out_into=(attn, slots), gather_q=True)
+                                     logits_into=flat, out_into=(attn, slots), gather_q=True,
+                                     **signal)
         buf = flat.reshape(buf.shape)
     else:
         buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
@@ -199,7 +205,8 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     B = x.shape[0]
     with jax.named_scope("qkv"):
         if sync is not None:
-            q, k_new, v_new, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync)
+            q, k_new, v_new, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync,
+                                                            tuning=options.tuning)
         else:
             q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None],
                                                heads=_heads_impl(options, plan),
@@ -216,10 +223,11 @@ def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=Non
     with jax.named_scope("mlp"):  # (the attention's output projection and the MLP)
         if sync is not None:
             x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
-                                            moe=_moe_impl(options, plan))
+                                            moe=_moe_impl(options, plan), tuning=options.tuning)
         else:
             x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
-                                         matmul=matmul_impl(options, plan))
+                                         matmul=matmul_impl(options, plan),
+                                         tuning=options.tuning)
     if sfi is None or diag is None:
         return (x, k, v, st, diag, buf, qh, sync), None
     lengths = pos + 1

@@ -340,11 +340,13 @@ class _Prefilled:
     run_s: float = 0.0  # the chunks, device work only (compile excluded)
 
 
-def _prefill(run: _Run, k, v, sfi_state, dtype, progress=None) -> _Prefilled:
+def _prefill(run: _Run, k, v, sfi_state, dtype, progress=None,
+             prefill_fn=prefill.prefill_chunk) -> _Prefilled:
     """Run the prompts through the model in chunks of run.chunk tokens, filling the cache (and
     the key norms), keeping the last residual and the initial selection's window queries.
     progress(chunks_done, chunks, tokens_done) is called after each chunk (tokens counted
-    over the real prompt positions)."""
+    over the real prompt positions); prefill_fn runs a chunk (`prefill.prefill_chunk`'s
+    signature)."""
     cfg, B, T, chunk, put = run.cfg, run.batch, run.T, run.chunk, run.put
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(run.ids):
@@ -361,8 +363,7 @@ def _prefill(run: _Run, k, v, sfi_state, dtype, progress=None) -> _Prefilled:
     t0 = time.perf_counter()
     n = T // chunk
     for i, start in enumerate(range(0, T, chunk)):
-        # looked up on the module at each call (eval.prefill_cache replaces it)
-        out.k, out.v, out.key_norms, out.carry = prefill.prefill_chunk(
+        out.k, out.v, out.key_norms, out.carry = prefill_fn(
             run.params, out.k, out.v, out.key_norms, put(tokens[:, start:start + chunk]),
             put(np.int32(start)), lengths, out.carry, **kw)
         if progress is not None:
@@ -637,7 +638,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              forced_tokens=None, return_logits: bool = False, max_len: int | None = None,
              diagnostics: bool = False, mesh=None, prefill_chunk: int | None = None,
              progress: Callable[[int, int, int], None] | None = None,
-             accept_rate: float | None = None) -> GenerateResult:
+             accept_rate: float | None = None,
+             prefill_fn: Callable | None = None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt; mode "sfi" (default), "dense" or "exact".
 
     mode "exact": SFI fast steps draft `sfi.draft_len` tokens, one dense step verifies them
@@ -663,6 +665,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     prefill_chunk: the most tokens per prefill chunk, a power of two (default 8192; smaller
     when the activations would not fit). progress(chunks_done, chunks, prompt_tokens_done) is
     called after each prefill chunk (for a progress bar).
+    prefill_fn: what runs a prefill chunk, with `runtime.prefill.prefill_chunk`'s signature
+    (None: that function; `eval.prefill_cache.shared_prefill` hands out one that reuses a
+    prefill across calls).
     stats: timings in seconds (compiles apart: prefill_compile_s, decode_compile_s,
     compile_s), ttft_s (time to first token, compiles excluded) and ttft_with_compile_s,
     prefill_tokens_per_s, decode_tokens_per_s, per-row slow/fast step counts, memory_bytes.
@@ -677,7 +682,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     cfg, sfi, plan, B, S, dtype = run.cfg, run.sfi, run.plan, run.batch, run.S, model.dtype
     t0 = time.perf_counter()
     k, v, sfi_state = _allocate(run, dtype)
-    pre = _prefill(run, k, v, sfi_state, dtype, progress)
+    pre = _prefill(run, k, v, sfi_state, dtype, progress,
+                   prefill.prefill_chunk if prefill_fn is None else prefill_fn)
     k, v = pre.k, pre.v
     if sfi is not None:
         sfi_state = _initial_selection(run, pre, sfi_state)

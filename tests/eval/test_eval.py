@@ -281,12 +281,13 @@ def test_shared_prefill_gives_the_same_decode(tok):
     kw = dict(max_new_tokens=4, stop_at_eos=False, return_logits=True, tokenizer=tok)
     ref = sfi_jax.generate(model, [prompt], mode="sfi", sfi=cfg, **kw)
     ref_dense = sfi_jax.generate(model, [prompt], mode="dense", **kw)
-    with shared_prefill() as counts:
+    with shared_prefill() as cache:
+        kw["prefill_fn"] = cache.prefill_fn
         got = sfi_jax.generate(model, [prompt], mode="sfi", sfi=cfg, **kw)
         dense = sfi_jax.generate(model, [prompt], mode="dense", **kw)
         dense2 = sfi_jax.generate(model, [prompt], mode="dense", **kw)
         got2 = sfi_jax.generate(model, [prompt], mode="sfi", sfi=cfg, **kw)
-    assert counts == {"hits": 3, "misses": 1}  # an SFI prefill serves dense calls too
+    assert cache.counts == {"hits": 3, "misses": 1}  # an SFI prefill serves dense calls too
     # every run equals its uncached twin; the cached prefill runs each chunk on the causal
     # prefix: float reassociation only
     for cached, uncached in ((got, ref), (got2, ref), (dense, ref_dense), (dense2, ref_dense)):

@@ -29,9 +29,9 @@ def _dense_fn(mod, logits):
     return f
 
 
-def _sparse_fn(mod, window):
+def _sparse_fn(mod, window, **kw):
     def f(q, ck, cv, c_len, k, v, rs, lens, layer):
-        return mod.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window)
+        return mod.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, layer, window=window, **kw)
     return f
 
 
@@ -101,7 +101,9 @@ def test_gpu_in_place_variants_export_for_cuda(shape):
 @pytest.mark.parametrize("r", [4, 3, 64])
 def test_selector_scores_kernel_exports_for_cuda(r):
     """The selector's kernels compile for CUDA: the scores (SFI_METHOD.md §4 steps 1-4) from
-    the engine's scratch-buffer layout, with and without the prior term, and steps 5-6."""
+    the engine's scratch-buffer layout, with and without the prior term, and steps 5-6. The
+    query rows per KV head (4, 3: not a power of two, 64) shape the scores kernel only: steps
+    5-6 and every pad radius are exported once (r = 4), one padded scores kernel per r."""
     from sfi_jax.config import SFIConfig
     from sfi_jax.kernels import selector_gpu
 
@@ -115,12 +117,15 @@ def test_selector_scores_kernel_exports_for_cuda(r):
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
     # steps 5-6; radii 3 and 5: pads that are not a power of two (stored by masked
     # power-of-two stores: Triton's arrays have power-of-two sizes)
-    for cfg in (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
-                SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0)):
+    radii = (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
+             SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0))
+    for cfg in radii if r == 4 else radii[3:4]:
         pad = selector_gpu.adjust_pad(cfg)
         fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, sfi=c, pad=p))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+        if r != 4:
+            continue
         fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, sfi=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             sds((L, 8, 4096 + 2 * pad), jnp.float32), args[2], args[3])
@@ -213,16 +218,13 @@ def test_skinny_matmul_kernel_exports_for_cuda(rows, n_w, normed, dtype, k, n):
     ("heads", 1, 2560, 6144, False),     # q/k/v, normed and rotated per head
     ("silu", 1, 2560, 9728, False),      # gate + up, the SiLU product
     ("residual", 4, 9728, 2560, False),  # down (the N < K tiles), the residual add
-    ("heads", 1, 2560, 6144, True),      # with the phase stamps (diag_phases.py)
+    ("heads", 1, 2560, 6144, True),      # with the phase stamps
     ("silu", 1, 2560, 9728, True)])
-def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps, monkeypatch):
+def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps):
     """The fused epilogues (a counter per column block, its last program adds the splits)
-    compile for CUDA at Qwen3-4B's shapes; with PHASE_STAMPS each call also returns its
+    compile for CUDA at Qwen3-4B's shapes; with phase_stamps=True each call also returns its
     programs' four timer stamps."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
-
-    monkeypatch.setattr(sm, "PHASE_STAMPS", stamps)
-    jax.clear_caches()  # (the kernels' bodies are traced once per jit cache entry)
 
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -233,7 +235,8 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps, m
             cos=cos, sin=cos, q_norm=qn, k_norm=qn, num_q_heads=32, num_kv_heads=8) \
             if epilogue == "heads" else {}
         return sm.skinny_matmul_fused(x, (w,) * (2 if epilogue == "silu" else 1),
-                                      norm if normed else None, sync, epilogue=epilogue, **kw)
+                                      norm if normed else None, sync, epilogue=epilogue,
+                                      phase_stamps=stamps, **kw)
 
     exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
         sds((rows, k), bf), sds((k, n), bf), sds((k,), bf), sds((sm.SYNC_SIZE,), jnp.int32),
@@ -247,12 +250,11 @@ def test_skinny_matmul_epilogues_export_for_cuda(epilogue, rows, k, n, stamps, m
 
 
 def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
-    """With programmatic dependent launch on (True, and "auto" on a GPU of compute capability
-    9.0 or more: the H100/H200) the sparse decode kernel, its merge, the fused matmul and the
-    K-major one each signal `griddepcontrol.launch_dependents`, after an operand from the main
-    loop; off (False, and "auto" on a CPU or an older GPU) none does."""
+    """With programmatic dependent launch on (launch_dependents=True, and None on a GPU of
+    compute capability 9.0 or more: the H100/H200) the sparse decode kernel, its merge, the
+    fused matmul and the K-major one each signal `griddepcontrol.launch_dependents`, after an
+    operand from the main loop; off (False, and None on a CPU or an older GPU) none does."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm
-    from sfi_jax.kernels import triton_lowering
 
     _triton_lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
     device = jax.devices()[0]
@@ -270,17 +272,17 @@ def test_decode_kernels_signal_dependents_after_their_main_loop(monkeypatch):
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     _, sparse_args = _cases(SHAPES[0])
 
-    def fused(x, w, sync, res):
-        return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res)
+    for setting, signals in ((True, True), (False, False), (None, hopper)):
+        def fused(x, w, sync, res):
+            return sm.skinny_matmul_fused(x, (w,), None, sync, epilogue="residual", residual=res,
+                                          launch_dependents=setting)
 
-    def kmajor(x, g, u, norm):
-        return sm.skinny_matmul_kmajor(x, (g, u), norm, epilogue="silu")
+        def kmajor(x, g, u, norm):
+            return sm.skinny_matmul_kmajor(x, (g, u), norm, epilogue="silu",
+                                           launch_dependents=setting)
 
-    for setting, signals in ((True, True), (False, False), ("auto", hopper)):
-        monkeypatch.setattr(triton_lowering, "LAUNCH_DEPENDENTS", setting)
-        jax.clear_caches()  # the kernels' bodies are traced once per jit cache entry
         modules.clear()
-        for fn, args in [(_sparse_fn(gpu, 257), sparse_args),
+        for fn, args in [(_sparse_fn(gpu, 257, launch_dependents=setting), sparse_args),
                          (fused, (sds((1, 4096), bf), sds((4096, 2560), bf),
                                   sds((sm.SYNC_SIZE,), jnp.int32), sds((1, 2560), bf))),
                          (kmajor, (sds((3, 2560), bf), sds((9728, 2560), bf),

@@ -93,6 +93,32 @@ def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
             assert not np.asarray(out[i]).any() and np.isneginf(np.asarray(lse[i])).all()
 
 
+@pytest.mark.gpu
+def test_sweep_points_change_how_not_what():
+    """The GPU kernels' sweep points are arguments: the splits merged with jnp
+    (pallas_combine=False) and another config give the reference's output, lengths 0 included."""
+    hq, hkv, d, s, dtype, lengths = DENSE_CASES[0]
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    q = normal(ks[0], (len(lengths), hq, d), dtype)
+    shape = (len(lengths), hkv, s, d)
+    k, v = normal(ks[1], shape, dtype), normal(ks[2], shape, dtype)
+    lens = jnp.asarray(lengths, jnp.int32)
+    ref = reference.dense_decode(q, k, v, lens)
+    other = gpu.Config(block_k=64, num_warps=4, num_stages=2, programs=4)
+    for config, combine in ((GPU_CFG, False), (other, True)):
+        out = gpu.dense_decode(q, k, v, lens, config=config, pallas_combine=combine,
+                               interpret=gpu_interpret())
+        assert rel_err(out, ref) <= TOL[dtype], (config, combine)
+        assert not np.asarray(out[0]).any()  # the row of length 0
+    hq, hkv, d, s, c, dtype, c_len, rs, lengths = SPARSE_CASES[0]
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(8), b=len(lengths), hq=hq, hkv=hkv,
+                                     s=s, c=c, d=d, dtype=dtype)
+    c_len, rs, lens = (jnp.asarray(x, jnp.int32) for x in (c_len, rs, lengths))
+    out = gpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, config=other,
+                            pallas_combine=False, interpret=gpu_interpret())
+    assert rel_err(out, reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)) <= TOL[dtype]
+
+
 def _stacked_case(seed, n_keys, dtype):
     """Three query rows [3, 8, 64] and a stacked cache k, v [3 layers, 4, 2, 200, 64], and the
     split keys (the first three made them)."""

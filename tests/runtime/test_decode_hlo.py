@@ -29,30 +29,30 @@ CFG = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
 B, S, N = 4, 384, 4
 
 
-def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions()):
-    params = random_params(CFG, "float32", 0)
+def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions(), cfg=CFG):
+    params = random_params(cfg, "float32", 0)
     if split:
         params["layers"] = split_layers(params["layers"], fuse_qkv=True)
-    shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
+    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
     st = None
     if sfi is not None:
-        st = empty_sfi_state(CFG, sfi, B, S, jnp.bfloat16)
+        st = empty_sfi_state(cfg, sfi, B, S, jnp.bfloat16)
     # a bf16 cache as on accelerators (on CPU, bf16 updates inside conditions copied buffers
     # where f32 ones did not)
     state = DecodeState(k=jnp.zeros(shape, jnp.bfloat16), v=jnp.zeros(shape, jnp.bfloat16),
                         lengths=jnp.full((B,), 300, jnp.int32), token=jnp.zeros((B,), jnp.int32),
                         done=jnp.zeros((B,), bool), step=jnp.int32(0),
                         key=jnp.zeros((2,), jnp.uint32), sfi=st)
-    mask = jnp.zeros((CFG.vocab_size,), bool)
+    mask = jnp.zeros((cfg.vocab_size,), bool)
     forced = jnp.zeros((B, N), jnp.int32)
-    text = decode.decode_chunk.lower(params, state, mask, mask, forced, cfg=CFG, sfi=sfi,
+    text = decode.decode_chunk.lower(params, state, mask, mask, forced, cfg=cfg, sfi=sfi,
                                      sampling=SamplingConfig(), n_steps=N,
                                      options=options.resolved()).compile().as_text()
     dims = [("bf16", shape)]
     if sfi is not None:
-        dims.append(("bf16", (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size,
-                              CFG.head_dim)))
-        buf = decode.slow_logits_buffer(CFG, sfi, B, S)
+        dims.append(("bf16", (cfg.num_layers, B, cfg.num_kv_heads, sfi.compact_size,
+                              cfg.head_dim)))
+        buf = decode.slow_logits_buffer(cfg, sfi, B, S)
         if buf is not None:
             dims.append(("f32", buf.shape))
     wanted = [f"{t}[" + ",".join(map(str, d)) + "]" for t, d in dims]
@@ -67,14 +67,18 @@ def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
 
 
-@pytest.mark.parametrize("repack", ["xla", "kernel"])
+@pytest.mark.parametrize("repack", [pytest.param("xla", marks=pytest.mark.slow), "kernel"])
 def test_gpu_kernels_update_in_place(repack):
     """The GPU kernels (interpret mode here) in the loop: the unconditional refresh writes the
     logits into the scratch buffer, the sparse kernel the cache, and the repack kernel the
-    compact buffers, through aliased outputs, without copying them."""
+    compact buffers, through aliased outputs, without copying them. (XLA's repack beside the
+    GPU kernels is in the slow suite: the default suite checks it beside XLA's attention,
+    test_decode_loop_has_no_big_copies[sfi-split].)"""
     sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2)
     options = EngineOptions(attention="pallas_gpu", repack=repack)
-    assert _big_copies(sfi, True, options) == []
+    # two layers (a boundary between layers, where a copy would show) halve the compile of
+    # the interpreted kernels
+    assert _big_copies(sfi, True, options, dataclasses.replace(CFG, num_layers=2)) == []
 
 
 def _sub_jaxprs(eqn):
@@ -160,3 +164,30 @@ def test_fused_epilogues_take_the_heads_launch(epilogue):
     assert _launches(fast, "sfi_skinny_matmul") == 4 * CFG.num_layers
     heads = 0 if epilogue == "fused" else CFG.num_layers
     assert _launches(fast, "sfi_norm_rope_heads") == heads
+
+
+def _grids(jaxpr, name):
+    """The grids of the Pallas calls named `name` in a jaxpr (nested ones included)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+            out.append(tuple(eqn.params["grid_mapping"].grid))
+        for sub in _sub_jaxprs(eqn):
+            out += _grids(sub, name)
+    return out
+
+
+def test_kernel_tuning_reaches_the_kernels():
+    """`EngineOptions.tuning` is how a benchmark sweeps a kernel's config in the decode loop:
+    a sparse config aiming at one program per call gives every sparse launch one split, where
+    the tuned config splits each (row, KV head) over many programs."""
+    from sfi_jax.kernels import attention_gpu
+    from sfi_jax.options import KernelTuning
+
+    one = attention_gpu.Config(block_k=16, num_warps=4, num_stages=1, programs=1)
+    tuned = EngineOptions(attention="pallas_gpu", epilogue="xla")
+    _, fast = _loop_bodies(tuned)
+    assert {g[-1] for g in _grids(fast, "sfi_sparse_decode")} != {1}
+    _, fast = _loop_bodies(dataclasses.replace(tuned, tuning=KernelTuning(sparse_attention=one)))
+    grids = _grids(fast, "sfi_sparse_decode")
+    assert len(grids) == CFG.num_layers and {g[-1] for g in grids} == {1}
