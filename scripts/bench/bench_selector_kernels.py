@@ -81,12 +81,12 @@ def main(argv=None):
         sweep_56 = [c for c in sweep_56 if c[0] != ADJUST_BLOCK]
     for warps, tile, chunk in sweep_14:
         fn = jax.jit(lambda lg, kn, w=warps, t=tile, c=chunk: sg.base_scores(
-            lg, kn, lo, hi, 0, 0, sfi=sfi, interpret=interpret, num_warps=w, tile=t,
+            lg, kn, lo, hi, 0, 0, params=params, interpret=interpret, num_warps=w, tile=t,
             chunk_blocks=c))
         parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
     for block, warps in sweep_56:
         fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
-            z, lo, hi, sfi=sfi, interpret=interpret, block=b, num_warps=w))
+            z, lo, hi, params=params, interpret=interpret, block=b, num_warps=w))
         parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)
