@@ -12,13 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-import jax
-
-
-def platform() -> str:
-    """"gpu" for any GPU backend (cuda, rocm), else JAX's backend name ("cpu", "tpu")."""
-    p = jax.default_backend()
-    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+from sfi_jax.kernels.common import platform
 
 
 def on_gpu() -> bool:
@@ -139,8 +133,17 @@ class EngineOptions:
         if not isinstance(self.tuning, KernelTuning):
             raise ValueError(f"EngineOptions.tuning={self.tuning!r}: expected a KernelTuning")
 
-    def resolved(self, platform: str | None = None) -> "EngineOptions":
-        """A copy with every "auto" made concrete for `platform` (default: JAX's backend)."""
+    def resolved(self, platform: str | None = None, mesh=None) -> "EngineOptions":
+        """A copy with every "auto" made concrete for `platform` (default: JAX's backend) and,
+        for a run on a `mesh` (a `jax.sharding.Mesh`; None: one device), every choice GSPMD
+        must partition made "xla": the heads' norm + rope, the expert and weight matmuls (so
+        no fused epilogues) and the prefill attention. (The decode attention kernels, the
+        selector and the repack run under shard_map there and keep their kernels.) A request
+        path resolves once and passes the result on; resolving again changes nothing."""
+        if mesh is not None:
+            base = self.resolved(platform)
+            return dataclasses.replace(base, heads="xla", moe="xla", matmul="xla",
+                                       epilogue="xla", prefill_attention="xla")
         p = _platform() if platform is None else platform
         gpu = p == "gpu"
         attention = self.attention if self.attention != "auto" else \

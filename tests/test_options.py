@@ -52,6 +52,14 @@ def test_resolved_per_platform():
     assert gpu.resolved("cpu") == gpu and gpu.is_resolved and not EngineOptions().is_resolved
     assert len({gpu, cpu, tpu, EngineOptions().resolved("gpu")}) == 3
     assert resolve("selector_topk", "auto", "gpu") == "radix_kernel"
+    # on a mesh GSPMD partitions the heads, the matmuls, the experts and the prefill attention:
+    # XLA's, whatever was asked; the kernels under shard_map keep theirs
+    mesh = EngineOptions(heads="kernel", matmul="kernel").resolved("gpu", mesh=object())
+    assert (mesh.heads, mesh.moe, mesh.matmul, mesh.epilogue, mesh.prefill_attention) == \
+        ("xla",) * 5
+    assert (mesh.attention, mesh.selector_topk, mesh.repack) == ("pallas_gpu", "radix_kernel",
+                                                                 "kernel")
+    assert mesh.resolved("gpu", mesh=object()) == mesh
     assert resolve("attention", "pallas_tpu", "gpu") == "pallas_tpu"
 
 

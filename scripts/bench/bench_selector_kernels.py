@@ -49,17 +49,18 @@ def main(argv=None):
     lo = jnp.full((N,), sfi.n_sink, jnp.int32)
     hi = jnp.full((N,), S - sfi.n_recent, jnp.int32)
     it = dict(iters=2 if a.smoke else 10, repeats=2 if a.smoke else 5)
-    plan = sg._Plan(sfi, R, S)
+    params = selmod.score_params(sfi)
+    plan = sg._Plan(params, R, S)
     idx = jnp.zeros((2,), jnp.int32)
     kw = sg._call_kwargs(plan, N, H, 4, interpret)
     k1 = jax.jit(lambda lg: sg._row_lse(plan, kw, idx, lo, hi, lg))
     k12 = jax.jit(lambda lg, kn: sg._fusion(plan, kw, idx, lo, hi, lg, kn, k1(lg)))
-    base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, sfi=sfi,
+    base_k = jax.jit(lambda lg, kn: sg.base_scores(lg, kn, lo, hi, 0, 0, params=params,
                                                    interpret=interpret))
     base_x = jax.jit(lambda lg, kn: selmod.base_scores(lg[:, 0], kn[:, 0], lo, hi, sfi))
-    pad = sg.adjust_pad(sfi)
+    pad = sg.adjust_pad(params)
     z = jnp.pad(base_x(logits, norms), ((0, 0), (0, 0), (pad, pad)), constant_values=-jnp.inf)
-    adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, sfi=sfi, interpret=interpret))
+    adj_k = jax.jit(lambda z: sg.adjust_scores(z, lo, hi, params=params, interpret=interpret))
     adj_x = jax.jit(lambda z: selmod.adjust_scores(z, lo, hi, sfi))
     full = {impl: jax.jit(lambda lg, kn, i=impl: selmod.selector_scores_at(
         lg, 0, kn, 0, lo, hi, sfi, impl=i)) for impl in ("xla", "pallas_gpu")}
@@ -80,12 +81,12 @@ def main(argv=None):
         sweep_56 = [c for c in sweep_56 if c[0] != ADJUST_BLOCK]
     for warps, tile, chunk in sweep_14:
         fn = jax.jit(lambda lg, kn, w=warps, t=tile, c=chunk: sg.base_scores(
-            lg, kn, lo, hi, 0, 0, sfi=sfi, interpret=interpret, num_warps=w, tile=t,
+            lg, kn, lo, hi, 0, 0, params=params, interpret=interpret, num_warps=w, tile=t,
             chunk_blocks=c))
         parts.append((f"kernel steps 1-4 w{warps} t{tile} c{chunk}", fn, (logits, norms)))
     for block, warps in sweep_56:
         fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
-            z, lo, hi, sfi=sfi, interpret=interpret, block=b, num_warps=w))
+            z, lo, hi, params=params, interpret=interpret, block=b, num_warps=w))
         parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)

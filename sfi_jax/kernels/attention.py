@@ -11,16 +11,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sfi_jax.kernels import attention_reference as reference
-from sfi_jax.kernels.common import interpret_for
-from sfi_jax.options import ATTENTION as IMPLS
-from sfi_jax.options import REPACK, resolve
+from sfi_jax.kernels.common import interpret_for, platform, platform_kernel
+
+IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+REPACK = ("auto", "kernel", "xla")
 
 
 def resolve_impl(impl) -> str:
-    """The implementation `impl` stands for here ("auto" resolved for the current platform)."""
+    """The implementation `impl` stands for here ("auto": the current platform's kernel)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
-    return resolve("attention", impl)
+    return platform_kernel() if impl == "auto" else impl
 
 
 def _check_cache(name, cache, layer, ndim=4):
@@ -219,7 +220,7 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
     slots int32 [n_slots] (>= B: empty, skipped; occupied ones unique). Returns (ck, cv),
     updated in place inside a jitted caller that owns them. impl "kernel" is one Pallas GPU
     launch that does no work for empty slots (interpret mode off the GPU); "xla" is one XLA
-    gather + scatter over every slot; "auto" as `EngineOptions.repack`.
+    gather + scatter over every slot; "auto" the kernel on a GPU, else "xla".
     """
     L, B, Hkv, C, D = ck.shape
     if cv.shape != ck.shape or k.shape[:3] != (L, B, Hkv) or k.shape[-1] != D or \
@@ -230,7 +231,7 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
                          f"{(L, slots.shape[0], Hkv, C)}")
     if impl not in REPACK:
         raise ValueError(f"repack impl={impl!r}; expected one of {REPACK}")
-    if resolve("repack", impl) == "kernel":
+    if impl == "kernel" or (impl == "auto" and platform() == "gpu"):
         from sfi_jax.kernels import attention_gpu as gpu
 
         return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=interpret_for("pallas_gpu")))

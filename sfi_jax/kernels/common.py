@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.options import platform
+
+def platform() -> str:
+    """"gpu" for any GPU backend (cuda, rocm), else JAX's backend name ("cpu", "tpu")."""
+    p = jax.default_backend()
+    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def platform_kernel() -> str:
+    """The Pallas implementation of this platform ("xla" off GPUs and TPUs): what a kernel's
+    `impl="auto"` stands for when it is called directly (the engine passes concrete names,
+    from `EngineOptions.resolved`)."""
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform(), "xla")
+
 
 def dot_precision(dtype):
     """The kernels' and references' matmul precision for operands of `dtype`: float32 at full

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sfi_jax.kernels.common import interpret_for
-from sfi_jax.options import platform
+from sfi_jax.kernels.common import interpret_for, platform_kernel
 
 IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 MAX_QUERIES = 16
@@ -25,7 +24,7 @@ def resolve_impl(impl) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform(), "xla")
+        return platform_kernel()
     return impl
 
 

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.kernels.common import dot_precision, interpret_for
-from sfi_jax.options import platform
+from sfi_jax.kernels.common import dot_precision, interpret_for, platform
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512

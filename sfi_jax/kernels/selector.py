@@ -6,42 +6,46 @@ from __future__ import annotations
 
 from jax import lax
 
-from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import selector_reference as reference
-from sfi_jax.kernels.common import interpret_for, sortable_keys
-from sfi_jax.options import SELECTOR_ADJUST, resolve
+from sfi_jax.kernels.common import interpret_for, platform, sortable_keys
+from sfi_jax.kernels.selector_reference import ScoreParams
+
+SCORES = ("auto", "xla", "pallas_gpu")
+ADJUST = ("xla", "kernel")
 
 
-def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi: SFIConfig, *,
+def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, params: ScoreParams, *,
               cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """z_adj [N, H, S] of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S] (the kernels read them in place).
-    impl: steps 1-4 by jnp ("xla") or the kernels ("pallas_gpu"); adjust: steps 5-6 by jnp
-    ("xla") or, after the kernels, one more ("kernel")."""
+    impl: steps 1-4 by jnp ("xla") or the kernels ("pallas_gpu"; "auto": on a GPU); adjust:
+    steps 5-6 by jnp ("xla") or, after the kernels, one more ("kernel")."""
     size = logits.shape[-1]
     lo, hi = reference.clipped_range(size, allowed_lo, allowed_hi)
-    if adjust not in SELECTOR_ADJUST:
-        raise ValueError(f"adjust={adjust!r}: expected one of {SELECTOR_ADJUST}")
+    if impl not in SCORES:
+        raise ValueError(f"impl={impl!r}: expected one of {SCORES}")
+    if adjust not in ADJUST:
+        raise ValueError(f"adjust={adjust!r}: expected one of {ADJUST}")
     by_kernel = adjust == "kernel"
-    if resolve("selector_scores", impl) == "pallas_gpu":
+    if impl == "pallas_gpu" or (impl == "auto" and platform() == "gpu"):
         from sfi_jax.kernels import selector_gpu
 
-        kw = dict(sfi=sfi, interpret=interpret_for("pallas_gpu"))
+        kw = dict(params=params, interpret=interpret_for("pallas_gpu"))
         fused = (by_kernel and cross_head_reduce is None
-                 and selector_gpu.adjust_supported(sfi))
+                 and selector_gpu.adjust_supported(params))
         z = selector_gpu.base_scores(logits, key_norms, lo, hi, slot, row,
-                                     pad=selector_gpu.adjust_pad(sfi) if fused else 0, **kw)
+                                     pad=selector_gpu.adjust_pad(params) if fused else 0, **kw)
         if fused:
             z = selector_gpu.adjust_scores(z, lo, hi, **kw)  # steps 5-6 in one pass
-            if sfi.successor_radius > 0:
+            if params.successor_radius > 0:
                 z = reference.successor_spread(z, reference.allowed_mask(size, lo, hi),
-                                               sfi.successor_radius)
+                                               params.successor_radius)
             return z
     else:
         lg = lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
         kn = lax.dynamic_index_in_dim(key_norms, row, axis=1, keepdims=False)
-        z = reference.base_scores(lg, kn, lo, hi, sfi)
-    return reference.adjust_scores(z, lo, hi, sfi, cross_head_reduce)
+        z = reference.base_scores(lg, kn, lo, hi, params)
+    return reference.adjust_scores(z, lo, hi, params, cross_head_reduce)
 
 
 def kth_largest(scores, k: int, radix_bits: int, kernel: bool):

@@ -36,8 +36,8 @@ _CHUNK_BLOCKS = 8  # blocks per program: 8K positions of 4 rows (36 x 8 x 16 pro
 class _Plan:
     """Static shapes of one call, and the per-(n, head) helpers the three kernels share."""
 
-    def __init__(self, sfi, r, s_len, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
-        self.sfi, self.r, self.s_len = sfi, r, s_len
+    def __init__(self, params, r, s_len, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
+        self.params, self.r, self.s_len = params, r, s_len
         self.rp = pow2(r)
         self.blk = min(pow2(s_len), max(16, tile // self.rp))
         self.chunk_blocks = chunk_blocks
@@ -60,14 +60,14 @@ class _Plan:
 
     def evidence(self, x, lse, inj):
         """g = log(sum_r p_r^a) / a per position (-inf where no row has mass) and its mask."""
-        a = self.sfi.power_alpha
+        a = self.params.power_alpha
         mu = jnp.sum(jnp.exp(a * (x - lse[:, None])), axis=0)
         ok = inj & (mu > 0)
         return jnp.where(ok, jnp.log(jnp.where(ok, mu, 1.0)) / a, -jnp.inf), ok
 
     def prior(self, norms_ref, at, start, pos, inj, lo, hi):
         """pi_kn * pi_pos (unnormalised), 0 outside J."""
-        c = self.sfi
+        c = self.params
         lo_f, last = lo.astype(jnp.float32), hi.astype(jnp.float32) - 1.0
         span = jnp.maximum(last - lo_f, 0.0) + c.eps
         posf = pos.astype(jnp.float32)
@@ -108,7 +108,7 @@ def _fusion_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, norms_ref, lse_ref
     n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[n], hi_ref[n]
     lse = plgpu_triton.load(lse_ref.at[n, h, pl.ds(0, plan.rp)])
-    with_prior = plan.sfi.lam_clip > 0.0
+    with_prior = plan.params.lam_clip > 0.0
 
     def body(i, carry):
         gm, s1, s2, s3, p1, p2 = carry
@@ -140,11 +140,11 @@ def _write_scores_kernel(lo_ref, hi_ref, fuse_ref, g_ref, *refs, plan, pad):
     from the stored g and pi; z is stored at offset `pad` of a row of S + 2 pad positions whose
     pads are -inf (chunk 0 and the last chunk write them), so the next kernel's shifted reads
     start at or after 0."""
-    pi_ref, z_ref = refs if plan.sfi.lam_clip > 0.0 else (None, refs[0])
+    pi_ref, z_ref = refs if plan.params.lam_clip > 0.0 else (None, refs[0])
     n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[n], hi_ref[n]
     gm, inv_s1, inv_p1, lam = (fuse_ref[n, h, k] for k in range(4))
-    eps = plan.sfi.eps
+    eps = plan.params.eps
     if pad:  # Triton's arrays have power-of-two sizes: each pad by a masked [pow2(pad)]
         width = pow2(pad)  # store inside the row (width <= 2 pad), at its start and its end
         neg = jnp.full((width,), -jnp.inf, jnp.float32)
@@ -199,14 +199,14 @@ def _merge_fusion(stats, lam_clip):
     return jnp.stack([gm, inv_s1, inv_p1, lam], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("sfi", "interpret", "pad", "num_warps", "tile",
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "pad", "num_warps", "tile",
                                              "chunk_blocks"))
-def base_scores(logits, key_norms, lo, hi, slot, row, *, sfi, interpret=False, pad=0,
+def base_scores(logits, key_norms, lo, hi, slot, row, *, params, interpret=False, pad=0,
                 num_warps=4, tile=_TILE, chunk_blocks=_CHUNK_BLOCKS):
     """z [N, H, S] float32 of SFI_METHOD.md §4 steps 1-4 (-inf outside J = [lo[n], hi[n])).
 
     logits [N, M, H, R, S] (read at index `slot` of axis 1), key_norms [N, B, H, S] (read at
-    `row`); lo, hi int32 [N], already clipped to [0, S]. sfi: an SFIConfig. pad > 0 (any
+    `row`); lo, hi int32 [N], already clipped to [0, S]. params: the selector's `ScoreParams`. pad > 0 (any
     size, `adjust_pad`): z comes as [N, H, S + 2 pad] with -inf pads on both sides
     (`adjust_scores`' input).
     num_warps, tile (logits per block), chunk_blocks (blocks per program): tuning knobs
@@ -215,7 +215,7 @@ def base_scores(logits, key_norms, lo, hi, slot, row, *, sfi, interpret=False, p
     n_sets, _, hkv, r, s_len = logits.shape
     if key_norms.shape[0] != n_sets or key_norms.shape[2:] != (hkv, s_len):
         raise ValueError(f"key_norms {key_norms.shape} do not match logits {logits.shape}")
-    plan = _Plan(sfi, r, s_len, tile, chunk_blocks)
+    plan = _Plan(params, r, s_len, tile, chunk_blocks)
     idx = jnp.stack([jnp.asarray(slot, jnp.int32), jnp.asarray(row, jnp.int32)])
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
     kw = _call_kwargs(plan, n_sets, hkv, num_warps, interpret)
@@ -251,9 +251,9 @@ def _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse):
     stats, *g_pi = pl.pallas_call(
         functools.partial(_fusion_stats_kernel, plan=plan),
         out_shape=[jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
-                   per_position] + [per_position] * (plan.sfi.lam_clip > 0.0),
+                   per_position] + [per_position] * (plan.params.lam_clip > 0.0),
         name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
-    return _merge_fusion(stats, plan.sfi.lam_clip), g_pi
+    return _merge_fusion(stats, plan.params.lam_clip), g_pi
 
 
 def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, hp, s_len, blk, radius, alpha_soft,
@@ -299,32 +299,32 @@ def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, hp, s_len, blk, radiu
 ADJUST_MAX_RADIUS = 64  # 2 r + 1 loads per block: beyond this the jnp steps run instead
 
 
-def adjust_supported(sfi) -> bool:
+def adjust_supported(params) -> bool:
     """The adjust kernel unrolls one load per window offset, so the radius is bounded."""
-    return sfi.alpha_soft == 0.0 or sfi.nms_radius <= ADJUST_MAX_RADIUS
+    return params.alpha_soft == 0.0 or params.nms_radius <= ADJUST_MAX_RADIUS
 
 
-def adjust_pad(sfi) -> int:
+def adjust_pad(params) -> int:
     """The -inf padding `adjust_scores` reads around each row (`base_scores(pad=...)`)."""
-    return sfi.nms_radius if sfi.alpha_soft != 0.0 else 0
+    return params.nms_radius if params.alpha_soft != 0.0 else 0
 
 
-@functools.partial(jax.jit, static_argnames=("sfi", "interpret", "block", "num_warps"))
-def adjust_scores(z_padded, lo, hi, *, sfi, interpret=False, block=512, num_warps=4):
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "block", "num_warps"))
+def adjust_scores(z_padded, lo, hi, *, params, interpret=False, block=512, num_warps=4):
     """Soft-NMS and cross-head exclusivity (SFI_METHOD.md §4 steps 5-6), all KV heads local, in
-    one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(sfi))` -> [N, H, S].
+    one pass: z_padded [N, H, S + 2 pad] from `base_scores(pad=adjust_pad(params))` -> [N, H, S].
     block (positions per program, a power of two) and num_warps: tuning knobs (the defaults
     the fastest that scripts/bench/bench_selector_kernels.py found)."""
-    if not adjust_supported(sfi):
-        raise ValueError(f"nms_radius {sfi.nms_radius} > {ADJUST_MAX_RADIUS}: use the jnp steps")
-    radius = adjust_pad(sfi)
+    if not adjust_supported(params):
+        raise ValueError(f"nms_radius {params.nms_radius} > {ADJUST_MAX_RADIUS}: use the jnp steps")
+    radius = adjust_pad(params)
     n_sets, hkv, padded = z_padded.shape
     s_len = padded - 2 * radius
     blk = min(pow2(s_len), block)
     kernel = functools.partial(
         _adjust_kernel, hkv=hkv, hp=pow2(hkv), s_len=s_len, blk=blk, radius=radius,
-        alpha_soft=sfi.alpha_soft, alpha_cross=sfi.alpha_cross, cross_temp=sfi.cross_temp,
-        log_eps=math.log(sfi.eps))
+        alpha_soft=params.alpha_soft, alpha_cross=params.alpha_cross, cross_temp=params.cross_temp,
+        log_eps=math.log(params.eps))
     return pl.pallas_call(
         kernel, grid=(n_sets, pl.cdiv(s_len, blk)),
         out_shape=jax.ShapeDtypeStruct((n_sets, hkv, s_len), jnp.float32),

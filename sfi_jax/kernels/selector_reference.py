@@ -9,13 +9,31 @@ one-element ranges give no NaN.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.config import SFIConfig
-
 NEG_INF = float("-inf")
+
+
+class ScoreParams(NamedTuple):
+    """The numbers the selector's scores use (SFI_METHOD.md §4; `SFIConfig` holds them with
+    their defaults and checks, `selector.score_params` takes them from it). Hashable: the jitted
+    kernels take it as a static argument."""
+
+    power_alpha: float
+    lam_clip: float
+    alpha_soft: float
+    alpha_cross: float
+    cross_temp: float
+    nms_radius: int
+    gamma: float
+    beta: float
+    p: float
+    eta: float
+    eps: float
+    successor_radius: int = 0
 
 
 def allowed_mask(size: int, lo, hi):
@@ -54,9 +72,9 @@ def evidence(logits, in_j, power_alpha: float):
     return _masked_softmax(g, in_j[:, None, :] & (mu > 0))
 
 
-def prior(key_norms, lo, hi, in_j, sfi: SFIConfig):
+def prior(key_norms, lo, hi, in_j, params: ScoreParams):
     """r(j): key-norm prior times position prior, normalised over J. [B, H, S]."""
-    eps = sfi.eps
+    eps = params.eps
     size = key_norms.shape[-1]
     pos = jnp.arange(size, dtype=jnp.float32)[None, :]
     lo_f = jnp.asarray(lo, jnp.float32)[:, None]
@@ -65,8 +83,8 @@ def prior(key_norms, lo, hi, in_j, sfi: SFIConfig):
     u = jnp.where(in_j, (pos - lo_f) / span, 0.0)
     # 1 - u written as (max J - j + eps) / span keeps the newest position's eps^eta exact.
     one_minus_u = jnp.where(in_j, (last - pos + eps) / span, 1.0)
-    pi_pos = jnp.exp(-sfi.beta * u**sfi.p) * (one_minus_u + eps) ** sfi.eta
-    pi_kn = (key_norms.astype(jnp.float32) + eps) ** (-sfi.gamma)
+    pi_pos = jnp.exp(-params.beta * u**params.p) * (one_minus_u + eps) ** params.eta
+    pi_kn = (key_norms.astype(jnp.float32) + eps) ** (-params.gamma)
     pi = jnp.where(in_j[:, None, :], pi_kn * pi_pos[:, None, :], 0.0)
     total = jnp.sum(pi, axis=-1, keepdims=True)
     return pi / jnp.where(total > 0, total, 1.0)
@@ -116,17 +134,17 @@ def _reduce(x, op: str, cross_head_reduce):
     return lax.pmax(x, cross_head_reduce) if op == "max" else lax.psum(x, cross_head_reduce)
 
 
-def cross_head(z, in_j, sfi: SFIConfig, cross_head_reduce=None):
+def cross_head(z, in_j, params: ScoreParams, cross_head_reduce=None):
     """z + alpha_cross * log(max(q, eps)), q = softmax over all KV heads of z / T."""
-    if sfi.alpha_cross == 0.0:
+    if params.alpha_cross == 0.0:
         return z
-    y = z / sfi.cross_temp
+    y = z / params.cross_temp
     mx = _reduce(jnp.max(y, axis=1, keepdims=True), "max", cross_head_reduce)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     total = _reduce(jnp.sum(jnp.exp(y - mx), axis=1, keepdims=True), "sum", cross_head_reduce)
     log_total = jnp.log(jnp.where(total > 0, total, 1.0))
-    log_q = jnp.maximum(y - mx - log_total, math.log(sfi.eps))
-    return jnp.where(in_j[:, None, :], z + sfi.alpha_cross * log_q, NEG_INF)
+    log_q = jnp.maximum(y - mx - log_total, math.log(params.eps))
+    return jnp.where(in_j[:, None, :], z + params.alpha_cross * log_q, NEG_INF)
 
 
 SUCCESSOR_PENALTY = 1e-3
@@ -148,27 +166,27 @@ def clipped_range(size, lo, hi):
             jnp.clip(jnp.asarray(hi, jnp.int32), 0, size))
 
 
-def base_scores(logits, key_norms, allowed_lo, allowed_hi, sfi: SFIConfig):
+def base_scores(logits, key_norms, allowed_lo, allowed_hi, params: ScoreParams):
     """z = log(s + eps) of SFI_METHOD.md §4 steps 1-4, [B, H, S] float32, -inf outside J
     (lo, hi already clipped to [0, S]); the jnp reference of `selector_gpu.base_scores`."""
     in_j = allowed_mask(logits.shape[-1], allowed_lo, allowed_hi)
-    f = evidence(logits, in_j, sfi.power_alpha)
-    if sfi.lam_clip > 0.0:
-        r = prior(key_norms, allowed_lo, allowed_hi, in_j, sfi)
-        lam = fusion_lambda(f, r, sfi.lam_clip)
+    f = evidence(logits, in_j, params.power_alpha)
+    if params.lam_clip > 0.0:
+        r = prior(key_norms, allowed_lo, allowed_hi, in_j, params)
+        lam = fusion_lambda(f, r, params.lam_clip)
         s = (1.0 - lam) * f + lam * r
     else:
         s = f
-    return jnp.where(in_j[:, None, :], jnp.log(s + sfi.eps), NEG_INF)
+    return jnp.where(in_j[:, None, :], jnp.log(s + params.eps), NEG_INF)
 
 
-def adjust_scores(z, allowed_lo, allowed_hi, sfi: SFIConfig, cross_head_reduce=None):
+def adjust_scores(z, allowed_lo, allowed_hi, params: ScoreParams, cross_head_reduce=None):
     """Steps 5-6 (soft-NMS, cross-head exclusivity) and the successor spread on z [B, H, S]."""
     in_j = allowed_mask(z.shape[-1], allowed_lo, allowed_hi)
-    z = soft_nms(z, in_j, sfi.nms_radius, sfi.alpha_soft)
-    z = cross_head(z, in_j, sfi, cross_head_reduce)
-    if sfi.successor_radius > 0:
-        z = successor_spread(z, in_j, sfi.successor_radius)
+    z = soft_nms(z, in_j, params.nms_radius, params.alpha_soft)
+    z = cross_head(z, in_j, params, cross_head_reduce)
+    if params.successor_radius > 0:
+        z = successor_spread(z, in_j, params.successor_radius)
     return z
 
 

@@ -1,18 +1,26 @@
 """The jitted decode loop.
 
-Decode runs a chunk of steps inside one `lax.while_loop` on device; each step scans over the
-stacked layers with the KV cache (and the SFI state) in the carry, so the cache is updated in
-place. In SFI mode every row decides per step whether it is slow (dense attention + selector +
-repack of its compact buffer) or fast (sparse attention over sink + selected + recent). A
-static number of refresh slots per step bounds the slow work. With the unconditional refresh
-read (the GPU kernels) the loop body is one step that may refresh rows, then an inner loop of
-steps in which no row wants a refresh, built without the refresh slots (no launches for them).
+Decode runs a chunk of steps inside one `lax.while_loop` on device. A step reads as: embed the
+tokens, run the layers (a `lax.scan` over stacked weights, the KV cache and the SFI state in
+the carry, so the cache is updated in place), the logits, sample, then the SFI bookkeeping and
+the refreshed rows' selection. How a layer attends is one function per attention variant,
+chosen once per program (`attention_variant`):
+
+- "dense": every row reads its whole cache;
+- "fixed": the selection made at prefill is kept ("streaming", "prefill_only");
+- "oracle": every layer selects from a fresh dense pass, then reads sparsely;
+- "deferred" ("sfi", "tmax"): every row decides per step whether it is slow (dense attention
+  with logits, its selection made at the step's end) or fast (sparse attention over sink +
+  selected + recent). A static number of refresh slots per step bounds the slow work. With the
+  unconditional refresh read (the GPU kernels) the loop body is one step that may refresh
+  rows, then an inner loop of steps in which no row wants a refresh, built without the refresh
+  slots (no launches for them).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,30 +38,20 @@ from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import mesh
 from sfi_jax.runtime.diagnostics import attention_diagnostics
 from sfi_jax.runtime.sampling import SamplingConfig, sample, sample_rows
-from sfi_jax.runtime.selection import (allowed_range, select_all_layers, select_compact)
+from sfi_jax.runtime.selection import allowed_range, select_all_layers, select_compact
 from sfi_jax.runtime.slots import refresh_slots
-from sfi_jax.runtime.state import DecodeState, SFIState
+from sfi_jax.runtime.state import DecodeState, SFIState, count_step
+
+VARIANTS = ("dense", "fixed", "oracle", "deferred")
 
 
-def _heads_impl(options, plan):
-    """The heads' norm + rope on a mesh is jnp (GSPMD does not partition a Pallas call)."""
-    return "xla" if plan is not None else options.heads
-
-
-def _moe_impl(options, plan):
-    """The expert matmuls on a mesh are `lax.ragged_dot` (as for the heads)."""
-    return "xla" if plan is not None else options.moe
-
-
-def matmul_impl(options, plan=None):
-    """The weight matmuls on a mesh are XLA's (as for the heads)."""
-    return "xla" if plan is not None else options.matmul
-
-
-def _per_query_head(buf, n_q_heads):
-    """The logits scratch [L, slots, Hkv, G, S] viewed as [L, slots, Hq, S] (a free reshape), the
-    layout the dense kernels write."""
-    return buf.reshape(buf.shape[:2] + (n_q_heads, buf.shape[-1]))
+def attention_variant(sfi: SFIConfig | None) -> str:
+    """The attention variant a program runs for this policy (None: dense decoding)."""
+    if sfi is None:
+        return "dense"
+    if sfi.selects_every_step:
+        return "oracle"
+    return "fixed" if sfi.fixed_selection else "deferred"
 
 
 def window_logits(qh, k_rows, row_len, step):
@@ -71,173 +69,268 @@ def window_logits(qh, k_rows, row_len, step):
     return jnp.where(ok, s, -jnp.inf).reshape(n, Hkv, Hq // Hkv * W, S)
 
 
+# ----------------------------------------------------------------------------- one layer
+
 class LayerAttention(NamedTuple):
     """One layer's decode attention: the output and the state it updated."""
 
     attn: jax.Array  # [B, Hq, D]
     k: jax.Array  # the KV cache, this step's key and value stored
     v: jax.Array
-    st: SFIState | None
-    buf: jax.Array | None  # the refreshed rows' logits scratch
-    qh: jax.Array | None = None  # the query history (evidence_window > 1)
+    sfi: SFIState | None
+    slow_logits: jax.Array | None  # the refreshed rows' logits scratch
+    q_hist: jax.Array | None = None  # the query history (evidence_window > 1)
 
 
-def attend_layer(q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots, *, cfg, sfi,
-                 options, head_axis=None, qh=None, step=None) -> LayerAttention:
-    """Write this step's k, v [B, Hkv, D] into layer l of the cache, then attend: dense, or SFI
-    (dense attention with logits for the rows in `slots`, fast reads for the rest). Shapes are
-    whatever is local: under shard_map a device's rows and KV heads, with head_axis the mesh
-    axis the KV heads are split over (the selector reduces over it).
+# Every variant takes (q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots,
+# *, sfi, options, head_axis=None, q_hist=None, step=None): this step's query and new key and
+# value [B, H, D] and layer l of the stacked cache, whatever is local (under shard_map a
+# device's rows and KV heads, head_axis the mesh axis the KV heads are split over); slots: the
+# rows that refresh (B = empty; None: no row does).
 
-    The refreshed rows' logits go to `buf` [L, n_slots, Hkv, G, S]; their selection runs at the
-    end of the step, per occupied slot for all layers together (`select_all_layers`), not
-    once per layer: the selector is ~30 small kernels, which per layer cost more than the
-    selection itself. The fast read of a refreshed row is replaced by its dense result, so
-    deferring changes nothing. The oracle policy selects before its read, per layer.
+def _write(k, v, st, k_new, v_new, pos, l):
+    """Store this step's key and value (and, with an SFI state, the key's norm)."""
+    k, v, norms = write_new_token(k, v, None if st is None else st.key_norms, (k_new, v_new),
+                                  pos, l)
+    return k, v, st if st is None else st._replace(key_norms=norms)
 
-    On GPU the launches per layer are few: the sparse kernel also stores the new key, value
-    and key norm; the refresh slots' dense kernel runs without a condition (empty slots cost
-    next to nothing), writes its logits into `buf` and its output into the fast rows' output.
-    slots None (a step of `decode_chunk`'s fast loop): no row refreshes, no dense launch."""
-    B = q.shape[0]
-    impl = options.attention
-    tuning = options.tuning  # the GPU kernels' sweep points (defaults: the tuned kernels)
-    signal = dict(launch_dependents=tuning.launch_dependents)
-    lengths = pos + 1
-    deferred = sfi is not None and sfi.refreshes
-    if not deferred:  # write first; the deferred path's sparse kernel writes them itself
-        # (a dense step over an SFI state, exact mode's rounds without drafts, keeps the norms)
-        k, v, norms = write_new_token(k, v, None if st is None else st.key_norms,
-                                      (k_new, v_new), pos, l)
-        if st is not None:
-            st = st._replace(key_norms=norms)
-    if sfi is None:
-        return LayerAttention(dense_decode(q, k, v, lengths, layer=l, impl=impl,
-                                           config=tuning.dense_attention, **signal), k, v, st, buf)
 
+def _read_compact(q, k, v, st, l, pos, dense_rows, sfi, impl, **write):
+    """Sparse attention over sink + selected (the compact buffers) + recent. A dense row
+    (context within the budget) reads [0, length) as its "recent" window, so no row reads more
+    than `budget` cache positions in place."""
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
+    return sparse_decode(q, st.ck, st.cv, st.c_len, k, v, recent_start, pos + 1, layer=l,
+                         impl=impl, window=min(sfi.budget, k.shape[3]), **write)
 
-    def fast_attention(st, k, v):
-        # stacked, the kernel reads layer l; the deferred policies mask the dense rows' counts
-        # once per step in `decode_chunk` (here it would be one launch per layer)
-        c_len = st.c_len if deferred else jnp.where(dense_rows[None, :, None], 0, st.c_len)
-        # dense rows (context within the budget) read [0, length) as their "recent" window,
-        # so no row reads more than `budget` cache positions in place
-        kw = dict(layer=l, impl=impl, window=min(sfi.budget, k.shape[3]),
-                  config=tuning.sparse_attention, **signal)
-        if not deferred:
-            return sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths, **kw), \
-                k, v, st
-        out, k, v, norms = sparse_decode(q, st.ck, st.cv, c_len, k, v, recent_start, lengths,
-                                         new_kv=(k_new, v_new), key_norms=st.key_norms, **kw)
-        return out, k, v, st._replace(key_norms=norms)
 
-    def dense_rows_with_logits():
-        return dense_decode(q[safe], k, v, row_len, return_logits=True, layer=l, rows=safe,
-                            impl=impl, **signal)
+def _tuned(options, kind=None) -> dict:
+    """The GPU kernels' sweep points from `options.tuning` (defaults: the tuned kernels): the
+    dense ("dense") or sparse ("sparse") kernel's config, and dependent launches."""
+    t = options.tuning
+    kw = dict(launch_dependents=t.launch_dependents)
+    if kind is not None:
+        kw["config"] = t.dense_attention if kind == "dense" else t.sparse_attention
+    return kw
 
-    if slots is not None:
-        n_slots = slots.shape[0]
-        safe = jnp.minimum(slots, B - 1)
-        # empty slots (== B) attend to nothing: the kernel reads no keys for them
-        row_len = jnp.where(slots < B, lengths[safe], 0)
 
-    if sfi.selects_every_step:
-        _, logits, _ = dense_rows_with_logits()
-        Hkv = k.shape[2]
-        lo, hi = allowed_range(pos[safe], sfi)
+def _without_dense_rows(st, dense_rows):
+    """The state with the dense rows' compact counts 0: they read no compact buffer."""
+    return st._replace(c_len=jnp.where(dense_rows[None, :, None], 0, st.c_len))
+
+
+def attend_dense(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+                 options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+    """Dense attention over each row's whole cache (an SFI state keeps its key norms: exact
+    mode's plain dense steps)."""
+    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
+    attn = dense_decode(q, k, v, pos + 1, layer=l, impl=options.attention,
+                        **_tuned(options, "dense"))
+    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+
+
+def attend_fixed(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+                 options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+    """Sparse attention over the selection made at prefill ("streaming", "prefill_only")."""
+    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
+    attn = _read_compact(q, k, v, _without_dense_rows(st, dense_rows), l, pos, dense_rows, sfi,
+                         options.attention, **_tuned(options, "sparse"))
+    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+
+
+def attend_oracle(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+                  options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+    """Select from this step's dense logits, per layer and row, then read sparsely."""
+    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
+    B, Hq = q.shape[:2]
+    Hkv, n_slots = k.shape[2], slots.shape[0]
+    rows = jnp.minimum(slots, B - 1)
+    lengths = pos + 1
+    with jax.named_scope("select"):
+        _, logits, _ = dense_decode(q[rows], k, v, jnp.where(slots < B, lengths[rows], 0),
+                                    return_logits=True, layer=l, rows=rows,
+                                    impl=options.attention, **_tuned(options))
+        lo, hi = allowed_range(pos[rows], sfi)
         ck, cv, c_len, positions = select_compact(
-            logits.reshape(n_slots, Hkv, q.shape[1] // Hkv, -1), st.key_norms[l, safe],
-            k[l, safe], v[l, safe], lo, hi, lengths[safe], sfi=sfi, options=options,
-            head_axis=head_axis)
-        st = st._replace(ck=st.ck.at[l, slots].set(ck, mode="drop"),
-                         cv=st.cv.at[l, slots].set(cv, mode="drop"),
-                         c_len=st.c_len.at[l, slots].set(c_len, mode="drop"),
-                         positions=st.positions.at[l, slots].set(positions, mode="drop"))
-        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
-    if sfi.fixed_selection:
-        return LayerAttention(fast_attention(st, k, v)[0], k, v, st, buf)
+            logits.reshape(n_slots, Hkv, Hq // Hkv, -1), st.key_norms[l, rows], k[l, rows],
+            v[l, rows], lo, hi, lengths[rows], sfi=sfi, options=options, head_axis=head_axis)
+    at = (l, slots)
+    st = st._replace(ck=st.ck.at[at].set(ck, mode="drop"), cv=st.cv.at[at].set(cv, mode="drop"),
+                     c_len=st.c_len.at[at].set(c_len, mode="drop"),
+                     positions=st.positions.at[at].set(positions, mode="drop"))
+    attn = _read_compact(q, k, v, _without_dense_rows(st, dense_rows), l, pos, dense_rows, sfi,
+                         options.attention, **_tuned(options, "sparse"))
+    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
 
-    attn, k, v, st = fast_attention(st, k, v)  # also stores this step's k, v, key norm
-    # The condition has the identity as its other branch and updates only `buf` in place:
-    # a condition whose both branches update a buffer in place (e.g. around the whole layer
-    # stack, updating the KV cache) makes XLA copy that buffer at every step. One static slot
-    # count (SFIConfig.refresh_rows): an indexed lax.switch over slot buckets also made XLA
-    # copy buffers at every step (docs/findings.md).
-    if qh is not None:  # evidence_window > 1: remember this step's query
-        qh = qh.at[l, :, :, step % qh.shape[3]].set(q.astype(qh.dtype))
-    if slots is None:  # a step of `decode_chunk`'s fast loop: no row refreshes, no dense launch
-        return LayerAttention(attn, k, v, st, buf, qh)
+
+def attend_deferred(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+                    options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+    """Every row reads sparsely (the kernel also stores this step's key, value and key norm;
+    the dense rows' compact counts are 0 for the whole step, see `decode_chunk`); the rows in
+    `slots` also attend densely, their output replacing the sparse one and their logits kept
+    in `slow_logits` [L, n_slots, Hkv, G, S] for the selection at the step's end
+    (`select_all_layers`: all layers at once, not per layer, as the selector is ~30 small
+    kernels). slots None (the fast loop's steps): no dense launch."""
+    attn, k, v, norms = _read_compact(q, k, v, st, l, pos, dense_rows, sfi, options.attention,
+                                      new_kv=(k_new, v_new), key_norms=st.key_norms,
+                                      **_tuned(options, "sparse"))
+    st = st._replace(key_norms=norms)
+    if q_hist is not None:  # evidence_window > 1: remember this step's query
+        q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))
+    if slots is not None:
+        with jax.named_scope("refresh"):
+            attn, slow_logits = _refresh(q, k, v, attn, slow_logits, l, pos, slots, options,
+                                         q_hist, step)
+    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+
+
+def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
+    """The refresh slots' dense read: their output into `attn`, their logits into layer l of
+    `slow_logits`. The condition has the identity as its other branch and updates only
+    `slow_logits` in place: a condition whose both branches update a buffer in place (e.g.
+    around the whole layer stack, updating the KV cache) makes XLA copy that buffer at every
+    step. One static slot count (SFIConfig.refresh_rows): an indexed lax.switch over slot
+    buckets also made XLA copy buffers at every step (docs/findings.md)."""
+    B, Hq = q.shape[:2]
+    rows = jnp.minimum(slots, B - 1)
+    row_len = jnp.where(slots < B, pos[rows] + 1, 0)  # empty slots attend to nothing
+    impl = options.attention
+    if q_hist is None and options.refresh == "unconditional":
+        # the GPU kernel writes the logits and the refreshed rows' output in place and skips
+        # empty slots: no condition (a device-to-host round trip per layer and step), no
+        # logits copy, no merge launch. Its logits layout [L, slots, Hq, S] is a free reshape.
+        flat = slow_logits.reshape(slow_logits.shape[:2] + (Hq, slow_logits.shape[-1]))
+        attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=rows, impl=impl,
+                                     logits_into=flat, out_into=(attn, slots), gather_q=True,
+                                     **_tuned(options))
+        return attn, flat.reshape(slow_logits.shape)
 
     def refresh(buf):
-        if qh is None:
-            out_d, logits, _ = dense_rows_with_logits()
+        if q_hist is None:
+            out, logits, _ = dense_decode(q[rows], k, v, row_len, return_logits=True, layer=l,
+                                          rows=rows, impl=impl, **_tuned(options))
         else:
-            out_d = dense_decode(q[safe], k, v, row_len, layer=l, rows=safe, impl=impl,
-                                 config=tuning.dense_attention, **signal)
-            logits = window_logits(qh[l, safe], k[l, safe], row_len, step)
-        return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out_d
+            out = dense_decode(q[rows], k, v, row_len, layer=l, rows=rows, impl=impl,
+                               **_tuned(options, "dense"))
+            logits = window_logits(q_hist[l, rows], k[l, rows], row_len, step)
+        return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out
 
     def without(buf):
-        return buf, jnp.zeros((n_slots,) + q.shape[1:], q.dtype)
+        return buf, jnp.zeros((slots.shape[0],) + q.shape[1:], q.dtype)
 
-    if qh is None and options.refresh == "unconditional":
-        # the GPU kernel writes the logits into `buf` and the refreshed rows' output into
-        # `attn` in place and skips empty slots: no condition (a device-to-host round trip per
-        # layer and step), no logits copy, no merge launch
-        flat = _per_query_head(buf, q.shape[1])
-        attn, flat, _ = dense_decode(q, k, v, row_len, layer=l, rows=safe, impl=impl,
-                                     logits_into=flat, out_into=(attn, slots), gather_q=True,
-                                     **signal)
-        buf = flat.reshape(buf.shape)
-    else:
-        buf, out_d = jax.lax.cond(jnp.any(slots < B), refresh, without, buf)
-        attn = attn.at[slots].set(out_d, mode="drop")
-    return LayerAttention(attn, k, v, st, buf, qh)
+    slow_logits, out = jax.lax.cond(jnp.any(slots < B), refresh, without, slow_logits)
+    return attn.at[slots].set(out, mode="drop"), slow_logits
 
 
-def layer_step(carry, xs, *, cfg, sfi, options, slots, pos, dense_rows, step=None,
-                plan=None):
-    """One layer of one decode step for the whole batch (attention under shard_map on a mesh).
-    The carry's `sync` is the fused matmul epilogues' counters (None: unfused)."""
-    x, k, v, st, diag, buf, qh, sync = carry
+ATTEND = {"dense": attend_dense, "fixed": attend_fixed, "oracle": attend_oracle,
+          "deferred": attend_deferred}
+
+
+def attend_layer(variant: str, *, sfi, options, plan=None) -> Callable[..., LayerAttention]:
+    """The layer attention function of `variant`, its static arguments bound; on a mesh
+    (`plan`) wrapped in shard_map (`mesh.attend`; no query history there)."""
+    fn = functools.partial(ATTEND[variant], sfi=sfi, options=options)
+    if plan is None:
+        return fn
+
+    def on_mesh(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, **_):
+        return LayerAttention(*mesh.attend(plan, fn, q, k_new, v_new, k, v, st, slow_logits, l,
+                                           pos, dense_rows, slots))
+
+    return on_mesh
+
+
+class StepInputs(NamedTuple):
+    """What every layer of one decode step reads besides the carry."""
+
+    pos: jax.Array  # [B] int32: the position this step's token is stored at
+    dense_rows: jax.Array | None  # [B] bool: the row's context fits the SFI budget
+    slots: jax.Array | None  # [n_slots] int32: the rows that refresh (B = empty); None: none
+    refreshed: jax.Array | None  # [B] bool: the rows this step takes a slow step for
+    step: jax.Array | None = None  # [] int32: decode steps taken (the query history's slot)
+
+
+def step_inputs(variant: str, sfi, pos, slots=None, step=None) -> StepInputs:
+    """A step's inputs for its layers. slots: the deferred variant's refresh rows (None: no row
+    refreshes); the oracle refreshes every row, the other variants none."""
+    B = pos.shape[0]
+    if variant == "dense":
+        return StepInputs(pos, None, None, None, step)
+    if variant == "oracle":
+        slots = jnp.arange(B, dtype=jnp.int32)
+    refreshed = jnp.zeros((B,), bool)
+    if slots is not None:
+        refreshed = refreshed.at[slots].set(True, mode="drop")
+    return StepInputs(pos, pos + 1 <= sfi.budget, slots, refreshed, step)
+
+
+class LayerCarry(NamedTuple):
+    """The layer scan's carry."""
+
+    x: jax.Array  # [B, 1, hidden] the residual stream
+    k: jax.Array  # the KV cache [L, B, Hkv, S, D]
+    v: jax.Array
+    sfi: SFIState | None
+    diag: jax.Array | None  # the diagnostics' previous dense top-k support
+    slow_logits: jax.Array | None  # the refreshed rows' logits [L, n_slots, Hkv, G, S]
+    q_hist: jax.Array | None  # the query history (evidence_window > 1)
+    sync: jax.Array | None  # the fused matmul epilogues' counters (None: unfused)
+
+
+def layer_step(carry: LayerCarry, xs, *, cfg, options, attend, fused, inputs: StepInputs,
+               sfi=None):
+    """One layer of one decode step for the whole batch: qkv, attend, output + MLP.
+    fused: the matmuls run with their epilogues in the kernel (`fused_decode_layer`)."""
     w, l = xs
-    B = x.shape[0]
+    x, pos, sync = carry.x, inputs.pos, carry.sync
     with jax.named_scope("qkv"):
-        if sync is not None:
+        if fused:
             q, k_new, v_new, sync = decode_attention_inputs(w, cfg, x, pos[:, None], sync,
                                                             tuning=options.tuning)
         else:
-            q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None],
-                                               heads=_heads_impl(options, plan),
-                                               matmul=matmul_impl(options, plan))
-    q, k_new, v_new = q[:, 0], k_new[:, 0], v_new[:, 0]
-    attend = functools.partial(attend_layer, cfg=cfg, sfi=sfi, options=options)
+            q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None], heads=options.heads,
+                                               matmul=options.matmul)
     with jax.named_scope("attend"):
-        if plan is None:  # the query history is single-device only (generate checks)
-            attn, k, v, st, buf, qh = attend(q, k_new, v_new, k, v, st, buf, l, pos,
-                                             dense_rows, slots, qh=qh, step=step)
-        else:
-            attn, k, v, st, buf = mesh.attend(plan, attend, q, k_new, v_new, k, v, st, buf, l,
-                                              pos, dense_rows, slots)
+        a = attend(q[:, 0], k_new[:, 0], v_new[:, 0], carry.k, carry.v, carry.sfi,
+                   carry.slow_logits, l, pos, inputs.dense_rows, inputs.slots,
+                   q_hist=carry.q_hist, step=inputs.step)
     with jax.named_scope("mlp"):  # (the attention's output projection and the MLP)
-        if sync is not None:
-            x, sync = decode_output_and_mlp(w, cfg, x, attn[:, None], sync,
-                                            moe=_moe_impl(options, plan), tuning=options.tuning)
+        if fused:
+            x, sync = decode_output_and_mlp(w, cfg, x, a.attn[:, None], sync, moe=options.moe,
+                                            tuning=options.tuning)
         else:
-            x = attention_output_and_mlp(w, cfg, x, attn[:, None], moe=_moe_impl(options, plan),
-                                         matmul=matmul_impl(options, plan),
-                                         tuning=options.tuning)
-    if sfi is None or diag is None:
-        return (x, k, v, st, diag, buf, qh, sync), None
-    lengths = pos + 1
+            x = attention_output_and_mlp(w, cfg, x, a.attn[:, None], moe=options.moe,
+                                         matmul=options.matmul, tuning=options.tuning)
+    carry = LayerCarry(x, a.k, a.v, a.sfi, carry.diag, a.slow_logits, a.q_hist, sync)
+    if carry.diag is None:
+        return carry, None
+    return _diagnose(carry, q[:, 0], l, inputs, sfi)
+
+
+def _diagnose(carry: LayerCarry, q, l, inputs: StepInputs, sfi):
+    """Layer l's coverage and Jaccard diagnostics (`runtime.diagnostics`)."""
+    pos, dense_rows, st = inputs.pos, inputs.dense_rows, carry.sfi
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
-    refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-    fast_rows = ~dense_rows & (True if sfi.selects_every_step else ~refreshed)
+    fast_rows = ~dense_rows & (True if sfi.selects_every_step else ~inputs.refreshed)
     positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
-    cov, jac, support = attention_diagnostics(q, k[l], lengths, positions, fast_rows, recent_start,
-                                     diag[l], sfi.k_select)
-    return (x, k, v, st, diag.at[l].set(support), buf, qh, sync), (cov, jac)
+    cov, jac, support = attention_diagnostics(q, carry.k[l], pos + 1, positions, fast_rows,
+                                              recent_start, carry.diag[l], sfi.k_select)
+    return carry._replace(diag=carry.diag.at[l].set(support)), (cov, jac)
+
+
+def run_step_layers(params, carry: LayerCarry, inputs: StepInputs, *, cfg, sfi, options,
+                    attend, fused):
+    """The layers of one decode step; returns the carry and the per-layer diagnostics."""
+    body = functools.partial(layer_step, cfg=cfg, options=options, attend=attend, fused=fused,
+                             inputs=inputs, sfi=sfi)
+    return run_layers(body, carry, params["layers"], cfg.num_layers, options.unroll)
+
+
+def uses_fused_layers(params, cfg, batch: int, options) -> bool:
+    """Whether the decode step's matmuls run with their epilogues in the kernel."""
+    layers = params["layers"]  # (stacked: a dict; its names are a layer's)
+    return fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, batch,
+                              options.heads, options.matmul, options.epilogue)
 
 
 def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
@@ -255,7 +348,22 @@ def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_
     n_local = min(n, batch // nb)
     shape = (shape[0], n_local * nb) + shape[2:]
     return mesh.place(lambda: jnp.zeros(shape, jnp.float32),
-                          plan.sharding(plan.per_head(5, lead=1)))
+                      plan.sharding(plan.per_head(5, lead=1)))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+class LoopCarry(NamedTuple):
+    """The decode loop's carry: the state, the step index and the chunk's outputs."""
+
+    state: DecodeState
+    i: jax.Array  # [] int32: steps taken in this chunk
+    tokens: jax.Array  # [B, n_steps] int32, -1 after a row ended
+    slow: jax.Array  # [B, n_steps] bool: the row took a slow step
+    logits: jax.Array  # [B, n_steps, V] float32 (with return_logits; else [0])
+    diag: jax.Array  # [2, B, n_steps, L, Hkv] coverage, jaccard (with diagnostics; else [0])
+    sync: jax.Array | None  # the fused matmul epilogues' counters
+    slow_logits: jax.Array | None  # the refreshed rows' logits (None in the fast loop)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_steps", "options",
@@ -271,159 +379,153 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
     (-1 = sample). Returns the new state, tokens [B, n_steps] (-1 after a row ended), the number
     of steps taken, slow flags [B, n_steps], logits [B, n_steps, vocab] (with return_logits)
     and the diagnostics (when state.diag is set; SFI mode only).
-    options: how to run (resolved here if it is not). plan: a `mesh.ShardPlan` to run on a
-    mesh (None: one device)."""
-    return _decode_chunk(params, state, eos_mask, trigger_mask, forced, cfg=cfg, sfi=sfi,
-                         sampling=sampling, n_steps=n_steps, options=options.resolved(),
-                         return_logits=return_logits, plan=plan)
-
-
-def _decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, cfg, sfi,
-                  sampling, n_steps, options, return_logits, plan=None):
-    B = state.token.shape[0]
+    sfi: the policy (None: dense decoding). options: how to run, from
+    `EngineOptions.resolved(mesh=...)` (resolved here if it is not). plan: a `mesh.ShardPlan`
+    to run on a mesh (None: one device)."""
+    if not options.is_resolved:
+        options = options.resolved(mesh=None if plan is None else plan.mesh)
+    elif plan is not None and options != options.resolved(mesh=plan.mesh):
+        raise ValueError(f"options {options} were resolved without the mesh; pass "
+                         "options.resolved(mesh=...)")
+    B, L = state.token.shape[0], cfg.num_layers
+    variant = attention_variant(sfi)
     n_slots = B if sfi is None or sfi.refresh_rows is None else min(sfi.refresh_rows, B)
-    out_tokens = jnp.full((B, n_steps), -1, jnp.int32)
-    out_slow = jnp.zeros((B, n_steps), bool)
-    out_logits = jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32)
-    diagnose = state.diag is not None
-    L, Hkv = cfg.num_layers, cfg.num_kv_heads
-    out_diag = jnp.zeros((2, B, n_steps, L, Hkv) if diagnose else (0,), jnp.float32)
-
+    attend = attend_layer(variant, sfi=sfi, options=options, plan=plan)
+    layers = functools.partial(run_step_layers, params, cfg=cfg, sfi=sfi, options=options,
+                               attend=attend, fused=uses_fused_layers(params, cfg, B, options))
     select_all = functools.partial(select_all_layers, sfi=sfi, options=options)
     if plan is not None:
         select_all = functools.partial(mesh.select_all_layers, plan, select_all)
 
-    def apply_selections(st, buf, k, v, pos, slots):
-        """The refreshed rows get their new selections (all layers at once) before the next
-        step reads the compact buffers."""
-        return jax.lax.cond(jnp.any(slots < B), select_all, lambda st, *_: st,
-                            st, buf, k, v, pos, slots)
-
     def wants_refresh(state):
-        st = state.sfi
-        return (st.pending | (state.lengths == sfi.budget)) & ~state.done
+        return (state.sfi.pending | (state.lengths == sfi.budget)) & ~state.done
 
-    def step(carry, refresh=True):
+    def step(carry: LoopCarry, refresh=True) -> LoopCarry:
         """One decode step; refresh=False: a step in which no row refreshes (the fast loop's),
         so no refresh-slot launch at all."""
-        state, i, out_tokens, out_slow, out_logits, out_diag, sync, buf = carry
-        pos = state.lengths
-        st = state.sfi
-        if sfi is not None:
-            dense_rows = pos + 1 <= sfi.budget
-            if not refresh:
-                slots = None
-            elif sfi.refreshes:
-                slots = refresh_slots(wants_refresh(state), state.done, n_slots)
-            elif sfi.selects_every_step:
-                slots = jnp.arange(B, dtype=jnp.int32)
-            else:
-                slots = jnp.full((n_slots,), B, jnp.int32)
-        else:
-            dense_rows, slots = None, None
+        state, i = carry.state, carry.i
+        slots = refresh_slots(wants_refresh(state), state.done, n_slots) \
+            if variant == "deferred" and refresh else None
+        inputs = step_inputs(variant, sfi, state.lengths, slots, state.step)
         with jax.named_scope("embed"):
             x = embed_tokens(params, state.token[:, None])
-        deferred = sfi is not None and sfi.refreshes
-        if deferred:  # dense rows read no compact buffer (see `_attend`); no layer writes c_len
-            c_len = st.c_len
-            # the barrier materialises the mask once: without it XLA re-runs this fusion once
-            # per layer (docs/findings.md)
-            st = st._replace(c_len=jax.lax.optimization_barrier(
-                jnp.where(dense_rows[None, :, None], 0, c_len)))
-
-        body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
-                                 pos=pos, dense_rows=dense_rows, step=state.step, plan=plan)
-        (x, k, v, st, diag, buf, q_hist, sync), ys = run_layers(
-            body, (x, state.k, state.v, st, state.diag, buf, state.q_hist, sync),
-            params["layers"], cfg.num_layers, options.unroll)
-        if deferred:
-            st = st._replace(c_len=c_len)
-        if diagnose:  # ys: coverage, jaccard, each [L, B, Hkv]
-            out_diag = out_diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2))
+        out, ys = layers(LayerCarry(x, state.k, state.v, _hide_dense_rows(state.sfi, inputs,
+                                                                          variant),
+                                    state.diag, carry.slow_logits, state.q_hist, carry.sync),
+                         inputs)
+        st = out.sfi if variant != "deferred" else out.sfi._replace(c_len=state.sfi.c_len)
         with jax.named_scope("logits"):
-            logits = output_logits(params, cfg, x[:, 0])
-        live = ~state.done
-        rows = state.rows
+            logits = output_logits(params, cfg, out.x[:, 0])
         with jax.named_scope("sample"):
-            if rows is None:
-                key, sub = jax.random.split(state.key)
-                token = sample(logits, sub, sampling)
-            else:  # per-row sampling and budgets (the Engine's slots)
-                key = state.key
-                token, keys = sample_rows(logits, rows)
-                rows = rows._replace(keys=keys, remaining=rows.remaining - live)
-        nonfinite = state.nonfinite
-        if nonfinite is not None:  # a NaN/inf logit stops its row (the host reports it)
-            nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
+            token, key, rows = _sample(state, logits, sampling)
         token = jnp.where(forced[:, i] >= 0, forced[:, i], token)
-        out_tokens = out_tokens.at[:, i].set(jnp.where(live, token, -1))
-        if return_logits:
-            out_logits = out_logits.at[:, i].set(logits)
-        if sfi is not None:
-            refreshed = jnp.zeros((B,), bool)
-            if slots is not None:
-                refreshed = refreshed.at[slots].set(True, mode="drop")
-            if sfi.selects_every_step:
-                refreshed = jnp.ones((B,), bool)
-            out_slow = out_slow.at[:, i].set(refreshed & live)
-            since = jnp.where(refreshed, 1, st.since_slow + 1)
-            pending = (st.pending & ~refreshed) | (since >= sfi.t_max)
-            if sfi.uses_triggers:
-                pending = pending | trigger_mask[token]
-            st = st._replace(since_slow=since, pending=pending,
-                             slow_steps=st.slow_steps + (refreshed & live),
-                             fast_steps=st.fast_steps + (~refreshed & live))
-        done = state.done | eos_mask[token]
-        if rows is not None:
-            done = done | (rows.remaining <= 0)
-        if nonfinite is not None:
-            done = done | nonfinite
-        if buf is not None and slots is not None:  # this step's refreshed rows
-            # + 0 that XLA cannot fold: the selection's update of the compact buffers waits for
-            # this step's token, so for every layer's read of them (else XLA copies them)
-            with jax.named_scope("select"):
-                st = apply_selections(st, buf, k, v, pos + jnp.minimum(token, 0), slots)
-        # rows that had ended stay where they are (an idle slot never outgrows the cache)
-        state = DecodeState(k=k, v=v, lengths=jnp.where(live, pos + 1, pos), token=token,
-                            done=done, step=state.step + 1, key=key, sfi=st, diag=diag,
-                            q_hist=q_hist, rows=rows, nonfinite=nonfinite)
-        if plan is not None:  # keep the loop carry's shardings fixed
-            state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
-        return (state, i + 1, out_tokens, out_slow, out_logits, out_diag, sync, buf)
+        live = ~state.done
+        carry = _record(carry, i, token, live, logits, inputs.refreshed, ys, return_logits)
+        if variant != "dense":
+            triggered = trigger_mask[token] if sfi.uses_triggers else False
+            st = count_step(st, refreshed=inputs.refreshed, live=live, advanced=1, restart=1,
+                            wants=triggered, fast=~inputs.refreshed & live, t_max=sfi.t_max)
+        if variant == "deferred" and inputs.slots is not None:
+            with jax.named_scope("select"):  # the refreshed rows' selections, all layers
+                st = _apply_selections(select_all, st, out, inputs, token)
+        state = _next_state(state, out, st, token, key, rows, logits, eos_mask, plan)
+        return carry._replace(state=state, i=i + 1, sync=out.sync, slow_logits=out.slow_logits)
 
-    def cond(carry):
-        state, i = carry[0], carry[1]
-        return (i < n_steps) & ~jnp.all(state.done)
+    def cond(carry: LoopCarry):
+        return (carry.i < n_steps) & ~jnp.all(carry.state.done)
 
-    buf = slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan)
-    # the fused matmul epilogues' counters: zeros, and every kernel leaves them zero
-    layers = params["layers"]  # (stacked: a dict; its names are a layer's)
-    fused = plan is None and fused_decode_layer(
-        layers if isinstance(layers, dict) else layers[0], cfg, B, options.heads,
-        options.matmul, options.epilogue)
-    sync = new_sync() if fused else None
-    carry = (state, jnp.int32(0), out_tokens, out_slow, out_logits, out_diag, sync, buf)
-    if buf is None or options.refresh != "unconditional":
+    carry = LoopCarry(
+        state, jnp.int32(0), jnp.full((B, n_steps), -1, jnp.int32), jnp.zeros((B, n_steps), bool),
+        jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32),
+        jnp.zeros((2, B, n_steps, L, cfg.num_kv_heads) if state.diag is not None else (0,),
+                  jnp.float32),
+        new_sync() if uses_fused_layers(params, cfg, B, options) else None,
+        slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan))
+    if variant != "deferred" or options.refresh != "unconditional":
         # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,
         # half the compile time)
         carry = jax.lax.while_loop(cond, step, carry)
     else:
         # one step that may refresh rows, then fast steps (no refresh-slot launches) for as
-        # long as no row wants a refresh; the refreshing step alone carries `buf`
-        def fast_cond(fast):
-            return cond(fast) & ~jnp.any(wants_refresh(fast[0]))
+        # long as no row wants a refresh; the refreshing step alone carries the logits scratch
+        def fast_cond(fast: LoopCarry):
+            return cond(fast) & ~jnp.any(wants_refresh(fast.state))
 
-        def fast_step(fast):
-            return step(fast + (None,), refresh=False)[:-1]
-
-        def outer(carry):
+        def outer(carry: LoopCarry):
             carry = step(carry)
-            return jax.lax.while_loop(fast_cond, fast_step, carry[:-1]) + (carry[-1],)
+            fast = jax.lax.while_loop(fast_cond, functools.partial(step, refresh=False),
+                                      carry._replace(slow_logits=None))
+            return fast._replace(slow_logits=carry.slow_logits)
 
         carry = jax.lax.while_loop(cond, outer, carry)
-    state, taken, out_tokens, out_slow, out_logits, out_diag, _, _ = carry
+    state = carry.state
     if plan is not None:
         state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
     out_tokens, taken, out_slow, out_logits, out_diag = mesh.replicate(
-        (out_tokens, taken, out_slow, out_logits, out_diag), plan)
+        (carry.tokens, carry.i, carry.slow, carry.logits, carry.diag), plan)
     return state, out_tokens, taken, out_slow, out_logits, out_diag
+
+
+def _hide_dense_rows(st, inputs: StepInputs, variant):
+    """The deferred variant's state for the layers: the dense rows' compact counts 0 (they read
+    no compact buffer; no layer writes c_len). The barrier materialises the mask once: without
+    it XLA re-runs this fusion once per layer (docs/findings.md)."""
+    if variant != "deferred":
+        return st
+    return st._replace(c_len=jax.lax.optimization_barrier(
+        jnp.where(inputs.dense_rows[None, :, None], 0, st.c_len)))
+
+
+def _sample(state: DecodeState, logits, sampling):
+    """The next token [B], the next PRNG key and the per-row controls: one sampling config for
+    all rows, or per-row sampling and budgets (`state.rows`, the Engine's slots)."""
+    if state.rows is None:
+        key, sub = jax.random.split(state.key)
+        return sample(logits, sub, sampling), key, None
+    token, keys = sample_rows(logits, state.rows)
+    return token, state.key, state.rows._replace(keys=keys,
+                                                 remaining=state.rows.remaining - ~state.done)
+
+
+def _record(carry: LoopCarry, i, token, live, logits, refreshed, ys, return_logits) -> LoopCarry:
+    """Step i's outputs: the token (-1 once a row ended), slow flags, logits, diagnostics."""
+    out = carry._replace(tokens=carry.tokens.at[:, i].set(jnp.where(live, token, -1)))
+    if refreshed is not None:
+        out = out._replace(slow=out.slow.at[:, i].set(refreshed & live))
+    if return_logits:
+        out = out._replace(logits=out.logits.at[:, i].set(logits))
+    if ys is not None:  # coverage, jaccard, each [L, B, Hkv]
+        out = out._replace(diag=out.diag.at[:, :, i].set(jnp.swapaxes(jnp.stack(ys), 1, 2)))
+    return out
+
+
+def _apply_selections(select_all, st, out: LayerCarry, inputs: StepInputs, token):
+    """The refreshed rows get their new selections (all layers at once) before the next step
+    reads the compact buffers. `+ min(token, 0)` (a 0 XLA cannot fold) makes the update wait
+    for this step's token, so for every layer's read of the buffers (else XLA copies them)."""
+    B = token.shape[0]
+    return jax.lax.cond(jnp.any(inputs.slots < B), select_all, lambda st, *_: st, st,
+                        out.slow_logits, out.k, out.v, inputs.pos + jnp.minimum(token, 0),
+                        inputs.slots)
+
+
+def _next_state(state: DecodeState, out: LayerCarry, st, token, key, rows, logits, eos_mask,
+                plan) -> DecodeState:
+    """The state after a step: a row ends at EOS, when its budget is spent (`rows`) or at a
+    NaN/inf logit (when checked); rows that had ended stay where they are (an idle slot never
+    outgrows the cache)."""
+    live = ~state.done
+    done = state.done | eos_mask[token]
+    if rows is not None:
+        done = done | (rows.remaining <= 0)
+    nonfinite = state.nonfinite
+    if nonfinite is not None:
+        nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
+        done = done | nonfinite
+    state = DecodeState(k=out.k, v=out.v, lengths=jnp.where(live, state.lengths + 1,
+                                                            state.lengths),
+                        token=token, done=done, step=state.step + 1, key=key, sfi=st,
+                        diag=out.diag, q_hist=out.q_hist, rows=rows, nonfinite=nonfinite)
+    if plan is not None:  # keep the loop carry's shardings fixed
+        state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))
+    return state

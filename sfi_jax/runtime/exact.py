@@ -28,14 +28,14 @@ from sfi_jax.kernels.multi_query_decode import multi_query_decode
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
-                                     fused_decode_layer,
                                      output_logits, run_layers)
 from sfi_jax.options import EngineOptions
-from sfi_jax.runtime.decode import layer_step
+from sfi_jax.runtime.decode import (LayerCarry, attend_layer, attention_variant, run_step_layers,
+                                    step_inputs, uses_fused_layers)
 from sfi_jax.runtime.sampling import SamplingConfig
 from sfi_jax.runtime.selection import select_all_layers
 from sfi_jax.runtime.slots import refresh_slots
-from sfi_jax.runtime.state import DecodeState
+from sfi_jax.runtime.state import DecodeState, count_step
 
 
 class ExactCounts(NamedTuple):
@@ -117,28 +117,19 @@ def draft_config(sfi: SFIConfig) -> SFIConfig:
     return dataclasses.replace(sfi, policy="prefill_only") if sfi.refreshes else sfi
 
 
-def _one_step(params, k, v, st, token, pos, *, cfg, sfi, options):
-    """One decode step for the whole batch, the decode loop's layer (its fused kernels
-    included): logits [B, V] and the updated cache/state. sfi: the draft's policy for a fast
-    (draft) step; None for a plain dense step that keeps the SFI state's key norms (a round in
-    which no row drafts)."""
-    B = token.shape[0]
-    if sfi is None:
-        slots = dense_rows = None
-    else:
-        slots = jnp.arange(B, dtype=jnp.int32) if sfi.selects_every_step else \
-            jnp.full((1,), B, jnp.int32)
-        dense_rows = pos + 1 <= sfi.budget
-    body = functools.partial(layer_step, cfg=cfg, sfi=sfi, options=options, slots=slots,
-                             pos=pos, dense_rows=dense_rows)
+def _one_step(params, k, v, st, token, pos, *, cfg, sfi, variant, options):
+    """One decode step for the whole batch with the decode loop's layers (its fused kernels
+    included): logits [B, V] and the updated cache/state. variant: the draft's attention
+    variant for a fast (draft) step under `sfi`; "dense" for a plain dense step that keeps the
+    SFI state's key norms (a round in which no row drafts)."""
+    fused = uses_fused_layers(params, cfg, token.shape[0], options)
     x = embed_tokens(params, token[:, None])
-    layers = params["layers"]
-    fused = fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, B,
-                               options.heads, options.matmul, options.epilogue)
-    (x, k, v, st, *_), _ = run_layers(body, (x, k, v, st, None, None, None,
-                                             new_sync() if fused else None),
-                                      layers, cfg.num_layers, options.unroll)
-    return output_logits(params, cfg, x[:, 0]), k, v, st
+    carry = LayerCarry(x, k, v, st, None, None, None, new_sync() if fused else None)
+    out, _ = run_step_layers(params, carry, step_inputs(variant, sfi, pos), cfg=cfg, sfi=sfi,
+                             options=options, attend=attend_layer(variant, sfi=sfi,
+                                                                  options=options),
+                             fused=fused)
+    return output_logits(params, cfg, out.x[:, 0]), out.k, out.v, out.sfi
 
 
 def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, options):
@@ -230,12 +221,15 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     emitted tokens first, -1 after), their count per row [B] and the rounds taken.
     accept_rate (benchmarks only): accept each draft token with this probability instead of
     verifying it (the tokens are then not dense decoding's)."""
-    options = options.resolved()
+    if not options.is_resolved:  # (a request path passes them resolved)
+        options = options.resolved()
     B = state.token.shape[0]
     k_len, T = sfi.draft_len, sfi.draft_len + 1
     lengths_for = functools.partial(draft_lengths, cfg=cfg, sfi=sfi,
                                     dtype_bytes=jnp.dtype(state.k.dtype).itemsize)
     L, S = cfg.num_layers, state.k.shape[3]
+    draft_sfi = draft_config(sfi)
+    draft_variant = attention_variant(draft_sfi)
     n_slots = B if sfi.refresh_rows is None else min(sfi.refresh_rows, B)
     width = n_rounds * T
     out = jnp.full((B, width), -1, jnp.int32)
@@ -261,7 +255,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         st, live, pos = state.sfi, ~state.done, state.lengths
         key, sub = jax.random.split(state.key)
         logits, kc, vc, st = _one_step(params, state.k, state.v, st, state.token, pos,
-                                       cfg=cfg, sfi=None, options=options)
+                                       cfg=cfg, sfi=sfi, variant="dense", options=options)
         if sampling.greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -274,12 +268,13 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         if nonfinite is not None:
             nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
             done = done | nonfinite
-        if sfi.refreshes:
-            since = st.since_slow + live
-            want = (since + 1 >= sfi.t_max) | ((pos <= sfi.budget) & (pos + 1 >= sfi.budget))
+        if sfi.refreshes:  # no row refreshes: the next verify does
+            want = (st.since_slow + live + 1 >= sfi.t_max) | \
+                ((pos <= sfi.budget) & (pos + 1 >= sfi.budget))
             if sfi.uses_triggers:
                 want = want | trigger_mask[state.token]
-            st = st._replace(since_slow=since, pending=st.pending | (live & want))
+            st = count_step(st, refreshed=jnp.zeros((B,), bool), live=live, advanced=live,
+                            wants=live & want, fast=0)
         counts = _drift(counts._replace(remaining=remaining,
                                         verify_steps=counts.verify_steps + live), live)
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, pos + 1, pos),
@@ -310,7 +305,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
             pos = jnp.minimum(len0 + j, S - 1)
             logits, kc, vc, st = _one_step(params, kc, vc, st, tok, pos, cfg=cfg,
-                                           sfi=draft_config(sfi), options=options)
+                                           sfi=draft_sfi, variant=draft_variant,
+                                           options=options)
             if sampling.greedy:
                 d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
@@ -365,7 +361,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         col = jnp.where(t < n_emit[:, None], n_out[:, None] + t, width)
         out = out.at[jnp.arange(B)[:, None], col].set(toks, mode="drop")
 
-        refreshed = jnp.zeros((B,), bool)
+        refreshed, advanced, want = jnp.zeros((B,), bool), 0, False
         if sfi.refreshes:
             # select from the verify's logits at each refreshed row's last accepted query
             safe = jnp.minimum(slots, B - 1)
@@ -377,11 +373,9 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                 functools.partial(select_all_layers, sfi=sfi, options=options),
                 lambda st, *_: st, st, sel, kc, vc, len0 + n, slots)
             refreshed = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
-            st = st._replace(since_slow=jnp.where(refreshed, 0,
-                                                  st.since_slow + jnp.where(live, n + 1, 0)),
-                             pending=(st.pending | want) & ~refreshed)
-        st = st._replace(slow_steps=st.slow_steps + (refreshed & live),
-                         fast_steps=st.fast_steps + jnp.where(live, m, 0))
+            advanced, want = jnp.where(live, n + 1, 0), want & ~refreshed
+        st = count_step(st, refreshed=refreshed, live=live, advanced=advanced, wants=want,
+                        fast=jnp.where(live, m, 0))
         remaining = counts.remaining - n_emit
         done = state.done | (live & jnp.any(eos_at, axis=1)) | (remaining <= 0)
         nonfinite = state.nonfinite

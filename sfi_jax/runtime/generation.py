@@ -183,7 +183,6 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         raise ValueError(f"options must be an EngineOptions, got {type(options).__name__}")
     if impl is not None:
         options = dataclasses.replace(options, attention=impl)
-    options = options.resolved()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if _token_id(max_new_tokens) is None or max_new_tokens < 1:
@@ -227,6 +226,7 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
+    options = options.resolved(mesh=None if plan is None else plan.mesh)  # once per request
     if plan is not None and mesh_lib.mesh_of(params) != plan.mesh:
         if isinstance(params["layers"], list) and any(
                 k == "wqkv" or k.endswith(T_SUFFIX) for k in params["layers"][0]):

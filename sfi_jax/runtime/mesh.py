@@ -141,10 +141,10 @@ def _with_big(st, big):
 
 
 def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots):
-    """Run one layer's decode attention (`runtime.decode.attend_layer`) under shard_map: each
+    """Run one layer's decode attention (one of `runtime.decode`'s attention variants) under shard_map: each
     device writes and attends its own rows and KV heads. fn(q, k_new, v_new, k, v, st, buf, l, pos,
-    dense_rows, slots, head_axis=...) returns an object with fields attn, k, v, st, buf; this
-    returns them as a tuple.
+    dense_rows, slots, head_axis=...) returns a `LayerAttention` (attn, k, v, sfi, slow_logits);
+    this returns those as a tuple.
 
     slots: global refresh rows [n] (B = empty). Each device refreshes exactly the global slots
     that fall in its rows, with at most min(n, local rows) slots of work; `buf` (the refreshed
@@ -164,7 +164,7 @@ def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_ro
         slots_here = local_slots(mask, n_slots) if mask is not None else None
         out = fn(q, k_new, v_new, k, v, local_st, buf, l, pos, dense_rows, slots_here,
                  head_axis=plan.head_axis)
-        return out.attn, out.k, out.v, _big(out.st), out.buf
+        return out.attn, out.k, out.v, _big(out.sfi), out.slow_logits
 
     big_spec = big_specs if big is not None else None
     buf_spec = None if buf is None else cache

@@ -94,14 +94,12 @@ def empty_carry(cfg: ModelConfig, batch: int, window: int, dtype) -> PrefillCarr
     return PrefillCarry(jnp.zeros((batch, cfg.hidden_size), dtype), wq)
 
 
-def attention_impl(options: EngineOptions, plan, dtype, head_dim: int) -> str:
-    """The prefill attention implementation a chunk uses: the resolved option, except "cudnn"
-    for inputs cuDNN does not take or off a GPU (then the Triton kernel, in interpret mode off
-    a GPU, as the GPU defaults are tested on a CPU) and "xla" on a mesh (the blockwise jnp
-    path partitions under GSPMD; the kernels are not wrapped in shard_map)."""
+def attention_impl(options: EngineOptions, dtype, head_dim: int) -> str:
+    """The prefill attention implementation a chunk uses: the resolved option (on a mesh
+    "xla": `EngineOptions.resolved(mesh=...)`), except "cudnn" for inputs cuDNN does not take
+    or off a GPU (then the Triton kernel, in interpret mode off a GPU, as the GPU defaults are
+    tested on a CPU)."""
     impl = options.prefill_attention
-    if plan is not None:
-        return "xla"
     if impl == "cudnn":
         probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
         if platform() != "gpu" or not cudnn_supported(probe, probe):
@@ -161,8 +159,10 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
 
 def _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg, with_norms,
                 options, plan):
-    options = (options or EngineOptions()).resolved()
-    impl = attention_impl(options, plan, k.dtype, cfg.head_dim)
+    options = options or EngineOptions()
+    if not options.is_resolved:  # (a request path passes them resolved)
+        options = options.resolved(mesh=None if plan is None else plan.mesh)
+    impl = attention_impl(options, k.dtype, cfg.head_dim)
     args = (params, k, v, key_norms, tokens, start, lengths, carry)
     return args, dict(cfg=cfg, with_norms=with_norms, impl=impl, plan=plan)
 

@@ -126,7 +126,7 @@ def select_all_layers(st, buf, k, v, pos, slots, *, sfi, options, head_axis=None
     compact buffers. The selector runs once per occupied slot (one `lax.cond` each, all layers
     together), so its cost follows the slow rows, not `refresh_rows`; the repack is one
     gather + scatter for all slots (per-slot in-place updates of the compact buffers inside the
-    conditions made XLA copy them). Shapes are local as in `decode.attend_layer`."""
+    conditions made XLA copy them). Shapes are local as in `decode`'s attention variants."""
     L, n_slots, Hkv, _, _ = buf.shape
     B = pos.shape[0]
     positions = jnp.full((L, n_slots, Hkv, sfi.compact_size), -1, jnp.int32)

@@ -26,6 +26,22 @@ class SFIState(NamedTuple):
     fast_steps: jax.Array  # [B] int32
 
 
+def count_step(st: SFIState, *, refreshed, live, advanced, wants, fast, restart=0,
+               t_max: int | None = None) -> SFIState:
+    """The refresh bookkeeping after a decode step (or an exact-mode round) in which each row
+    moved `advanced` positions on: a row in `refreshed` took its slow step (its count restarts
+    at `restart`, its pending refresh is done), `wants` [B] joins the pending refreshes, and
+    with `t_max` so does every row t_max steps past its slow step; live rows count their slow
+    step and `fast` [B] fast steps."""
+    since = jnp.where(refreshed, restart, st.since_slow + advanced)
+    pending = (st.pending & ~refreshed) | wants
+    if t_max is not None:
+        pending = pending | (since >= t_max)
+    return st._replace(since_slow=since, pending=pending,
+                       slow_steps=st.slow_steps + (refreshed & live),
+                       fast_steps=st.fast_steps + fast)
+
+
 class RowControls(NamedTuple):
     """Per-row request parameters as data, so that a request's sampling and budget never
     compile a new program (the Engine's slots): each row samples with its own temperature,

@@ -19,9 +19,14 @@ from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import selector as selector_kernels
 from sfi_jax.kernels.common import sortable_keys
 from sfi_jax.kernels.selector_reference import (  # noqa: F401 (the selector's public steps)
-    NEG_INF, adjust_scores, allowed_mask, base_scores, cross_head, evidence, fusion_lambda,
-    prior, soft_nms, successor_spread, window_max)
+    NEG_INF, ScoreParams, adjust_scores, allowed_mask, base_scores, cross_head, evidence,
+    fusion_lambda, prior, soft_nms, successor_spread, window_max)
 from sfi_jax.options import resolve
+
+
+def score_params(sfi: SFIConfig) -> ScoreParams:
+    """The numbers of `sfi` that the scores' kernels take."""
+    return ScoreParams(*(getattr(sfi, name) for name in ScoreParams._fields))
 
 
 @functools.partial(jax.jit, static_argnames=("sfi", "cross_head_reduce", "impl", "adjust"))
@@ -46,9 +51,9 @@ def selector_scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi
     """`selector_scores` of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S]: the kernel reads them in place (the
     engine's scratch buffer and key-norm cache), where a sliced operand would be a copy."""
-    return selector_kernels.scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, sfi,
-                                      cross_head_reduce=cross_head_reduce, impl=impl,
-                                      adjust=adjust)
+    return selector_kernels.scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi,
+                                      score_params(sfi), cross_head_reduce=cross_head_reduce,
+                                      impl=impl, adjust=adjust)
 
 
 def _count_prefix(mask):

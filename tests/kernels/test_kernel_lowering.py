@@ -106,27 +106,29 @@ def test_selector_scores_kernel_exports_for_cuda(r):
     5-6 and every pad radius are exported once (r = 4), one padded scores kernel per r."""
     from sfi_jax.config import SFIConfig
     from sfi_jax.kernels import selector_gpu
+    from sfi_jax.selector.select import score_params
 
     sds = jax.ShapeDtypeStruct
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     args = (sds((L, 2, 8, r, 4096), jnp.float32), sds((L, B, 8, 4096), jnp.float32),
             sds((L,), jnp.int32), sds((L,), jnp.int32), sds((), jnp.int32), sds((), jnp.int32))
-    for cfg in (SFIConfig(), SFIConfig(lam_clip=0.0)):
-        fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, sfi=c))
+    for cfg in (score_params(SFIConfig()), score_params(SFIConfig(lam_clip=0.0))):
+        fn = jax.jit(lambda *a, c=cfg: selector_gpu.base_scores(*a, params=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
     # steps 5-6; radii 3 and 5: pads that are not a power of two (stored by masked
     # power-of-two stores: Triton's arrays have power-of-two sizes)
-    radii = (SFIConfig(), SFIConfig(alpha_soft=0.0), SFIConfig(nms_radius=1),
-             SFIConfig(nms_radius=3), SFIConfig(nms_radius=5, lam_clip=0.0))
+    radii = tuple(map(score_params, (SFIConfig(), SFIConfig(alpha_soft=0.0),
+                                     SFIConfig(nms_radius=1), SFIConfig(nms_radius=3),
+                                     SFIConfig(nms_radius=5, lam_clip=0.0))))
     for cfg in radii if r == 4 else radii[3:4]:
         pad = selector_gpu.adjust_pad(cfg)
-        fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, sfi=c, pad=p))
+        fn = jax.jit(lambda *a, c=cfg, p=pad: selector_gpu.base_scores(*a, params=c, pad=p))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()
         if r != 4:
             continue
-        fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, sfi=c))
+        fn = jax.jit(lambda z, lo, hi, c=cfg: selector_gpu.adjust_scores(z, lo, hi, params=c))
         exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             sds((L, 8, 4096 + 2 * pad), jnp.float32), args[2], args[3])
         assert "__gpu$xla.gpu.triton" in exp.mlir_module()

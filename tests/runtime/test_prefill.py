@@ -52,11 +52,11 @@ def test_prefill_attention_choice():
     assert EngineOptions().resolved(platform="tpu").prefill_attention == "pallas_tpu"
     assert EngineOptions().resolved(platform="cpu").prefill_attention == "xla"
     on_gpu = jax.default_backend() == "gpu"
-    assert prefill.attention_impl(gpu, None, jnp.bfloat16, 128) == \
-        ("cudnn" if on_gpu else "pallas_gpu")
-    assert prefill.attention_impl(gpu, None, jnp.float32, 128) == "pallas_gpu"
-    assert prefill.attention_impl(gpu, None, jnp.bfloat16, 256) == "pallas_gpu"
-    assert prefill.attention_impl(gpu, object(), jnp.bfloat16, 128) == "xla"
+    assert prefill.attention_impl(gpu, jnp.bfloat16, 128) == ("cudnn" if on_gpu else "pallas_gpu")
+    assert prefill.attention_impl(gpu, jnp.float32, 128) == "pallas_gpu"
+    assert prefill.attention_impl(gpu, jnp.bfloat16, 256) == "pallas_gpu"
+    on_mesh = EngineOptions().resolved(platform="gpu", mesh=object())
+    assert prefill.attention_impl(on_mesh, jnp.bfloat16, 128) == "xla"
 
 
 def test_buckets():

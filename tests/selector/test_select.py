@@ -12,7 +12,7 @@ import pytest
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.selector import select, selector_scores, topk_positions, window_max
-from sfi_jax.selector.select import allowed_mask
+from sfi_jax.selector.select import allowed_mask, score_params
 from sfi_reference import check_selection, ref_scores, ref_topk_sets
 
 from conftest import gpu_interpret
@@ -368,7 +368,8 @@ def test_scores_kernel_pads_any_radius():
     from sfi_jax.kernels import selector_gpu
 
     logits, key_norms, lo, hi = make_inputs(seed=3, B=2, H=3, R=3, S=333)
-    kw = dict(sfi=BASE, interpret=gpu_interpret(), chunk_blocks=2)  # several chunks per row
+    # several chunks per row
+    kw = dict(params=score_params(BASE), interpret=gpu_interpret(), chunk_blocks=2)
     args = (logits[:, None], key_norms[:, None], lo, hi, 0, 0)
     plain = np.asarray(selector_gpu.base_scores(*args, **kw))
     assert np.isfinite(plain).any()
@@ -397,9 +398,9 @@ def test_adjust_kernel_against_jnp(change):
     z = (rng.standard_normal((4, 3, S)) * 3).astype(np.float32)
     z = np.where(np.asarray(allowed_mask(S, lo, hi))[:, None, :], z, -np.inf).astype(np.float32)
     want = np.asarray(adjust_scores(z, lo, hi, cfg))
-    pad = selector_gpu.adjust_pad(cfg)  # the kernel reads rows between -inf pads
+    pad = selector_gpu.adjust_pad(score_params(cfg))  # the kernel reads rows between -inf pads
     padded = np.pad(z, ((0, 0), (0, 0), (pad, pad)), constant_values=-np.inf)
-    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, sfi=cfg,
+    got = np.asarray(selector_gpu.adjust_scores(padded, lo, hi, params=score_params(cfg),
                                                 interpret=gpu_interpret()))
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)
@@ -412,8 +413,9 @@ def test_adjust_kernel_bounds_its_radius():
     from sfi_jax.kernels import selector_gpu
 
     big = SFIConfig(nms_radius=selector_gpu.ADJUST_MAX_RADIUS + 1)
-    assert not selector_gpu.adjust_supported(big)
-    assert selector_gpu.adjust_supported(dataclasses.replace(big, alpha_soft=0.0))
+    assert not selector_gpu.adjust_supported(score_params(big))
+    assert selector_gpu.adjust_supported(score_params(dataclasses.replace(big, alpha_soft=0.0)))
     z = np.zeros((1, 2, 300), np.float32)
     with pytest.raises(ValueError, match="nms_radius"):
-        selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), sfi=big, interpret=True)
+        selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), params=score_params(big),
+                                   interpret=True)
