@@ -24,7 +24,7 @@ from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.options import platform
 
-from conftest import GPU_IMPL, MGPU_IMPL, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
+from conftest import GPU_IMPL, MGPU_IMPL, with_impls, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
@@ -69,8 +69,8 @@ DENSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
-@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", DENSE_CASES)
+@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths,impl",
+                         with_impls(DENSE_CASES, IMPL_PARAMS, slow=(4,)))
 def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
     if impl == "mosaic_gpu" and dtype == jnp.float32:
         pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
@@ -102,7 +102,8 @@ def _stacked_case(seed, n_keys, dtype):
         normal(ks[2], shape, dtype), ks
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("impl", [GPU_IMPL, pytest.param("mosaic_gpu", marks=[
+    pytest.mark.gpu, pytest.mark.slow]), "pallas_tpu"])  # mosaic: layer also in the api test
 def test_dense_layer_and_rows_read_in_place(impl):
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
     q, k, v, _ = _stacked_case(5, 3, dtype)
@@ -174,8 +175,8 @@ SPARSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
-@pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths", SPARSE_CASES)
+@pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths,impl",
+                         with_impls(SPARSE_CASES, IMPL_PARAMS, slow=(1,)))
 def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
     if impl == "mosaic_gpu" and dtype == jnp.float32:
         pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")

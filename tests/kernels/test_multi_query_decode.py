@@ -22,7 +22,7 @@ from sfi_jax.kernels import multi_query_decode_reference as mq_ref
 from sfi_jax.kernels import multi_query_decode_tpu as mq_tpu
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 
-from conftest import GPU_IMPL, MGPU_IMPL, assert_close_logits, gpu_interpret, normal, rel_err
+from conftest import GPU_IMPL, MGPU_IMPL, with_impls, assert_close_logits, gpu_interpret, normal, rel_err
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
@@ -108,8 +108,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("t,hq,hkv,d,s,dtype,q_start,kv_len", CASES)
+@pytest.mark.parametrize("t,hq,hkv,d,s,dtype,q_start,kv_len,impl",
+                         with_impls(CASES, IMPLS, slow=(3,)))
 def test_matches_reference(impl, t, hq, hkv, d, s, dtype, q_start, kv_len):
     if impl == "mosaic_gpu" and (dtype == jnp.float32 or t * hq // hkv > 64):
         pytest.skip("float32 caches and G * T > 64 take the Triton kernel")
@@ -152,7 +152,8 @@ def test_stacked_cache_read_at_traced_layer(impl):
         assert_close_logits(lse, r_lse, 1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [i if i != MGPU_IMPL else pytest.param(
+    "mosaic_gpu", marks=[pytest.mark.gpu, pytest.mark.slow]) for i in IMPLS])
 def test_one_query_equals_dense_decode(impl):
     """T = 1 at the last position is a decode step: the same outputs, logits and lse as the
     dense decode kernel (default tuning of both), empty row included."""
