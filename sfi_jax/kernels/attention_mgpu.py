@@ -44,6 +44,7 @@ class Config:
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
+DENSE_LOGITS = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)  # the f32 scores block fits
 SPARSE = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)
 
 
@@ -55,11 +56,15 @@ def interpret_params():
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
-def supported(q, k) -> bool:
-    """Whether the tensor-core kernels take these inputs (else the Triton twin runs)."""
+def supported(q, k, ck=None) -> bool:
+    """Whether the tensor-core kernels take these inputs (else the Triton twin runs): half
+    precision, head dim 64/128/256, GQA groups up to 64, and cache (and compact buffer)
+    lengths a multiple of 8 (TMA into the tiled shared memory wgmma reads tiles the global
+    array's key axis by 8)."""
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-3]
-    return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M)
+    return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M
+            and k.shape[-2] % 8 == 0 and (ck is None or ck.shape[-2] % 8 == 0))
 
 
 def _swizzle(d, itemsize):
@@ -73,7 +78,7 @@ def _smem_kv(shape, dtype):
                                                 plgpu.SwizzleTransform(sw)))
 
 
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on Hopper
+SMEM_BYTES = 223 * 1024  # of the 227 KiB one CTA may take on Hopper: barriers, alignment aside
 
 
 def smem_bytes(cfg, d, itemsize=2, logits=False):
@@ -81,6 +86,19 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
     return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
             + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
             + logits * _M * cfg.block_k * 4)
+
+
+def fit(cfg, d, logits=False):
+    """cfg with fewer stages, then 64-key blocks, until one CTA's shared memory fits (a
+    default tuned at d 128 applied to d 256)."""
+    while smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+        if cfg.stages > 2 or (cfg.block_k == 64 and cfg.stages > 1):
+            cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+        elif cfg.block_k > 64:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
 
 
 def _splits(total, pairs, cfg):
@@ -315,11 +333,13 @@ def _check_config(cfg, d, logits=False):
                          f"d={d}) at most {SMEM_BYTES} B")
 
 
-def _check_inputs(name, q, k):
-    if not supported(q, k):
-        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256 and "
-                         f"GQA groups <= {_M}; got {k.dtype}, d={q.shape[-1]}, "
-                         f"group={q.shape[-2] // k.shape[-3]}")
+def _check_inputs(name, q, k, ck=None):
+    if not supported(q, k, ck):
+        c = "" if ck is None else f", C={ck.shape[-2]}"
+        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256, GQA "
+                         f"groups <= {_M} and lengths a multiple of 8; got {k.dtype}, "
+                         f"d={q.shape[-1]}, group={q.shape[-2] // k.shape[-3]}, "
+                         f"S={k.shape[-2]}{c}")
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
@@ -355,7 +375,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     """Dense decode attention (see kernels.attention.dense_decode) of q [R, Hq, D] over cache
     rows `rows` (default: row r) of k, v [(L,) B, Hkv, S, D], half precision. Returns out, or
     (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq])."""
-    cfg = config or DENSE
+    cfg = config or fit(DENSE_LOGITS if return_logits else DENSE, q.shape[-1], return_logits)
     k, layer_arr = as_layer_stack(k, layer)
     v, _ = as_layer_stack(v, layer)
     n_rows, hq, d = q.shape
@@ -393,7 +413,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way)."""
-    cfg = config or SPARSE
+    cfg = config or fit(SPARSE, q.shape[-1])
     ck, layer_arr = as_layer_stack(ck, layer)
     cv, _ = as_layer_stack(cv, layer)
     k, _ = as_layer_stack(k, layer)
@@ -402,7 +422,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _, _, hkv, s_len, _ = k.shape
     c_size = ck.shape[3]
     group = hq // hkv
-    _check_inputs("sparse_decode", q, k)
+    _check_inputs("sparse_decode", q, k, ck)
     _check_config(cfg, d)
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
