@@ -58,13 +58,13 @@ def interpret_params():
 
 def supported(q, k, ck=None) -> bool:
     """Whether the tensor-core kernels take these inputs (else the Triton twin runs): half
-    precision, head dim 64/128/256, GQA groups up to 64, and cache (and compact buffer)
-    lengths a multiple of 8 (TMA into the tiled shared memory wgmma reads tiles the global
-    array's key axis by 8)."""
+    precision, head dim 64/128/256, GQA groups up to 64, a cache length S a multiple of 8 (TMA
+    into the tiled shared memory wgmma reads tiles the global array's key axis by 8) and a
+    compact buffer whose Hkv * C is (its heads are read as one key axis)."""
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-3]
     return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M
-            and k.shape[-2] % 8 == 0 and (ck is None or ck.shape[-2] % 8 == 0))
+            and k.shape[-2] % 8 == 0 and (ck is None or hkv * ck.shape[-2] % 8 == 0))
 
 
 def _swizzle(d, itemsize):
@@ -264,7 +264,9 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
                    clen_stacked, interpret):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
-    on, in place); the row's blocks are shared out evenly over the n_splits splits."""
+    on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
+    come as [L, B, Hkv * C, D] (a free reshape): head h's keys start at h * C, and a block
+    that runs past them reads the next head's (or zeros), masked."""
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer = layer_ref[0]
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
@@ -284,7 +286,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
 
         @pl.when(b < n_c)
         def _compact():
-            blk = (*at, pl.ds(b * bk, bk))
+            blk = (layer, r, pl.ds(h * c_size + b * bk, bk))
             plgpu.copy_gmem_to_smem(ck_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(cv_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
@@ -337,7 +339,7 @@ def _check_inputs(name, q, k, ck=None):
     if not supported(q, k, ck):
         c = "" if ck is None else f", C={ck.shape[-2]}"
         raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256, GQA "
-                         f"groups <= {_M} and lengths a multiple of 8; got {k.dtype}, "
+                         f"groups <= {_M}, S and Hkv * C multiples of 8; got {k.dtype}, "
                          f"d={q.shape[-1]}, group={q.shape[-2] // k.shape[-3]}, "
                          f"S={k.shape[-2]}{c}")
 
@@ -431,9 +433,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
         interpret=interpret)
+    heads_c = ck.shape[:2] + (hkv * c_size, d)  # the heads' buffers as one key axis
     res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
                            lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
-                           ck, cv, k, v),
+                           ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]

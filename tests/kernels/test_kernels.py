@@ -169,8 +169,9 @@ SPARSE_CASES = [
     (2, 2, 128, 200, 37, jnp.bfloat16, [[37, 0], [5, 36]], [10, 199], [139, 200]),
     (10, 2, 64, 100, 60, jnp.float32, [[0, 0], [60, 33]], [50, 0], [50, 100]),
     (16, 1, 128, 130, 20, jnp.bfloat16, [[20], [0]], [64, 0], [129, 0]),
-    # half precision, lengths a multiple of 8 (the Mosaic kernel's), the first case's edges
-    (4, 2, 64, 304, 152, jnp.bfloat16, [[0, 152], [77, 1], [129, 128]], [304, 0, 256],
+    # half precision, S and Hkv * C multiples of 8 (the Mosaic kernel's; C itself is not), the
+    # first case's edges
+    (4, 2, 64, 304, 148, jnp.bfloat16, [[0, 148], [77, 1], [129, 128]], [304, 0, 256],
      [304, 257, 257]),
 ]
 
@@ -178,8 +179,8 @@ SPARSE_CASES = [
 @pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths,impl",
                          with_impls(SPARSE_CASES, IMPL_PARAMS))
 def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
-    if impl == "mosaic_gpu" and (dtype == jnp.float32 or s % 8 or c % 8):
-        pytest.skip("float32 caches and S or C % 8 take the Triton kernel (test_mosaic_dispatch)")
+    if impl == "mosaic_gpu" and (dtype == jnp.float32 or s % 8 or hkv * c % 8):
+        pytest.skip("float32 caches, S or Hkv * C % 8 take the Triton kernel (test_mosaic_dispatch)")
     if impl != "mosaic_gpu" and dtype == jnp.bfloat16 and d == 64:
         pytest.skip("the half-precision twin of the first case, for the Mosaic kernel")
     b = len(lengths)
@@ -205,7 +206,7 @@ def f_stacked(impl, *args):
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_sparse_layer_read_in_place(impl):
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
-    s, c = (264, 144) if impl == "mosaic_gpu" else (260, 140)  # Mosaic: multiples of 8
+    s, c = (264, 140) if impl == "mosaic_gpu" else (260, 140)  # Mosaic: S a multiple of 8
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=s, c=c,
                                      d=64, dtype=dtype, layers=3)
     c_len = jnp.asarray([[140, 3], [0, 129]], jnp.int32)
@@ -251,7 +252,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     """new_kv: the step's key/value land at position lengths - 1 of layer l (norm too), nothing
     else changes, and the output equals the reference over the updated cache (the GPU kernel
     attends to the new token from registers, so it never reads the position it writes)."""
-    n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 72 if impl == "mosaic_gpu" else 70, 64
+    n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 68 if impl == "mosaic_gpu" else 70, 64
     q, ck, cv, k, v, kn, vn, norms = _new_token_case(21, n_layers, b, hq, hkv, s, c, d, dtype)
     c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
     lens = jnp.asarray([200, 1, 97], jnp.int32)  # row 1: the new token alone
@@ -641,22 +642,23 @@ def test_mosaic_dense_buffers_through_api():
 
 
 def test_mosaic_dispatch():
-    """mosaic_gpu takes half-precision caches with head dim 64/128/256 and lengths a multiple
-    of 8; float32 (wgmma would round it to TF32), other head dims and lengths take the Triton
-    kernel, with its results."""
+    """mosaic_gpu takes half-precision caches with head dim 64/128/256, S and Hkv * C
+    multiples of 8; float32 (wgmma would round it to TF32), other head dims and lengths take
+    the Triton kernel, with its results."""
     q = jnp.zeros((2, 8, 64), jnp.bfloat16)
     assert mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.bfloat16))
     assert not mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.float32))
     assert not mgpu.supported(q[..., :48], jnp.zeros((2, 2, 40, 48), jnp.bfloat16))
     assert not mgpu.supported(q, jnp.zeros((2, 2, 44, 64), jnp.bfloat16))
-    assert not mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.bfloat16),
-                              jnp.zeros((2, 2, 12, 64), jnp.bfloat16))
+    kv = jnp.zeros((2, 2, 40, 64), jnp.bfloat16)
+    assert mgpu.supported(q, kv, jnp.zeros((2, 2, 12, 64), jnp.bfloat16))  # 2 heads x 12
+    assert not mgpu.supported(q, kv, jnp.zeros((2, 2, 13, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match="bf16/f16"):
         mgpu.dense_decode(q.astype(jnp.float32), jnp.zeros((2, 2, 40, 64)),
                           jnp.zeros((2, 2, 40, 64)), jnp.zeros((2,), jnp.int32))
 
 
-MGPU_EXPORT = [(4, 32, 8, 128, 1000, 304, jnp.bfloat16), (3, 10, 2, 64, 136, 40, jnp.bfloat16),
+MGPU_EXPORT = [(4, 32, 8, 128, 1000, 300, jnp.bfloat16), (3, 10, 2, 64, 136, 36, jnp.bfloat16),
                (2, 16, 2, 256, 512, 64, jnp.float16)]  # (B, Hq, Hkv, D, S, C, dtype)
 
 
