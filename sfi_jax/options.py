@@ -67,9 +67,9 @@ class EngineOptions:
     """Implementation choices (README: Engine options). Frozen and hashable: a static argument.
 
     attention: decode attention kernels: "xla" (jnp), "pallas_gpu" (Triton), "mosaic_gpu"
-        (Mosaic GPU: the dense decode with half-precision caches; the other decode kernels and
-        other inputs its Triton twins), "pallas_tpu" (Mosaic TPU); a Pallas kernel off its
-        platform runs in interpret mode.
+        (Mosaic GPU, for half-precision caches with head dim 64/128/256; other inputs take the
+        Triton kernels), "pallas_tpu" (Mosaic TPU); a Pallas kernel off its platform runs in
+        interpret mode.
     prefill_attention: prefill attention (`kernels.prefill_attention`): "cudnn" (cuDNN's fused
         attention; half precision and head dim <= 128, other inputs and other platforms take
         "pallas_gpu"),

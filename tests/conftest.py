@@ -183,6 +183,21 @@ GPU_IMPL = pytest.param("pallas_gpu", marks=pytest.mark.gpu)
 MGPU_IMPL = pytest.param("mosaic_gpu", marks=pytest.mark.gpu)
 
 
+def with_impls(cases, impls, slow=()):
+    """Parameters (*case, impl) for every case and impl (a pytest.param's marks kept); the
+    Mosaic GPU runs of the cases at the indices in `slow` also marked slow (interpret mode
+    takes ~10-20 s a case: a few cases stay in the default run)."""
+    out = []
+    for i, case in enumerate(cases):
+        for impl in impls:
+            name, marks = (impl.values[0], list(impl.marks)) if hasattr(impl, "values") \
+                else (impl, [])
+            if name == "mosaic_gpu" and i in slow:
+                marks.append(pytest.mark.slow)
+            out.append(pytest.param(*case, name, marks=marks))
+    return out
+
+
 def on_gpu() -> bool:
     from sfi_jax.options import platform
 

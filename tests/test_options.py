@@ -3,6 +3,7 @@ from "field=value" strings; no module of the package reads the old engine-switch
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -46,6 +47,8 @@ def test_resolved_per_platform():
     assert (forced.moe, forced.heads, forced.repack, forced.refresh, forced.matmul,
             forced.epilogue) == ("tokens", "kernel", "kernel", "unconditional", "by_shape", "fused")
     assert forced.selector_scores == "xla"  # the selector's defaults follow the platform
+    mosaic = EngineOptions(attention="mosaic_gpu").resolved(platform="gpu")  # the same variants
+    assert mosaic == dataclasses.replace(gpu, attention="mosaic_gpu")
     # explicit values are kept; resolving twice changes nothing; resolved objects hash
     mixed = EngineOptions(attention="pallas_gpu", moe="xla", layer_unroll="all")
     assert mixed.resolved("gpu").moe == "xla" and mixed.resolved("gpu").unroll is True

@@ -15,6 +15,10 @@ written (plus the f32 logits with logits); the fraction is of --bandwidth (4.3 T
 H200's measured copy bandwidth). Our output and logits are checked against the jnp reference
 on every case.
 
+--mosaic: also the Mosaic GPU twin (multi_query_decode_mgpu, its default tuning), checked
+against the reference, then timed without and with logits (mosaic_s, mosaic_logits_s and their
+ratios to the Triton kernel's times).
+
 --smoke: tiny shapes on the CPU (the Pallas GPU kernel in interpret mode; no cuDNN).
 
   python scripts/bench/bench_multi_query_kernel.py --out benchmarks/multi_query_kernel.json
@@ -42,6 +46,7 @@ import numpy as np  # noqa: E402
 
 from sfi_jax.kernels import dense_decode  # noqa: E402
 from sfi_jax.kernels import multi_query_decode_gpu as mq_gpu  # noqa: E402
+from sfi_jax.kernels import multi_query_decode_mgpu as mq_mgpu  # noqa: E402
 from sfi_jax.kernels.multi_query_decode_reference import (  # noqa: E402
     multi_query_decode as reference)
 
@@ -115,7 +120,7 @@ def randn(seed, shape, dtype):
 
 
 def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, bandwidth, cudnn,
-         baselines):
+         baselines, mosaic=False):
     hq, hkv, d = heads
     k, v = baselines["kv"]
     q = randn(1000 * b + t, (b, t, hq, d), dtype)
@@ -150,6 +155,32 @@ def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, band
     row["dense_T1_logits_s"] = baselines["dense_logits"]
     row["ours_over_dense_T1"] = row["ours_s"] / baselines["dense"]
     row["ours_logits_over_dense_T1_logits"] = row["ours_logits_s"] / baselines["dense_logits"]
+    if mosaic and mq_mgpu.supported(q, k):
+        try:
+            out, lg, lse = mq_mgpu.multi_query_decode(q, k, v, q_start, kv_len,
+                                                      return_logits=True, interpret=interpret)
+            r_out, r_lg, r_lse = reference(q, k, v, q_start, kv_len, return_logits=True)
+            row["mosaic_rel_err"] = {"out": rel_err(out, r_out), "logits": rel_err(lg, r_lg),
+                                     "lse": rel_err(lse, r_lse)}
+            del out, lg, lse, r_out, r_lg, r_lse
+
+            def mosaic_step(logits):
+                def step(q, k, v):
+                    r = mq_mgpu.multi_query_decode(q, k, v, q_start, kv_len,
+                                                   return_logits=logits, interpret=interpret)
+                    return r[0] if logits else r
+                return step
+
+            if max(row["mosaic_rel_err"].values()) <= 2e-2:
+                row["mosaic_s"] = chained_time(mosaic_step(False), q, (k, v), **timed)[0]
+                row["mosaic_logits_s"] = chained_time(mosaic_step(True), q, (k, v), **timed)[0]
+                row["mosaic_over_triton"] = row["mosaic_s"] / row["ours_s"]
+                row["mosaic_logits_over_triton"] = row["mosaic_logits_s"] / row["ours_logits_s"]
+                print(f"B={b} S={s} T={t}: mosaic/triton {row['mosaic_over_triton']:.3f}, "
+                      f"with logits {row['mosaic_logits_over_triton']:.3f}", flush=True)
+        except Exception as e:  # a compile or run failure: say so, go on
+            traceback.print_exc()
+            row["mosaic_error"] = repr(e)[:800]
     if configs:
         row["configs"] = {}
         for text in configs:
@@ -214,11 +245,13 @@ def main(argv=None):
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the fraction")
     p.add_argument("--inner", type=int, default=16, help="chained calls per timed jit call")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mosaic", action="store_true",
+                   help="also check and time the Mosaic GPU kernel")
     a = p.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     heads = (HQ, HKV, D)
     if a.smoke:
-        heads = (4, 2, 32)
+        heads = (4, 2, 64) if a.mosaic else (4, 2, 32)
         a.batches, a.contexts, a.queries = [2], [40], [3]
         a.inner, a.repeats = 1, 1
         a.configs, a.sweep = [], False
@@ -240,13 +273,15 @@ def main(argv=None):
             for t in a.queries:
                 try:
                     case(res, b, s, t, configs=configs, bandwidth=a.bandwidth, cudnn=on_gpu,
-                         baselines=base, **kw)
+                         baselines=base, mosaic=a.mosaic, **kw)
                 except Exception as e:  # keep going: the file says what failed
                     traceback.print_exc()
                     res.add(dict(B=b, S=s, T=t, error=repr(e)[:500]))
             del base
-    bad = [r for r in res.rows if "error" in r or
-           max(r["rel_err"].values()) > (2e-2 if r["dtype"] == "bfloat16" else 1e-4)]
+    tol = lambda r: 2e-2 if r["dtype"] == "bfloat16" else 1e-4
+    bad = [r for r in res.rows if "error" in r or "mosaic_error" in r
+           or max(r["rel_err"].values()) > tol(r)
+           or max(r.get("mosaic_rel_err", {"": 0.0}).values()) > tol(r)]
     if bad:
         sys.exit(f"{len(bad)} case(s) failed or were off the reference: see {a.out}")
 

@@ -170,7 +170,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import attention_mgpu as mgpu
 
-        impl = "mosaic_gpu" if mgpu.supported(q, k) else "pallas_gpu"
+        impl = "mosaic_gpu" if mgpu.supported(q, k, ck) else "pallas_gpu"
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 

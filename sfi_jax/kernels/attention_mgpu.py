@@ -44,6 +44,7 @@ class Config:
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
+DENSE_LOGITS = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)  # the f32 scores block fits
 SPARSE = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)
 
 
@@ -55,11 +56,15 @@ def interpret_params():
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
-def supported(q, k) -> bool:
-    """Whether the tensor-core kernels take these inputs (else the Triton twin runs)."""
+def supported(q, k, ck=None) -> bool:
+    """Whether the tensor-core kernels take these inputs (else the Triton twin runs): half
+    precision, head dim 64/128/256, GQA groups up to 64, a cache length S a multiple of 8 (TMA
+    into the tiled shared memory wgmma reads tiles the global array's key axis by 8) and a
+    compact buffer whose Hkv * C is (its heads are read as one key axis)."""
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-3]
-    return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M)
+    return (jnp.dtype(k.dtype) in HALF and d in (64, 128, 256) and hq // hkv <= _M
+            and k.shape[-2] % 8 == 0 and (ck is None or hkv * ck.shape[-2] % 8 == 0))
 
 
 def _swizzle(d, itemsize):
@@ -73,7 +78,7 @@ def _smem_kv(shape, dtype):
                                                 plgpu.SwizzleTransform(sw)))
 
 
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on Hopper
+SMEM_BYTES = 223 * 1024  # of the 227 KiB one CTA may take on Hopper: barriers, alignment aside
 
 
 def smem_bytes(cfg, d, itemsize=2, logits=False):
@@ -81,6 +86,19 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
     return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
             + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
             + logits * _M * cfg.block_k * 4)
+
+
+def fit(cfg, d, logits=False):
+    """cfg with fewer stages, then 64-key blocks, until one CTA's shared memory fits (a
+    default tuned at d 128 applied to d 256)."""
+    while smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+        if cfg.stages > 2 or (cfg.block_k == 64 and cfg.stages > 1):
+            cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+        elif cfg.block_k > 64:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
 
 
 def _splits(total, pairs, cfg):
@@ -246,7 +264,9 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
                    clen_stacked, interpret):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
-    on, in place); the row's blocks are shared out evenly over the n_splits splits."""
+    on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
+    come as [L, B, Hkv * C, D] (a free reshape): head h's keys start at h * C, and a block
+    that runs past them reads the next head's (or zeros), masked."""
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer = layer_ref[0]
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
@@ -266,7 +286,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
 
         @pl.when(b < n_c)
         def _compact():
-            blk = (*at, pl.ds(b * bk, bk))
+            blk = (layer, r, pl.ds(h * c_size + b * bk, bk))
             plgpu.copy_gmem_to_smem(ck_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(cv_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
@@ -315,11 +335,13 @@ def _check_config(cfg, d, logits=False):
                          f"d={d}) at most {SMEM_BYTES} B")
 
 
-def _check_inputs(name, q, k):
-    if not supported(q, k):
-        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256 and "
-                         f"GQA groups <= {_M}; got {k.dtype}, d={q.shape[-1]}, "
-                         f"group={q.shape[-2] // k.shape[-3]}")
+def _check_inputs(name, q, k, ck=None):
+    if not supported(q, k, ck):
+        c = "" if ck is None else f", C={ck.shape[-2]}"
+        raise ValueError(f"mosaic_gpu {name} takes bf16/f16 caches, head dim 64/128/256, GQA "
+                         f"groups <= {_M}, S and Hkv * C multiples of 8; got {k.dtype}, "
+                         f"d={q.shape[-1]}, group={q.shape[-2] // k.shape[-3]}, "
+                         f"S={k.shape[-2]}{c}")
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
@@ -355,7 +377,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     """Dense decode attention (see kernels.attention.dense_decode) of q [R, Hq, D] over cache
     rows `rows` (default: row r) of k, v [(L,) B, Hkv, S, D], half precision. Returns out, or
     (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq])."""
-    cfg = config or DENSE
+    cfg = config or fit(DENSE_LOGITS if return_logits else DENSE, q.shape[-1], return_logits)
     k, layer_arr = as_layer_stack(k, layer)
     v, _ = as_layer_stack(v, layer)
     n_rows, hq, d = q.shape
@@ -393,7 +415,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way)."""
-    cfg = config or SPARSE
+    cfg = config or fit(SPARSE, q.shape[-1])
     ck, layer_arr = as_layer_stack(ck, layer)
     cv, _ = as_layer_stack(cv, layer)
     k, _ = as_layer_stack(k, layer)
@@ -402,7 +424,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _, _, hkv, s_len, _ = k.shape
     c_size = ck.shape[3]
     group = hq // hkv
-    _check_inputs("sparse_decode", q, k)
+    _check_inputs("sparse_decode", q, k, ck)
     _check_config(cfg, d)
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
@@ -411,9 +433,10 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
         interpret=interpret)
+    heads_c = ck.shape[:2] + (hkv * c_size, d)  # the heads' buffers as one key axis
     res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
                            lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
-                           ck, cv, k, v),
+                           ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]

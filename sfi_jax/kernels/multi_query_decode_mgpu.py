@@ -23,14 +23,14 @@ from sfi_jax.kernels import attention_mgpu as base
 from sfi_jax.kernels.common import as_layer_stack
 from sfi_jax.kernels.multi_query_decode_gpu import row_end
 
-DEFAULT = base.Config(block_k=128, stages=2, programs=2 * base._NUM_SMS)
+DEFAULT = base.DENSE
+DEFAULT_LOGITS = base.DENSE_LOGITS
 
 
 def supported(q, k) -> bool:
-    """Half-precision caches, head dim 64/128/256 and G * T <= 64 query rows per KV head."""
+    """As attention_mgpu.supported, and G * T <= 64 query rows per KV head."""
     _, n_q, hq, d = q.shape
-    return (jnp.dtype(k.dtype) in base.HALF and d in (64, 128, 256)
-            and (hq // k.shape[-3]) * n_q <= base._M)
+    return (base.supported(q[:, 0], k) and (hq // k.shape[-3]) * n_q <= base._M)
 
 
 def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *rest, n_q,
@@ -105,7 +105,8 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
                        interpret=False, config=None):
     """Multi-query decode attention (see kernels.multi_query_decode): q [B, T, Hq, D] over
     k, v [B, Hkv, S, D] or stacked [L, B, Hkv, S, D] read at `layer`; half precision."""
-    cfg = config or DEFAULT
+    cfg = config or base.fit(DEFAULT_LOGITS if return_logits else DEFAULT, q.shape[-1],
+                             return_logits)
     k, layer_arr = as_layer_stack(k, layer)
     v, _ = as_layer_stack(v, layer)
     n_rows, n_q, hq, d = q.shape
@@ -114,8 +115,8 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     gt = group * n_q
     if not supported(q, k):
         raise ValueError(f"mosaic_gpu multi_query_decode takes bf16/f16 caches, head dim "
-                         f"64/128/256 and G*T <= {base._M}; got {k.dtype}, d={d}, "
-                         f"G*T={gt}")
+                         f"64/128/256, S a multiple of 8 and G*T <= {base._M}; got {k.dtype}, "
+                         f"d={d}, S={s_len}, G*T={gt}")
     base._check_config(cfg, d, return_logits)
     bk = cfg.block_k
     split, n_splits = base._splits(s_len, n_rows * hkv, cfg)

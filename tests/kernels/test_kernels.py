@@ -24,7 +24,7 @@ from sfi_jax.kernels import attention_tpu as tpu
 from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.options import platform
 
-from conftest import GPU_IMPL, MGPU_IMPL, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
+from conftest import GPU_IMPL, MGPU_IMPL, with_impls, assert_close_logits, gpu_interpret, host_rng, normal, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small blocks so that a few hundred keys span several blocks and splits.
@@ -69,11 +69,11 @@ DENSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
-@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths", DENSE_CASES)
+@pytest.mark.parametrize("hq,hkv,d,s,dtype,lengths,impl",
+                         with_impls(DENSE_CASES, IMPL_PARAMS, slow=(4,)))
 def test_dense_matches_reference(impl, hq, hkv, d, s, dtype, lengths):
-    if impl == "mosaic_gpu" and dtype == jnp.float32:
-        pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
+    if impl == "mosaic_gpu" and (dtype == jnp.float32 or s % 8):
+        pytest.skip("float32 caches and S % 8 take the Triton kernel (test_mosaic_dispatch)")
     b = len(lengths)
     ks = jax.random.split(jax.random.PRNGKey(hq * 1000 + s), 3)
     q = normal(ks[0], (b, hq, d), dtype)
@@ -128,7 +128,8 @@ def _stacked_case(seed, n_keys, dtype):
         normal(ks[2], shape, dtype), ks
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("impl", [GPU_IMPL, pytest.param("mosaic_gpu", marks=[
+    pytest.mark.gpu, pytest.mark.slow]), "pallas_tpu"])  # mosaic: layer also in the api test
 def test_dense_layer_and_rows_read_in_place(impl):
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
     q, k, v, _ = _stacked_case(5, 3, dtype)
@@ -194,17 +195,18 @@ SPARSE_CASES = [
     (2, 2, 128, 200, 37, jnp.bfloat16, [[37, 0], [5, 36]], [10, 199], [139, 200]),
     (10, 2, 64, 100, 60, jnp.float32, [[0, 0], [60, 33]], [50, 0], [50, 100]),
     (16, 1, 128, 130, 20, jnp.bfloat16, [[20], [0]], [64, 0], [129, 0]),
-    # half precision, head dim 64 (the Mosaic kernel's), the first case's edges
-    (4, 2, 64, 300, 150, jnp.bfloat16, [[0, 150], [77, 1], [129, 128]], [300, 0, 256],
-     [300, 257, 257]),
+    # half precision, S and Hkv * C multiples of 8 (the Mosaic kernel's; C itself is not), the
+    # first case's edges
+    (4, 2, 64, 304, 148, jnp.bfloat16, [[0, 148], [77, 1], [129, 128]], [304, 0, 256],
+     [304, 257, 257]),
 ]
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
-@pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths", SPARSE_CASES)
+@pytest.mark.parametrize("hq,hkv,d,s,c,dtype,c_len,rs,lengths,impl",
+                         with_impls(SPARSE_CASES, IMPL_PARAMS))
 def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, lengths):
-    if impl == "mosaic_gpu" and dtype == jnp.float32:
-        pytest.skip("float32 caches take the Triton kernel (test_mosaic_dispatch)")
+    if impl == "mosaic_gpu" and (dtype == jnp.float32 or s % 8 or hkv * c % 8):
+        pytest.skip("float32 caches, S or Hkv * C % 8 take the Triton kernel (test_mosaic_dispatch)")
     if impl != "mosaic_gpu" and dtype == jnp.bfloat16 and d == 64:
         pytest.skip("the half-precision twin of the first case, for the Mosaic kernel")
     b = len(lengths)
@@ -217,7 +219,7 @@ def test_sparse_matches_reference(impl, hq, hkv, d, s, c, dtype, c_len, rs, leng
     assert rel_err(out, ref) <= TOL[dtype]
     empty = (np.asarray(c_len).sum(1) == 0) & (np.asarray(rs) >= np.asarray(lens))
     assert not np.asarray(out)[empty].any()
-    if s == 300:  # a static bound on the window (what the runtime passes) changes nothing
+    if s in (300, 304):  # a static bound on the window (what the runtime passes) changes nothing
         window = int(np.max(np.asarray(lens) - np.asarray(rs)))
         out = _sparse(impl, q, ck, cv, c_len, k, v, rs, lens, window=window)
         assert rel_err(out, ref) <= TOL[dtype]
@@ -230,7 +232,8 @@ def f_stacked(impl, *args):
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_sparse_layer_read_in_place(impl):
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
-    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=260, c=140,
+    s, c = (264, 140) if impl == "mosaic_gpu" else (260, 140)  # Mosaic: S a multiple of 8
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(9), b=2, hq=8, hkv=2, s=s, c=c,
                                      d=64, dtype=dtype, layers=3)
     c_len = jnp.asarray([[140, 3], [0, 129]], jnp.int32)
     rs, lens = jnp.asarray([200, 1], jnp.int32), jnp.asarray([260, 130], jnp.int32)
@@ -275,7 +278,7 @@ def test_sparse_writes_the_new_token(impl, dtype):
     """new_kv: the step's key/value land at position lengths - 1 of layer l (norm too), nothing
     else changes, and the output equals the reference over the updated cache (the GPU kernel
     attends to the new token from registers, so it never reads the position it writes)."""
-    n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 70, 64
+    n_layers, b, hq, hkv, s, c, d = 3, 3, 10, 2, 200, 68 if impl == "mosaic_gpu" else 70, 64
     q, ck, cv, k, v, kn, vn, norms = _new_token_case(21, n_layers, b, hq, hkv, s, c, d, dtype)
     c_len = jnp.asarray([[70, 3], [0, 0], [33, 64]], jnp.int32)
     lens = jnp.asarray([200, 1, 97], jnp.int32)  # row 1: the new token alone
@@ -665,12 +668,47 @@ def test_mosaic_dense_buffers_through_api():
 
 
 def test_mosaic_dispatch():
-    """mosaic_gpu takes half-precision caches with head dim 64/128/256; float32 (wgmma would
-    round it to TF32) and other head dims take the Triton kernel, with its results."""
+    """mosaic_gpu takes half-precision caches with head dim 64/128/256, S and Hkv * C
+    multiples of 8; float32 (wgmma would round it to TF32), other head dims and lengths take
+    the Triton kernel, with its results."""
     q = jnp.zeros((2, 8, 64), jnp.bfloat16)
     assert mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.bfloat16))
     assert not mgpu.supported(q, jnp.zeros((2, 2, 40, 64), jnp.float32))
     assert not mgpu.supported(q[..., :48], jnp.zeros((2, 2, 40, 48), jnp.bfloat16))
+    assert not mgpu.supported(q, jnp.zeros((2, 2, 44, 64), jnp.bfloat16))
+    kv = jnp.zeros((2, 2, 40, 64), jnp.bfloat16)
+    assert mgpu.supported(q, kv, jnp.zeros((2, 2, 12, 64), jnp.bfloat16))  # 2 heads x 12
+    assert not mgpu.supported(q, kv, jnp.zeros((2, 2, 13, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match="bf16/f16"):
         mgpu.dense_decode(q.astype(jnp.float32), jnp.zeros((2, 2, 40, 64)),
                           jnp.zeros((2, 2, 40, 64)), jnp.zeros((2,), jnp.int32))
+
+
+MGPU_EXPORT = [(4, 32, 8, 128, 1000, 300, jnp.bfloat16), (3, 10, 2, 64, 136, 36, jnp.bfloat16),
+               (2, 16, 2, 256, 512, 64, jnp.float16)]  # (B, Hq, Hkv, D, S, C, dtype)
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,s,c,dtype", MGPU_EXPORT)
+def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
+    """The Mosaic GPU kernels go through Mosaic GPU's own lowering for a CUDA target on any
+    machine (layouts, TMA shapes, shared memory size), which interpret mode does not."""
+    from sfi_jax.kernels import multi_query_decode_mgpu as mq_mgpu
+
+    sds = jax.ShapeDtypeStruct
+    q, vec = sds((b, hq, d), dtype), sds((b,), jnp.int32)
+    kv, ckv = sds((2, b, hkv, s, d), dtype), sds((2, b, hkv, c, d), dtype)
+    fns = {
+        "dense": (lambda q, k, v, n: mgpu.dense_decode(q, k, v, n, jnp.int32(1)), (q, kv, kv, vec)),
+        "dense_logits": (lambda q, k, v, n, r: mgpu.dense_decode(
+            q, k, v, n, jnp.int32(0), r, return_logits=True), (q, kv, kv, vec, vec)),
+        "sparse": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
+            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
+            q, k, v, a, n, jnp.int32(1), return_logits=True),
+            (sds((b, 64 * hkv // hq, hq, d), dtype), kv, kv, vec, vec)),
+    }
+    checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+    for name, (f, args) in fns.items():
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
+        assert "mosaic_gpu" in exp.mlir_module(), name

@@ -22,7 +22,7 @@ from sfi_jax.kernels import multi_query_decode_reference as mq_ref
 from sfi_jax.kernels import multi_query_decode_tpu as mq_tpu
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 
-from conftest import GPU_IMPL, MGPU_IMPL, assert_close_logits, gpu_interpret, normal, rel_err
+from conftest import GPU_IMPL, MGPU_IMPL, with_impls, assert_close_logits, gpu_interpret, normal, rel_err
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
@@ -105,14 +105,18 @@ CASES = [
     (4, 10, 2, 64, 200, jnp.bfloat16, [195, 60, 10], [199, 64, 10]),
     (5, 8, 1, 64, 160, jnp.float32, [0, 155, 100], [5, 158, 160]),
     (8, 16, 1, 128, 96, jnp.bfloat16, [88, 40], [96, 45]),
+    # the second case with S a multiple of 8 (the Mosaic GPU kernel's)
+    (2, 4, 2, 128, 304, jnp.bfloat16, [126, 254, 95], [128, 256, 96]),
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("t,hq,hkv,d,s,dtype,q_start,kv_len", CASES)
+@pytest.mark.parametrize("t,hq,hkv,d,s,dtype,q_start,kv_len,impl",
+                         with_impls(CASES, IMPLS, slow=(3,)))
 def test_matches_reference(impl, t, hq, hkv, d, s, dtype, q_start, kv_len):
-    if impl == "mosaic_gpu" and (dtype == jnp.float32 or t * hq // hkv > 64):
-        pytest.skip("float32 caches and G * T > 64 take the Triton kernel")
+    if impl == "mosaic_gpu" and (dtype == jnp.float32 or t * hq // hkv > 64 or s % 8):
+        pytest.skip("float32 caches, G * T > 64 and S % 8 take the Triton kernel")
+    if impl != "mosaic_gpu" and s == 304:
+        pytest.skip("the Mosaic GPU twin of the second case")
     b = len(kv_len)
     q, k, v = _case(t * 100 + hq, b, t, hq, hkv, d, s, dtype)
     qs, kl = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
@@ -152,16 +156,17 @@ def test_stacked_cache_read_at_traced_layer(impl):
         assert_close_logits(lse, r_lse, 1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [i if i != MGPU_IMPL else pytest.param(
+    "mosaic_gpu", marks=[pytest.mark.gpu, pytest.mark.slow]) for i in IMPLS])
 def test_one_query_equals_dense_decode(impl):
     """T = 1 at the last position is a decode step: the same outputs, logits and lse as the
     dense decode kernel (default tuning of both), empty row included."""
     from sfi_jax.kernels import dense_decode
 
-    b, hq, hkv, d, s = 3, 8, 2, 64, 300
+    b, hq, hkv, d, s = 3, 8, 2, 64, 296 if impl == "mosaic_gpu" else 300
     dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
     q, k, v = _case(11, b, 1, hq, hkv, d, s, dtype)
-    kl = jnp.asarray([300, 0, 129], jnp.int32)
+    kl = jnp.asarray([s, 0, 129], jnp.int32)
     out, lg, lse = multi_query_decode(q, k, v, kl - 1, kl, return_logits=True, impl=impl)
     d_out, d_lg, d_lse = dense_decode(q[:, 0], k, v, kl, return_logits=True, impl=impl)
     assert rel_err(out[:, 0], d_out) <= (1e-5 if dtype == jnp.float32 else TOL[dtype])
@@ -172,7 +177,8 @@ def test_one_query_equals_dense_decode(impl):
 @pytest.mark.parametrize("impl", [GPU_IMPL, MGPU_IMPL, "pallas_tpu"])
 def test_dispatcher_runs_kernel_on_cpu(impl):
     """The public entry point with the kernel's own default tuning."""
-    q, k, v = _case(3, 2, 4, 8, 2, 64, 130, jnp.bfloat16)
+    s = 136 if impl == "mosaic_gpu" else 130  # Mosaic: S a multiple of 8
+    q, k, v = _case(3, 2, 4, 8, 2, 64, s, jnp.bfloat16)
     qs, kl = jnp.asarray([126, 20], jnp.int32), jnp.asarray([130, 22], jnp.int32)
     r_out = mq_ref.multi_query_decode(q, k, v, qs, kl)
     assert rel_err(multi_query_decode(q, k, v, qs, kl, impl=impl), r_out) <= TOL[jnp.bfloat16]
