@@ -2,8 +2,8 @@
 
 impl: "auto" (the kernel of the current platform; "xla" on CPU), "xla" (pure jnp),
 "pallas_gpu" (Triton-lowered), "mosaic_gpu" (Mosaic GPU, for half-precision caches with
-head dim 64/128/256; other inputs take the Triton kernel), "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for
-off its own platform runs in interpret mode, so both kernels can be tested on a CPU.
+head dim 64/128/256; other inputs take the Triton kernel), "pallas_tpu" (Mosaic TPU). A Pallas
+kernel asked for off its own platform runs in interpret mode, so each can be tested on a CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from sfi_jax.kernels import attention_reference as reference
 from sfi_jax.kernels.common import interpret_for, platform, platform_kernel
 
-IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 REPACK = ("auto", "kernel", "xla")
 
 
