@@ -13,7 +13,7 @@ import pytest
 
 import sfi_jax
 from conftest import TINY_EOS, make_hf_checkpoint
-from sfi_jax.runtime.engine import _TextStream
+from sfi_jax.runtime.requests import TextStream
 
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
@@ -294,7 +294,7 @@ def test_streamed_text_is_the_final_text(smol_tokenizer, text):
     """Text released token by token never holds a partial character, and adds up to the whole
     text; multi-byte characters split over several tokens included."""
     ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
-    stream, parts = _TextStream(smol_tokenizer, []), []
+    stream, parts = TextStream(smol_tokenizer, []), []
     for i in range(1, len(ids) + 1):
         new, stopped = stream.update(ids[:i], final=i == len(ids))
         assert "\ufffd" not in new and not stopped
@@ -307,7 +307,7 @@ def test_stop_strings_end_the_text(smol_tokenizer):
     ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
     for stop, want in [([". The"], "The answer is 42"), (["\n", "42"], "The answer is "),
                        (["absent"], text)]:
-        stream, parts, stopped = _TextStream(smol_tokenizer, stop), [], False
+        stream, parts, stopped = TextStream(smol_tokenizer, stop), [], False
         for i in range(1, len(ids) + 1):
             new, stopped = stream.update(ids[:i], final=i == len(ids))
             parts.append(new)
