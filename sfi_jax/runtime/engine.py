@@ -8,8 +8,8 @@ most one chunk), its initial selection made and its first token sampled, then it
 are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
 steps in one device call and streams each request's new tokens, freeing slots on EOS, a stop
 string or token id, the token budget or a cancel: `decoder.SlotDecoder`, the decode loop
-`generate` runs too. A request's prompt length, budget and sampling are data: programs depend only on the
-slots, the cache length and the prompt's length bucket.
+`generate` runs too. A request's prompt length, budget and sampling are data: programs depend
+only on the slots, the cache length and the prompt's length bucket.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ class Engine:
     """Continuous batching over `max_slots` rows of a `max_len`-position cache.
 
     mode: "sfi", "dense" or "exact" (greedy requests only: dense decoding's tokens, drafted by
-    SFI's fast steps and verified by a dense step). sfi: the SFIConfig (default
+    SFI's fast steps and verified by a dense step; its sampling is one setting for all rows,
+    which `generate` offers for a batch). sfi: the SFIConfig (default
     SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
     the most steps a finished or cancelled request's slot stays busy). prefill_chunk: the most
     prompt tokens per prefill call (a power of two, default 8192). max_queue: requests that may
