@@ -492,6 +492,9 @@ def _decode(run: _Run, state: DecodeState, counts, first, first_logits, eos_ids,
     dec.on_chunk = on_tokens
     t1 = time.perf_counter()
     while dec.active():
+        if dec.steps >= max_new_tokens:  # each step gives every open row a token: none is left
+            raise RuntimeError(f"decode took {dec.steps} steps for max_new_tokens="
+                               f"{max_new_tokens} and rows are still open")
         dec.step()
     jax.block_until_ready(dec.state.lengths)
     decode_s = time.perf_counter() - t1 - dec.compile_s
