@@ -6,22 +6,19 @@ waiting requests into free slots: a request's prompt is prefilled alone (batch 1
 up to `prefill_chunk` tokens, one chunk per scheduler iteration so that running streams wait at
 most one chunk), its initial selection made and its first token sampled, then its cache rows
 are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
-steps in one device call (`decode.decode_chunk`, the loop `generate` runs), streams each
-request's new tokens and frees slots on EOS, a stop string or token id, the token budget or a
-cancel. A request's prompt length, budget and sampling are data: programs depend only on the
-slots, the cache length and the prompt's length bucket.
+steps in one device call and streams each request's new tokens, freeing slots on EOS, a stop
+string or token id, the token budget or a cancel: `decoder.SlotDecoder`, the decode loop
+`generate` runs too. A request's prompt length, budget and sampling are data: programs depend
+only on the slots, the cache length and the prompt's length bucket.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import itertools
 import math
 import operator
-import queue
-import sys
 import threading
 import time
 from typing import Callable
@@ -33,164 +30,17 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.modeling import Model
 from sfi_jax.options import EngineOptions
-from sfi_jax.runtime import decode, exact, prefill, programs, selection
-from sfi_jax.runtime.sampling import SamplingConfig, sample_rows
+from sfi_jax.runtime import exact, prefill, programs, selection
+from sfi_jax.runtime.decoder import Active, SlotDecoder
+from sfi_jax.runtime.requests import (QueueFull, Request, RequestError, RequestHandle,
+                                      RequestResult, TextStream, TokenEvent)
+from sfi_jax.runtime.sampling import sample_rows
 from sfi_jax.runtime.state import (DecodeState, RowControls, empty_cache, empty_sfi_state,
                                    row_controls, state_bytes)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_SLOTS = 16  # the default slot count at most (fewer when the memory holds fewer)
 CPU_MAX_SLOTS, CPU_MAX_LEN = 2, 2048  # CPU defaults (a laptop serves its first answer in ~12 s)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; `field` names the offending parameter."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-class QueueFull(RuntimeError):
-    """Too many requests wait already; retry after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request. prompt: text (needs the engine's tokenizer) or token ids.
-    seed None: a fresh seed per request. stop: strings that end the text (not included);
-    stop_token_ids: ids that end it (not included)."""
-
-    prompt: str | list[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    """New tokens of one request: ids and the text they complete (never a partial character,
-    and never text that may still turn out to start a stop string). The last event of a
-    request has its finish_reason ("stop", "length", "cancelled" or "error", with `error`)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclasses.dataclass
-class RequestResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    ttft_s: float | None = None
-    stats: dict = dataclasses.field(default_factory=dict)
-
-
-class RequestHandle:
-    """A submitted request: iterate it for its `TokenEvent`s, or wait for `result()`."""
-
-    def __init__(self, request_id: str, request: Request, prompt_tokens: list[int],
-                 on_event: Callable[[TokenEvent], None] | None):
-        self.id = request_id
-        self.request = request
-        self.prompt_tokens = prompt_tokens
-        self.on_event = on_event
-        self._events: queue.Queue = queue.Queue()
-        self._finished = threading.Event()
-        self._result: RequestResult | None = None
-        self.cancelled = False
-
-    def _emit(self, event: TokenEvent):
-        if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception as e:  # a broken listener fails its own request only
-                print(f"sfi_jax.Engine: request {self.id}'s event callback raised {e!r}",
-                      file=sys.stderr)
-        self._events.put(event)
-
-    def __iter__(self):
-        while True:
-            event = self._events.get()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def result(self, timeout: float | None = None) -> RequestResult:
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        return self._result
-
-    @property
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-
-class _TextStream:
-    """Incremental detokenisation with stop strings: the text of all ids so far, released up to
-    the last complete character and short of any text that could still begin a stop string."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
-        self.text = ""
-
-    def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        """(new text to send, whether a stop string ended the text)."""
-        if self.tokenizer is None:
-            return "", False
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        stopped = False
-        for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s)))
-            if at >= 0:
-                text, stopped = text[:at], True
-        self.text = text
-        end = len(text)
-        if not (final or stopped):
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1  # a character whose bytes have not all arrived
-            end = max(self.sent, end - self.hold)
-        new = text[self.sent:end]
-        self.sent = end
-        return new, stopped
-
-
-@dataclasses.dataclass
-class _Active:
-    """A request in a slot (or on its way into one)."""
-
-    handle: RequestHandle
-    slot: int
-    ids: list[int]
-    stream: _TextStream
-    t_submit: float
-    generated: list = dataclasses.field(default_factory=list)
-    t_first: float | None = None
-    t_last: float | None = None
-    # prefill progress
-    tokens: np.ndarray | None = None
-    start: int = 0
-    k: jax.Array | None = None
-    v: jax.Array | None = None
-    key_norms: jax.Array | None = None
-    carry: prefill.PrefillCarry | None = None
-    chunk: int = 0
 
 
 def _as_int(value, field, lo=None, hi=None, what="an integer"):
@@ -244,18 +94,6 @@ def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: Ro
         nonfinite=state.nonfinite.at[slot].set(False))
 
 
-@functools.partial(jax.jit, donate_argnames=("state", "counts"))
-def _release(state: DecodeState, counts, free):
-    """Rows in `free` (bool [B]) end: done, back at length 0, no budget."""
-    rows = state.rows
-    if rows is not None:
-        rows = rows._replace(remaining=jnp.where(free, 0, rows.remaining))
-    if counts is not None:
-        counts = counts._replace(remaining=jnp.where(free, 0, counts.remaining))
-    return state._replace(done=state.done | free, lengths=jnp.where(free, 0, state.lengths),
-                          rows=rows), counts
-
-
 @functools.partial(jax.jit, donate_argnames=("counts",))
 def _insert_counts(counts, slot, remaining):
     """Exact mode's bookkeeping of a new request in `slot`."""
@@ -275,7 +113,8 @@ class Engine:
     """Continuous batching over `max_slots` rows of a `max_len`-position cache.
 
     mode: "sfi", "dense" or "exact" (greedy requests only: dense decoding's tokens, drafted by
-    SFI's fast steps and verified by a dense step). sfi: the SFIConfig (default
+    SFI's fast steps and verified by a dense step; its sampling is one setting for all rows,
+    which `generate` offers for a batch). sfi: the SFIConfig (default
     SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
     the most steps a finished or cancelled request's slot stays busy). prefill_chunk: the most
     prompt tokens per prefill call (a power of two, default 8192). max_queue: requests that may
@@ -318,20 +157,22 @@ class Engine:
         self.window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
         self.max_len, self.max_slots = self._size(max_len, max_slots)
         self._masks(trigger_ids)
-        self._state, self._exact_counts = self._empty_state()
-        self._slots: list[_Active | None] = [None] * self.max_slots
-        self._prefilling: collections.deque[_Active] = collections.deque()
-        self._waiting: collections.deque[_Active] = collections.deque()
+        self._prefilling: collections.deque[Active] = collections.deque()
+        self._waiting: collections.deque[Active] = collections.deque()
         self._lock = threading.Condition()
+        self.observers: list[Callable[[str, float], None]] = []
+        state, counts = self._empty_state()
+        self.decoder = SlotDecoder(
+            params=self.params, cfg=self.cfg, mode=mode, sfi=self.sfi, options=self.options,
+            state=state, counts=counts, eos_mask=self._eos, trigger_mask=self._trig,
+            stop_ids=self.eos_ids, hidden_ids=self.eos_ids, chunk_steps=self.chunk_steps,
+            lock=self._lock, observe=self._observe)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._running = False
         self._drain = True
         self._ids = itertools.count()
         self._seeds = np.random.default_rng()
-        self.observers: list[Callable[[str, float], None]] = []
-        self._counts = collections.Counter()
-        self._rate = collections.deque(maxlen=32)  # (tokens, seconds) of recent decode calls
 
     # ------------------------------------------------------------------ setup
 
@@ -471,9 +312,9 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests wait already (max_queue="
                                 f"{self.max_queue})", retry_after=1.0)
             handle = RequestHandle(f"req-{next(self._ids)}", request, ids, on_event)
-            self._waiting.append(_Active(handle, -1, ids, _TextStream(self.tokenizer, stop),
+            self._waiting.append(Active(handle, -1, ids, TextStream(self.tokenizer, stop),
                                          time.perf_counter()))
-            self._counts["requests_total"] += 1
+            self.decoder.tally["requests_total"] += 1
             self._lock.notify_all()
         return handle
 
@@ -520,21 +361,22 @@ class Engine:
         self.stop(drain=exc[0] is None)
 
     def _all_requests(self):
-        return [a for a in self._slots if a is not None] + list(self._prefilling) + \
+        return [a for a in self.decoder.slots if a is not None] + list(self._prefilling) + \
             list(self._waiting)
 
     def metrics(self) -> dict:
         with self._lock:
-            active = sum(a is not None and a.t_first is not None for a in self._slots)
-            tokens = sum(n for n, _ in self._rate)
-            seconds = sum(s for _, s in self._rate)
+            dec = self.decoder
+            active = sum(a is not None and a.t_first is not None for a in dec.slots)
+            tokens = sum(n for n, _ in dec.rate)
+            seconds = sum(s for _, s in dec.rate)
             return {"queue_length": len(self._waiting), "prefilling": len(self._prefilling),
                     "active_slots": active, "max_slots": self.max_slots,
-                    "requests_total": self._counts["requests_total"],
-                    "requests_finished": self._counts["requests_finished"],
-                    "tokens_generated": self._counts["tokens_generated"],
-                    "slow_steps": self._counts["slow_steps"],
-                    "fast_steps": self._counts["fast_steps"],
+                    "requests_total": dec.tally["requests_total"],
+                    "requests_finished": dec.tally["requests_finished"],
+                    "tokens_generated": dec.tally["tokens_generated"],
+                    "slow_steps": dec.tally["slow_steps"],
+                    "fast_steps": dec.tally["fast_steps"],
                     "decode_tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
     def _observe(self, kind, value):
@@ -557,22 +399,24 @@ class Engine:
             try:
                 self._step()
             except Exception as e:  # a decode error ends the requests in flight, not the engine
-                for a in [a for a in self._slots if a is not None] + list(self._prefilling):
-                    self._finish(a, "error", f"{type(e).__name__}: {e}")
+                dec = self.decoder
+                for a in [a for a in dec.slots if a is not None] + list(self._prefilling):
+                    dec.finish(a, "error", f"{type(e).__name__}: {e}")
                 self._prefilling.clear()
-                self._state, self._exact_counts = self._empty_state()
+                dec.state, dec.counts = self._empty_state()
+                dec.released[:] = True
 
     def _admit(self):
         """Waiting requests -> free slots (called with the lock held)."""
         for a in list(self._waiting):
             if a.handle.cancelled:
                 self._waiting.remove(a)
-                self._finish(a, "cancelled")
+                self.decoder.finish(a, "cancelled")
         taken = {a.slot for a in self._prefilling}
         for slot in range(self.max_slots):
             if not self._waiting:
                 break
-            if self._slots[slot] is None and slot not in taken:
+            if self.decoder.slots[slot] is None and slot not in taken:
                 a = self._waiting.popleft()
                 a.slot = slot
                 self._prefilling.append(a)
@@ -583,7 +427,7 @@ class Engine:
             try:
                 if a.handle.cancelled:
                     self._prefilling.popleft()
-                    self._finish(a, "cancelled")
+                    self.decoder.finish(a, "cancelled")
                 elif self._prefill_chunk(a):
                     self._prefilling.popleft()
                     self._enter_slot(a)
@@ -592,14 +436,14 @@ class Engine:
                     self._prefilling.popleft()
                 if not self._state_intact():
                     raise
-                self._finish(a, "error", f"{type(e).__name__}: {e}")
-        self._release_ended()
-        if any(a is not None for a in self._slots):
-            self._decode()
+                self.decoder.finish(a, "error", f"{type(e).__name__}: {e}")
+        self.decoder.release_ended()
+        if self.decoder.active():
+            self.decoder.step()
 
     def _state_intact(self) -> bool:
         """Whether the slots' state survived a failed call (a donated buffer may not have)."""
-        return not any(x.is_deleted() for x in jax.tree.leaves(self._state))
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.decoder.state))
 
     def prefill_length(self, n: int) -> int:
         """The padded length a prompt of n tokens is prefilled at: a power of two up to one
@@ -620,7 +464,7 @@ class Engine:
                 out.append(n)
         return out
 
-    def _prefill_chunk(self, a: _Active) -> bool:
+    def _prefill_chunk(self, a: Active) -> bool:
         """One prefill chunk of request `a`; True when its prompt is done."""
         cfg, dtype = self.cfg, self.model.dtype
         if a.tokens is None:
@@ -648,7 +492,7 @@ class Engine:
                            keys=jax.random.key(seed)[None],
                            remaining=jnp.asarray([r.max_tokens - 1], jnp.int32))
 
-    def _enter_slot(self, a: _Active):
+    def _enter_slot(self, a: Active):
         """The prefilled request's selection and first token; then its rows go into its slot."""
         cfg, sfi, n = self.cfg, self.sfi, len(a.ids)
         T = a.tokens.shape[1]
@@ -670,7 +514,7 @@ class Engine:
         token, finite, controls = _first_token(logits, self._controls(a.handle.request))
         token = int(token[0])
         if not bool(finite):
-            self._finish(a, "error", f"request {a.handle.id}: the prefill's logits are not "
+            self.decoder.finish(a, "error", f"request {a.handle.id}: the prefill's logits are not "
                          "finite (NaN/inf); check the checkpoint and dtype")
             return
         S = self.max_len
@@ -679,144 +523,13 @@ class Engine:
             sfi_row = sfi_row._replace(key_norms=sfi_row.key_norms[..., :keep])
         max_tokens = a.handle.request.max_tokens
         ended = max_tokens <= 1 or token in self.eos_ids
-        self._state = _insert(self._state, jnp.int32(a.slot), a.k[..., :keep, :],
-                                      a.v[..., :keep, :], sfi_row, jnp.int32(n), jnp.int32(token),
-                                      controls, jnp.bool_(ended))
-        if self._exact_counts is not None:
-            self._exact_counts = _insert_counts(self._exact_counts, jnp.int32(a.slot),
-                                                jnp.int32(0 if ended else max_tokens - 1))
+        dec = self.decoder
+        dec.state = _insert(dec.state, jnp.int32(a.slot), a.k[..., :keep, :],
+                            a.v[..., :keep, :], sfi_row, jnp.int32(n), jnp.int32(token),
+                            controls, jnp.bool_(ended))
+        if dec.counts is not None:
+            dec.counts = _insert_counts(dec.counts, jnp.int32(a.slot),
+                                        jnp.int32(0 if ended else max_tokens - 1))
         a.k = a.v = a.key_norms = a.carry = a.tokens = None
-        a.t_first = time.perf_counter()
-        self._observe("ttft_s", a.t_first - a.t_submit)
-        with self._lock:
-            self._slots[a.slot] = a
-        self._deliver(a, [token], device_done=ended)
+        dec.enter(a, token, device_done=ended)
 
-    def _release_ended(self):
-        """Free the device rows of requests that ended on the host (stop strings, cancels)."""
-        free = np.zeros((self.max_slots,), bool)
-        for slot, a in enumerate(self._slots):
-            if a is not None and a.handle.cancelled:
-                self._finish(a, "cancelled")
-            if self._slots[slot] is None:
-                free[slot] = True
-        self._state, self._exact_counts = _release(self._state, self._exact_counts,
-                                                   jnp.asarray(free))
-
-    def _decode(self):
-        if self.mode == "exact":
-            return self._decode_exact()
-        B, n = self.max_slots, self.chunk_steps
-        forced = jnp.full((B, n), -1, jnp.int32)
-        args = (self.params, self._state, self._eos, self._trig, forced)
-        statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(), n_steps=n,
-                       options=self.options, return_logits=False, plan=None)
-        program, _ = programs.compiled(decode.decode_chunk, args, statics)
-        t0 = time.perf_counter()
-        self._state, toks, taken, slow, _, _ = program(*args)
-        toks, taken = np.asarray(toks), int(taken)
-        done = np.asarray(self._state.done)
-        bad = np.asarray(self._state.nonfinite)
-        dt = time.perf_counter() - t0
-        slow = np.asarray(slow)[:, :taken]
-        produced = 0
-        for slot, a in enumerate(self._slots):
-            if a is None:
-                continue
-            new = [int(t) for t in toks[slot, :taken] if t >= 0]
-            produced += len(new)
-            self._counts["slow_steps"] += int(slow[slot].sum())
-            self._counts["fast_steps"] += len(new) - int(slow[slot].sum())
-            if bad[slot]:
-                self._finish(a, "error", self._nonfinite_message(a, len(new)))
-                continue
-            self._deliver(a, new, device_done=bool(done[slot]))
-        if taken:
-            self._rate.append((produced, dt))
-            if produced:
-                self._observe("itl_s", dt / max(1, taken))
-
-    def _nonfinite_message(self, a: _Active, n_new: int) -> str:
-        return (f"request {a.handle.id}: non-finite logits (NaN/inf) by decode step "
-                f"{len(a.generated) + n_new - 1} (mode {self.mode}); check the checkpoint and "
-                "dtype")
-
-    def _decode_exact(self):
-        """Draft + verify rounds for all slots (`exact.exact_chunk`, greedy)."""
-        n_rounds = max(1, self.chunk_steps // (self.sfi.draft_len + 1))
-        args = (self.params, self._state, self._exact_counts, self._eos, self._trig)
-        statics = dict(cfg=self.cfg, sfi=self.sfi, sampling=SamplingConfig(),
-                       n_rounds=n_rounds, options=self.options, accept_rate=None)
-        program, _ = programs.compiled(exact.exact_chunk, args, statics)
-        t0 = time.perf_counter()
-        self._state, self._exact_counts, toks, n_out, taken = program(*args)
-        toks, n_out = np.asarray(toks), np.asarray(n_out)
-        done, bad = np.asarray(self._state.done), np.asarray(self._state.nonfinite)
-        dt = time.perf_counter() - t0
-        produced = 0
-        for slot, a in enumerate(self._slots):
-            if a is None:
-                continue
-            new = toks[slot, :n_out[slot]].tolist()
-            produced += len(new)
-            if bad[slot]:
-                self._finish(a, "error", self._nonfinite_message(a, len(new)))
-                continue
-            self._deliver(a, new, device_done=bool(done[slot]))
-        if int(taken):
-            self._rate.append((produced, dt))
-            if produced:
-                self._observe("itl_s", dt * self.max_slots / produced)
-
-    def _deliver(self, a: _Active, new: list[int], device_done: bool):
-        """Stream a request's new tokens; finish it on EOS, a stop token or string, or its
-        budget."""
-        request = a.handle.request
-        finish = None
-        stops = set(request.stop_token_ids or [])
-        for i, t in enumerate(new):
-            if t in stops:
-                new, finish = new[:i], "stop"
-                break
-            if t in self.eos_ids:
-                new, finish = new[:i + 1], "stop"
-                break
-        a.generated.extend(new)
-        self._counts["tokens_generated"] += len(new)
-        if finish is None and len(a.generated) >= request.max_tokens:
-            a.generated, finish = a.generated[:request.max_tokens], "length"
-        if finish is None and device_done:
-            finish = "stop" if a.generated and a.generated[-1] in self.eos_ids else "length"
-        text_ids = [t for t in a.generated if t not in self.eos_ids]
-        text, stopped = a.stream.update(text_ids, final=finish is not None)
-        if stopped:
-            finish = "stop"
-        now = time.perf_counter()
-        a.t_last = now
-        if finish is None:
-            if new or text:
-                a.handle._emit(TokenEvent(new, text))
-            return
-        self._finish(a, finish, new_ids=new, text=text)
-
-    def _finish(self, a: _Active, reason: str, error: str | None = None, new_ids=(), text=""):
-        """End a request: its last event, its result, its slot freed."""
-        if a.handle.done:
-            return
-        if reason != "error" and a.stream.tokenizer is not None and not text:
-            text, _ = a.stream.update([t for t in a.generated if t not in self.eos_ids],
-                                      final=True)
-        if a.slot >= 0 and self._slots[a.slot] is a:
-            with self._lock:
-                self._slots[a.slot] = None
-        now = time.perf_counter()
-        h = a.handle
-        h._result = RequestResult(
-            token_ids=list(a.generated), text=a.stream.text, finish_reason=reason,
-            prompt_tokens=len(a.ids), completion_tokens=len(a.generated), error=error,
-            ttft_s=None if a.t_first is None else a.t_first - a.t_submit,
-            stats={"e2e_s": now - a.t_submit})
-        self._counts["requests_finished"] += 1
-        self._observe("e2e_s", now - a.t_submit)
-        h._emit(TokenEvent(list(new_ids), text, reason, error))
-        h._finished.set()

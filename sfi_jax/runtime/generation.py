@@ -1,6 +1,7 @@
 """`generate`: the host side of decoding, as named steps: validate the input, allocate the
-cache and state, prefill, make the initial selection, run jitted chunks of decode steps
-(streaming tokens between chunks, stopping when every row has ended), collect the stats."""
+cache and state, prefill all prompts together, make the initial selection, then decode with
+the Engine's decode loop (`decoder.SlotDecoder`: the rows are its slots 0..B-1, tokens stream
+between chunks, it stops when every row has ended), collect the stats."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import numpy as np
 from sfi_jax.config import SFIConfig
 from sfi_jax.models.modeling import T_SUFFIX, Model, unfuse_qkv_weights
 from sfi_jax.options import EngineOptions
-from sfi_jax.runtime import decode, exact, prefill, programs, selection
+from sfi_jax.runtime import exact, prefill, programs, selection
 from sfi_jax.runtime import mesh as mesh_lib
 from sfi_jax.runtime.sampling import SamplingConfig, sample
+from sfi_jax.runtime.decoder import Active, SlotDecoder
+from sfi_jax.runtime.requests import Request, RequestHandle, TextStream
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
 
 
@@ -452,6 +455,7 @@ def _token_masks(run: _Run, tokenizer, stop_at_eos):
 @dataclasses.dataclass
 class _Decoded:
     generated: list
+    text: list
     state: DecodeState
     logits: list | None
     slow: list
@@ -462,64 +466,43 @@ class _Decoded:
     counts: exact.ExactCounts | None = None  # exact mode's per-row bookkeeping
 
 
-def _decode_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, trig, *,
-                   max_new_tokens, chunk_steps, return_logits, diagnostics, on_tokens):
-    """Run jitted chunks of decode steps until every row ended or max_new_tokens are out."""
-    B, put = run.batch, run.put
-    generated = [[int(t)] for t in first]
-    done = eos_mask[first]
-    logits_out = [np.asarray(first_logits)[:, None]] if return_logits else None
-    slow_flags, diag_parts = [], []
+def _decode(run: _Run, state: DecodeState, counts, first, first_logits, eos_ids, eos_mask,
+            trig, *, mode, stop_at_eos, tokenizer, max_new_tokens, chunk_steps, return_logits,
+            on_tokens, accept_rate) -> _Decoded:
+    """Rows 0..B-1 of `state` enter the slots of a `SlotDecoder` (the Engine's decode loop)
+    with their first tokens; it runs chunks until every row has ended."""
+    dec = SlotDecoder(
+        params=run.params, cfg=run.cfg, mode=mode, sfi=run.sfi, options=run.options,
+        state=state, counts=counts, eos_mask=run.put(eos_mask), trigger_mask=run.put(trig),
+        stop_ids=eos_ids if stop_at_eos else (), hidden_ids=eos_ids, chunk_steps=chunk_steps,
+        sampling=run.sampling, plan=run.plan, put=run.put, forced=run.forced_tokens,
+        return_logits=return_logits, accept_rate=accept_rate, record=True, strict=True)
+    if return_logits:
+        dec.logits.append(np.asarray(first_logits)[:, None])
+    request = Request(prompt=[], max_tokens=max_new_tokens)
+    now = time.perf_counter()
+    ended = eos_mask[first] | (mode == "exact" and max_new_tokens <= 1)  # as state.done
+    rows = []
+    for b, ids in enumerate(run.ids):
+        a = Active(RequestHandle(f"row-{b}", request, ids, None), b, ids,
+                   TextStream(tokenizer, []), now, live_text=False)
+        dec.enter(a, int(first[b]), device_done=bool(ended[b]))
+        rows.append(a)
     if on_tokens:
         on_tokens([[int(t)] for t in first])
-    eos_j, trig_j = put(eos_mask), put(trig)
-    remaining = max_new_tokens - 1
-    steps_taken, compile_s = 0, 0.0
+    dec.on_chunk = on_tokens
     t1 = time.perf_counter()
-    while remaining > 0 and not bool(np.all(done)):
-        n = min(chunk_steps, remaining) if remaining < chunk_steps else chunk_steps
-        forced = np.full((B, n), -1, np.int32)
-        if run.forced_tokens is not None:
-            got = run.forced_tokens[:, 1 + steps_taken: 1 + steps_taken + n]
-            forced[:, :got.shape[1]] = got
-        args = (run.params, state, eos_j, trig_j, put(forced))
-        statics = dict(cfg=run.cfg, sfi=run.sfi, sampling=run.sampling, n_steps=n,
-                       options=run.options, return_logits=return_logits, plan=run.plan)
-        step_fn, seconds = programs.compiled(decode.decode_chunk, args, statics)
-        compile_s += seconds
-        state, toks, taken, slow, lg, dg = step_fn(*args)
-        toks, taken = np.asarray(toks), int(taken)
-        new = [[int(t) for t in row[:taken] if t >= 0] for row in toks]
-        for g, nw in zip(generated, new):
-            g.extend(nw)
-        if return_logits:
-            logits_out.append(np.asarray(lg)[:, :taken])
-        slow_flags.append(np.asarray(slow)[:, :taken])
-        if diagnostics:
-            diag_parts.append(np.asarray(dg)[:, :, :taken])
-        done = np.asarray(state.done)
-        _check_finite(state, generated, "sfi" if run.sfi is not None else "dense")
-        steps_taken += taken
-        remaining -= taken
-        if on_tokens:
-            on_tokens(new)
-        if taken < n:
-            break
-    jax.block_until_ready(state.lengths)
-    decode_s = time.perf_counter() - t1 - compile_s
-    return _Decoded(generated, state, logits_out, slow_flags, diag_parts, steps_taken, decode_s,
-                    compile_s)
-
-
-def _check_finite(state: DecodeState, generated, mode: str):
-    """FloatingPointError naming the first row whose decode logits turned NaN/inf (the decode
-    loop flags the row on the device and stops it)."""
-    bad = np.flatnonzero(np.asarray(state.nonfinite))
-    if bad.size:
-        row = int(bad[0])
-        raise FloatingPointError(
-            f"row {row}: non-finite logits (NaN/inf) by decode step {len(generated[row]) - 1} in "
-            f"mode {mode!r} ({bad.size} row(s) affected); check the checkpoint and dtype")
+    while dec.active():
+        if dec.steps >= max_new_tokens:  # each step gives every open row a token: none is left
+            raise RuntimeError(f"decode took {dec.steps} steps for max_new_tokens="
+                               f"{max_new_tokens} and rows are still open")
+        dec.step()
+    jax.block_until_ready(dec.state.lengths)
+    decode_s = time.perf_counter() - t1 - dec.compile_s
+    results = [a.handle.result(0) for a in rows]
+    return _Decoded([r.token_ids for r in results], [r.text for r in results], dec.state,
+                    dec.logits if return_logits else None, dec.slow, dec.diag, dec.steps,
+                    decode_s, dec.compile_s, counts=dec.counts)
 
 
 def _check_exact(plan, sfi, forced_tokens):
@@ -542,42 +525,6 @@ def _check_exact_call(mode, return_logits, accept_rate):
             raise ValueError(f"accept_rate must be a number in [0, 1], got {accept_rate!r}")
     if mode == "exact" and return_logits:
         raise ValueError("return_logits needs mode 'sfi' or 'dense'")
-
-
-def _exact_chunks(run: _Run, state: DecodeState, first, first_logits, eos_mask, trig, *,
-                  max_new_tokens, chunk_steps, on_tokens, accept_rate=None, **_):
-    """Exact mode (`runtime.exact`): jitted chunks of chunk_steps // (draft_len + 1) draft +
-    verify rounds until every row ended or emitted max_new_tokens."""
-    B, put, sfi = run.batch, run.put, run.sfi
-    generated = [[int(t)] for t in first]
-    if on_tokens:
-        on_tokens([[int(t)] for t in first])
-    done = eos_mask[first] | (max_new_tokens <= 1)
-    counts = exact.initial_counts(B, np.where(done, 0, max_new_tokens - 1))
-    state = state._replace(done=put(done))
-    n_rounds = max(1, chunk_steps // (sfi.draft_len + 1))
-    eos_j, trig_j = put(eos_mask), put(trig)
-    rounds, compile_s = 0, 0.0
-    t1 = time.perf_counter()
-    while not bool(np.all(done)):
-        args = (run.params, state, counts, eos_j, trig_j)
-        statics = dict(cfg=run.cfg, sfi=sfi, sampling=run.sampling, n_rounds=n_rounds,
-                       options=run.options, accept_rate=accept_rate)
-        fn, seconds = programs.compiled(exact.exact_chunk, args, statics)
-        compile_s += seconds
-        state, counts, toks, n_out, taken = fn(*args)
-        toks, n_out = np.asarray(toks), np.asarray(n_out)
-        new = [toks[b, :n_out[b]].tolist() for b in range(B)]
-        for g, nw in zip(generated, new):
-            g.extend(nw)
-        done = np.asarray(state.done)
-        _check_finite(state, generated, "exact")
-        rounds += int(taken)
-        if on_tokens:
-            on_tokens(new)
-    jax.block_until_ready(state.lengths)
-    decode_s = time.perf_counter() - t1 - compile_s
-    return _Decoded(generated, state, None, [], [], rounds, decode_s, compile_s, counts=counts)
 
 
 def _exact_stats(counts: exact.ExactCounts) -> dict:
@@ -692,8 +639,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     prefill_s = t_first - t0 - pre.compile_s
 
     eos_ids, eos_mask, trig = _token_masks(run, tokenizer, stop_at_eos)
+    # exact mode keeps the rows' budgets on the device (`exact.ExactCounts`)
+    done = eos_mask[first] | (mode == "exact" and max_new_tokens <= 1)
+    counts = exact.initial_counts(B, np.where(done, 0, max_new_tokens - 1)) \
+        if mode == "exact" else None
     state = DecodeState(k=k, v=v, lengths=run.put(run.lens), token=run.put(first),
-                        done=run.put(eos_mask[first]), step=run.put(np.int32(0)), key=key,
+                        done=run.put(done), step=run.put(np.int32(0)), key=key,
                         sfi=sfi_state,
                         diag=jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, S), bool)
                         if diagnostics else None,
@@ -703,19 +654,14 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
                         nonfinite=run.put(np.zeros((B,), bool)))
     if plan is not None:
         state = jax.device_put(state, mesh_lib.decode_state_shardings(plan, state))
-    rate = None if accept_rate is None else float(accept_rate)
-    decode_fn = _decode_chunks if mode != "exact" else \
-        functools.partial(_exact_chunks, accept_rate=rate)
-    out = decode_fn(run, state, first, first_logits, eos_mask, trig,
-                    max_new_tokens=max_new_tokens, chunk_steps=chunk_steps,
-                    return_logits=return_logits, diagnostics=diagnostics, on_tokens=on_tokens)
+    out = _decode(run, state, counts, first, first_logits, eos_ids, eos_mask, trig, mode=mode,
+                  stop_at_eos=stop_at_eos, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                  chunk_steps=chunk_steps, return_logits=return_logits, on_tokens=on_tokens,
+                  accept_rate=None if accept_rate is None else float(accept_rate))
     stats = _stats(run, out, mode, prefill_s, return_logits, diagnostics)
     if out.counts is not None:
         stats.update(_exact_stats(out.counts))
     stats.update(_prefill_stats(run, pre, t_request, t_first))
     stats["compile_s"] = stats["prefill_compile_s"] + stats["decode_compile_s"]
-    text = None
-    if tokenizer is not None:
-        text = [tokenizer.decode([t for t in g if t not in eos_ids], skip_special_tokens=True)
-                for g in out.generated]
-    return GenerateResult(tokens=out.generated, text=text, stats=stats)
+    return GenerateResult(tokens=out.generated,
+                          text=out.text if tokenizer is not None else None, stats=stats)

@@ -13,7 +13,7 @@ import pytest
 
 import sfi_jax
 from conftest import TINY_EOS, make_hf_checkpoint
-from sfi_jax.runtime.engine import _TextStream
+from sfi_jax.runtime.requests import TextStream
 
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
 
@@ -323,7 +323,7 @@ def test_streamed_text_is_the_final_text(smol_tokenizer, text):
     """Text released token by token never holds a partial character, and adds up to the whole
     text; multi-byte characters split over several tokens included."""
     ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
-    stream, parts = _TextStream(smol_tokenizer, []), []
+    stream, parts = TextStream(smol_tokenizer, []), []
     for i in range(1, len(ids) + 1):
         new, stopped = stream.update(ids[:i], final=i == len(ids))
         assert "\ufffd" not in new and not stopped
@@ -336,7 +336,7 @@ def test_stop_strings_end_the_text(smol_tokenizer):
     ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
     for stop, want in [([". The"], "The answer is 42"), (["\n", "42"], "The answer is "),
                        (["absent"], text)]:
-        stream, parts, stopped = _TextStream(smol_tokenizer, stop), [], False
+        stream, parts, stopped = TextStream(smol_tokenizer, stop), [], False
         for i in range(1, len(ids) + 1):
             new, stopped = stream.update(ids[:i], final=i == len(ids))
             parts.append(new)
@@ -387,3 +387,26 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_qwen3, monkeypatch):
         after = engine.submit(sfi_jax.Request(prompt=good, max_tokens=6)).result(TIMEOUT)
     assert rb.finish_reason == "error" and "injected" in rb.error
     assert rg.token_ids == ref and after.token_ids == ref
+
+
+def test_generate_decodes_through_the_engines_loop(tiny_qwen3, monkeypatch):
+    """generate's rows are slots of the Engine's decode loop (`SlotDecoder`): the tokens that
+    loop hands each slot, the first token and then one delivery per chunk, are generate's
+    tokens, and a chunk never runs past the budget."""
+    from sfi_jax.runtime import decoder
+
+    deliveries = []
+    real = decoder.SlotDecoder.deliver
+
+    def spy(self, a, new, device_done):
+        deliveries.append((a.slot, list(new)))
+        return real(self, a, new, device_done)
+
+    monkeypatch.setattr(decoder.SlotDecoder, "deliver", spy)
+    prompts = _prompts([5, 12], seed=13)
+    out = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=10, mode="dense",
+                           chunk_steps=4, stop_at_eos=False)
+    rows = [[t for slot, new in deliveries if slot == b for t in new] for b in range(2)]
+    assert rows == out.tokens and [len(r) for r in rows] == [10, 10]
+    assert [len(new) for slot, new in deliveries if slot == 0] == [1, 4, 4, 1]
+    assert out.stats["decode_steps"] == 9
