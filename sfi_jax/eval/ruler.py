@@ -1,0 +1,265 @@
+"""A RULER-style retrieval suite: needles in haystacks of several offline text sources.
+
+Tasks (RULER's names in brackets):
+- "niah_single": one key -> number sentence in the haystack, asked for its number [niah_single];
+- "niah_multikey": four such sentences with different keys, asked for one [niah_multikey];
+- "niah_multivalue": two numbers for the same key, both asked for [niah_multivalue];
+- "vartrack": a chain VAR A = n, VAR B = VAR A, ... spread over the haystack, asked for every
+  variable that holds n [vt];
+- "json_kv": the context is a JSON object of random keys and numbers, asked for one key's value;
+- "code_line": the haystack is standard-library source; asked which line follows a given
+  (unique) line, answered by copying it.
+
+Every prompt ends with its answer's lead-in (" The special magic number for ... is"), so the
+answer is the first thing generated. A sample is determined by (task, context, seed) and the
+environment's text sources (`haystack`). Scoring is exact: the first number generated (or the
+first line, for code_line) must equal the answer; multi-answer tasks need every value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+from sfi_jax.eval.haystack import SOURCES, TokenHaystack, load_haystack
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vartrack", "json_kv", "code_line")
+ANSWER_TOKENS = {"niah_single": 9, "niah_multikey": 9, "niah_multivalue": 17, "vartrack": 17,
+                 "json_kv": 9, "code_line": 17}
+"""Tokens generated per task: the answer with room to spare (digits are single tokens)."""
+TEXT_SOURCES = {"niah_single": SOURCES, "niah_multikey": SOURCES, "niah_multivalue": SOURCES,
+                "vartrack": SOURCES, "json_kv": ("json",), "code_line": ("code",)}
+"""The haystack source of sample i is TEXT_SOURCES[task][i % len(...)]."""
+
+HEAD = ("Below is a long text. Some important information is hidden inside it. Find it and "
+        "memorize it; you will be asked about it.\n\n")
+_A = ("gentle", "silver", "quiet", "bright", "hollow", "amber", "frozen", "golden", "rapid",
+      "misty", "crimson", "lonely", "ancient", "polished", "sudden", "humble", "velvet", "bitter")
+_B = ("river", "lantern", "meadow", "falcon", "harbor", "violin", "compass", "orchard", "glacier",
+      "pepper", "canyon", "ribbon", "thimble", "beacon", "walnut", "saddle", "marble", "sparrow")
+
+
+@dataclasses.dataclass
+class Sample:
+    """prompt_ids end with the answer's lead-in; answers: the values the answer must hold;
+    needle_spans: [start, end) token ranges of the needles in prompt_ids."""
+
+    task: str
+    source: str
+    seed: int
+    prompt_ids: list[int]
+    answers: list[str]
+    needle_spans: list[tuple[int, int]]
+    depth: float
+    answer_tokens: int
+
+
+def _number(rng, digits):
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _key(rng, used):
+    while True:
+        k = f"{rng.choice(_A)}-{rng.choice(_B)}"
+        if k not in used:
+            used.add(k)
+            return k
+
+
+def _var(rng, used):
+    while True:
+        v = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if v not in used:
+            used.add(v)
+            return v
+
+
+def _needles(task, rng):
+    """(needle sentences, question, lead-in, answers) of the haystack tasks."""
+    used: set = set()
+    magic = "One of the special magic numbers for {} is: {}."
+    if task == "niah_single":
+        k, v = _key(rng, used), _number(rng, 6)
+        return ([magic.format(k, v)], f"What is the special magic number for {k} mentioned in "
+                "the provided text?", f" The special magic number for {k} is", [v])
+    if task == "niah_multikey":
+        keys = [_key(rng, used) for _ in range(4)]
+        vals = [_number(rng, 6) for _ in keys]
+        return ([magic.format(k, v) for k, v in zip(keys, vals)],
+                f"What is the special magic number for {keys[0]} mentioned in the provided text?",
+                f" The special magic number for {keys[0]} is", vals[:1])
+    if task == "niah_multivalue":
+        k = _key(rng, used)
+        vals = [_number(rng, 6) for _ in range(2)]
+        return ([magic.format(k, v) for v in vals], f"What are all the special magic numbers for "
+                f"{k} mentioned in the provided text?",
+                f" The special magic numbers for {k} are", vals)
+    if task == "vartrack":
+        names = [_var(rng, used) for _ in range(3)]
+        value = _number(rng, 5)
+        return ([f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}."
+                                                   for a, b in zip(names, names[1:])],
+                f"Find all variables that are assigned the value {value} in the text above.",
+                f" The variables assigned the value {value} are: VAR", names)
+    raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+
+
+def _encoder(tokenizer):
+    return lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+
+
+def _haystack_sample(task, source, tokenizer, context, rng, depth, reserve):
+    enc = _encoder(tokenizer)
+    needles, question, lead_in, answers = _needles(task, rng)
+    hay = TokenHaystack(load_haystack(source), tokenizer)
+    sep = hay.hay.sep
+    head, tail = enc(HEAD), enc("\n\n" + question + "\nAnswer:" + lead_in)
+    needle_ids = [enc(sep + n) for n in needles]
+    budget = context - len(head) - len(tail) - reserve - sum(map(len, needle_ids))
+    if budget < 64:
+        raise ValueError(f"context {context} is too short for task {task!r}")
+    units = hay.run(rng.randrange(len(hay.hay.units)), budget)
+    n = len(needle_ids)
+    if task == "vartrack":  # the chain in order, spread over the rest of the haystack
+        spots = [depth + (1 - depth) * 0.9 * i / n for i in range(n)]
+    else:
+        spots = [depth] + [rng.uniform(0.05, 0.9) for _ in range(n - 1)]
+    cut = sorted((round(s * len(units)), i) for i, s in enumerate(spots))
+    ids, spans, u = list(head), [None] * n, 0
+    for at, i in cut:
+        for j in units[u:at]:
+            ids += hay.unit_ids(j)
+        u = max(u, at)
+        spans[i] = (len(ids), len(ids) + len(needle_ids[i]))
+        ids += needle_ids[i]
+    for j in units[u:]:
+        ids += hay.unit_ids(j)
+    return ids + tail, answers, spans
+
+
+def _json_sample(tokenizer, context, rng, depth, reserve):
+    """A JSON object of '"key": number' lines filling the context; one key is asked for."""
+    enc = _encoder(tokenizer)
+    used: set = set()
+
+    def pair():
+        while True:
+            k = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6))
+            if k not in used:
+                used.add(k)
+                return k, _number(rng, 5)
+
+    pairs, lines, n_tok = [], [], 0
+    head = enc("Below is a JSON object of keys and values. Memorize it; you will be asked "
+               "about one key.\n\n{")
+    probe = enc("\n}\n\nWhat is the value of the key \"abcdef\" in the JSON object above?\n"
+                "Answer: The value of \"abcdef\" is")
+    budget = context - len(head) - len(probe) - reserve
+    while True:
+        k, v = pair()
+        line = enc(f'\n  "{k}": {v},')
+        if n_tok + len(line) > budget:
+            break
+        pairs.append((k, v))
+        lines.append(line)
+        n_tok += len(line)
+    if len(pairs) < 8:
+        raise ValueError(f"context {context} is too short for task 'json_kv'")
+    lines[-1] = enc(f'\n  "{pairs[-1][0]}": {pairs[-1][1]}')  # no comma after the last pair
+    at = min(int(depth * len(pairs)), len(pairs) - 1)
+    key, value = pairs[at]
+    ids = list(head)
+    for i, line in enumerate(lines):
+        if i == at:
+            span = (len(ids), len(ids) + len(line))
+        ids += line
+    ids += enc(f"\n}}\n\nWhat is the value of the key \"{key}\" in the JSON object above?\n"
+               f"Answer: The value of \"{key}\" is")
+    return ids, [value], [span]
+
+
+def _code_sample(tokenizer, context, rng, depth, reserve):
+    """A run of standard-library source; asked which line follows a line that occurs once."""
+    enc = _encoder(tokenizer)
+    hay = TokenHaystack(load_haystack("code"), tokenizer)
+    head = enc("Below is some Python source code. You will be asked to copy one of its lines."
+               "\n\n")
+    tail_len = 64 + 2 * 24  # the question quotes one line and the answer's lead-in
+    budget = context - len(head) - tail_len - reserve
+    units = hay.run(rng.randrange(len(hay.hay.units)), budget)
+    lines = [hay.hay.units[u].strip() for u in units]
+    counts: dict = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+
+    def usable(i):
+        a, b = lines[i], lines[i + 1]
+        return (counts[a] == 1 and 12 <= len(a) <= 80 and 12 <= len(b) <= 60 and "`" not in a
+                and len(enc(" " + b)) <= ANSWER_TOKENS["code_line"] - 3
+                and len(enc(" " + a)) <= 24)
+
+    want = min(int(depth * len(lines)), len(lines) - 2)
+    order = sorted(range(len(lines) - 1), key=lambda i: (abs(i - want), i))
+    i = next((i for i in order if usable(i)), None)
+    if i is None:
+        raise ValueError(f"no unique line to ask about in the code haystack (context {context})")
+    ids = list(head)
+    for j in units:
+        if j == units[i]:
+            start = len(ids)
+        ids += hay.unit_ids(j)
+        if j == units[i + 1]:
+            span = (start, len(ids))
+    ids += enc(f"\n\nIn the code above, which line comes right after the line `{lines[i]}`? "
+               f"Copy it exactly.\nAnswer: The line right after `{lines[i]}` is:\n")
+    return ids, [lines[i + 1]], [span]
+
+
+def make_sample(task: str, tokenizer, context: int, *, seed: int, index: int = 0,
+                depth: float | None = None) -> Sample:
+    """Sample `index` of `task` at `context` tokens (prompt + answer_tokens <= context).
+
+    The source rotates with index over TEXT_SOURCES[task]; depth (the first needle's position as
+    a fraction of the haystack) is random in [0.05, 0.9] when None.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+    rng = random.Random(f"ruler-{task}-{context}-{seed}-{index}")
+    depth = rng.uniform(0.05, 0.9) if depth is None else float(depth)
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    sources = TEXT_SOURCES[task]
+    source = sources[index % len(sources)]
+    reserve = ANSWER_TOKENS[task]
+    if task == "json_kv":
+        ids, answers, spans = _json_sample(tokenizer, context, rng, depth, reserve)
+    elif task == "code_line":
+        ids, answers, spans = _code_sample(tokenizer, context, rng, depth, reserve)
+    else:
+        ids, answers, spans = _haystack_sample(task, source, tokenizer, context, rng, depth,
+                                               reserve)
+    if len(ids) + reserve > context:
+        raise ValueError(f"sample of {task!r} is {len(ids)} + {reserve} tokens, over the "
+                         f"context {context}")
+    return Sample(task=task, source=source, seed=seed, prompt_ids=ids, answers=answers,
+                  needle_spans=spans, depth=depth, answer_tokens=reserve)
+
+
+_NUM = re.compile(r"\d+")
+_NAME = re.compile(r"\b[A-Z]{5}\b")
+
+
+def score(task: str, answers: list[str], generated: str) -> bool:
+    """Exact match. code_line: the first non-empty generated line, stripped, equals the answer
+    line; single-number tasks: the first number generated equals the answer; niah_multivalue and
+    vartrack: every expected value is among the numbers (names) generated."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+    if task == "code_line":
+        first = next((ln.strip() for ln in generated.split("\n") if ln.strip()), "")
+        return first.strip("`").strip() == answers[0].strip()
+    found = _NAME.findall(generated) if task == "vartrack" else _NUM.findall(generated)
+    if len(answers) == 1:
+        return bool(found) and found[0] == answers[0]
+    return all(a in found for a in answers)
