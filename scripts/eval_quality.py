@@ -42,6 +42,9 @@ def parse_args(argv=None):
                         "equal budget, written to OUT/retrieval.json, .md and .png")
     p.add_argument("--arms", nargs="+", default=None,
                    help="retrieval suite: sparse arms (default: all of sfi_jax.eval.suite.ARMS)")
+    p.add_argument("--sweep-arms", nargs="+", default=None,
+                   help="retrieval suite: arms run at every retention (default: --arms); the "
+                        "others run at --ref-retention only")
     p.add_argument("--rs-retention", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25],
                    help="retrieval suite: retentions")
     p.add_argument("--rs-samples", type=int, default=50,
@@ -750,11 +753,7 @@ def run_retrieval_suite(args, argv):
     tok = sfi_jax.load_tokenizer(args.model)
     tasks = args.tasks or list(TASKS)
     arms = args.arms or list(suite.ARMS)
-    res = suite.run_suite(model, tok, contexts=args.contexts, tasks=tasks,
-                          samples=args.rs_samples, retentions=args.rs_retention, arms=arms,
-                          batch=args.batch, ref_retention=args.ref_retention, seed=args.seed,
-                          impl=args.impl, log=log)
-    res["meta"] = {
+    meta = {
         "commands": ["python scripts/eval_quality.py " + " ".join(
             argv if argv is not None else sys.argv[1:])],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -762,12 +761,22 @@ def run_retrieval_suite(args, argv):
         "dequantised, float32)", "contexts": args.contexts, "tasks": tasks,
         "samples": args.rs_samples, "retentions": args.rs_retention, "arms": arms,
         "ref_retention": args.ref_retention, "batch": args.batch, "seed": args.seed,
-        "arm_configs": suite.config_summary(), "wall_s": time.perf_counter() - t_start}
-    if args.json_only:
-        with open(args.json_only, "w") as f:
-            json.dump(res, f, indent=1)
-    else:
-        suite.write_report(res, args.out)
+        "sweep_arms": args.sweep_arms or arms, "arm_configs": suite.config_summary()}
+
+    def save(res):
+        res["meta"] = dict(meta, wall_s=time.perf_counter() - t_start)
+        if args.json_only:
+            with open(args.json_only, "w") as f:
+                json.dump(res, f, indent=1)
+        else:
+            suite.write_report(res, args.out)
+
+    res = suite.run_suite(model, tok, contexts=args.contexts, tasks=tasks,
+                          samples=args.rs_samples, retentions=args.rs_retention, arms=arms,
+                          sweep_arms=args.sweep_arms, batch=args.batch,
+                          ref_retention=args.ref_retention, seed=args.seed, impl=args.impl,
+                          log=log, on_cell=save)
+    save(res)
     log(f"done in {res['meta']['wall_s']:.0f}s")
     return res
 

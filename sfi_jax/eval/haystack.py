@@ -25,7 +25,7 @@ import random
 import sysconfig
 
 SOURCES = ("code", "docstrings", "licenses", "generated")
-_MAX_CHARS = 1_500_000  # per source: enough for many 8K haystacks, cheap to tokenize
+_MAX_CHARS = 600_000  # per source: enough for many 8K haystacks, cheap to tokenize
 _LICENSE_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "safetensors", "transformers",
                      "huggingface_hub", "gguf", "orbax_checkpoint", "tqdm", "jinja2",
                      "tokenizers", "markupsafe", "ml_dtypes", "opt_einsum", "scipy")

@@ -7,13 +7,13 @@ Tasks (RULER's names in brackets):
 - "vartrack": a chain VAR A = n, VAR B = VAR A, ... spread over the haystack, asked for every
   variable that holds n [vt];
 - "json_kv": the context is a JSON object of random keys and numbers, asked for one key's value;
-- "code_line": the haystack is standard-library source; asked which line follows a given
-  (unique) line, answered by copying it.
+- "code_line": the haystack is standard-library source; asked to copy the line that defines a
+  function or class (defined once there), given up to the name: the answer is the signature.
 
 Every prompt ends with its answer's lead-in (" The special magic number for ... is"), so the
 answer is the first thing generated. A sample is determined by (task, context, seed) and the
 environment's text sources (`haystack`). Scoring is exact: the first number generated (or the
-first line, for code_line) must equal the answer; multi-answer tasks need every value.
+rest of the line, for code_line) must equal the answer; multi-answer tasks need every value.
 """
 
 from __future__ import annotations
@@ -179,41 +179,53 @@ def _json_sample(tokenizer, context, rng, depth, reserve):
     return ids, [value], [span]
 
 
+_DEF = re.compile(r"^(?:async\s+)?(def|class)\s+(\w+)")
+
+
 def _code_sample(tokenizer, context, rng, depth, reserve):
-    """A run of standard-library source; asked which line follows a line that occurs once."""
+    """A run of standard-library source; asked to copy the line that defines a function or class
+    whose name is defined once there. The lead-in gives the line up to its name's bracket, so
+    the answer is the rest of the line (the signature)."""
     enc = _encoder(tokenizer)
     hay = TokenHaystack(load_haystack("code"), tokenizer)
     head = enc("Below is some Python source code. You will be asked to copy one of its lines."
                "\n\n")
-    tail_len = 64 + 2 * 24  # the question quotes one line and the answer's lead-in
+    tail_len = 48 + 2 * 16  # the question and the answer's lead-in, each naming the definition
     budget = context - len(head) - tail_len - reserve
     units = hay.run(rng.randrange(len(hay.hay.units)), budget)
     lines = [hay.hay.units[u].strip() for u in units]
-    counts: dict = {}
+    names: dict = {}
     for line in lines:
-        counts[line] = counts.get(line, 0) + 1
+        m = _DEF.match(line)
+        if m:
+            names[m.group(2)] = names.get(m.group(2), 0) + 1
 
-    def usable(i):
-        a, b = lines[i], lines[i + 1]
-        return (counts[a] == 1 and 12 <= len(a) <= 80 and 12 <= len(b) <= 60 and "`" not in a
-                and len(enc(" " + b)) <= ANSWER_TOKENS["code_line"] - 3
-                and len(enc(" " + a)) <= 24)
+    def split(i):  # (lead-in part, answer part) of a usable definition line, else None
+        m = _DEF.match(lines[i])
+        if not m or names[m.group(2)] != 1:
+            return None
+        cut = m.end() + 1 if lines[i][m.end():m.end() + 1] in "(:" else m.end()
+        head_, rest = lines[i][:cut], lines[i][cut:]
+        if "`" in lines[i] or not 4 <= len(rest) <= 60 or len(enc(rest)) > reserve - 3:
+            return None
+        return head_, rest
 
-    want = min(int(depth * len(lines)), len(lines) - 2)
-    order = sorted(range(len(lines) - 1), key=lambda i: (abs(i - want), i))
-    i = next((i for i in order if usable(i)), None)
+    want = int(depth * len(lines))
+    order = sorted(range(len(lines)), key=lambda i: (abs(i - want), i))
+    i = next((i for i in order if split(i)), None)
     if i is None:
-        raise ValueError(f"no unique line to ask about in the code haystack (context {context})")
+        raise ValueError(f"no unique definition to ask about in the code haystack "
+                         f"(context {context})")
+    lead, rest = split(i)
+    name = _DEF.match(lines[i]).group(2)
     ids = list(head)
     for j in units:
         if j == units[i]:
-            start = len(ids)
+            span = (len(ids), len(ids) + len(hay.unit_ids(j)))
         ids += hay.unit_ids(j)
-        if j == units[i + 1]:
-            span = (start, len(ids))
-    ids += enc(f"\n\nIn the code above, which line comes right after the line `{lines[i]}`? "
-               f"Copy it exactly.\nAnswer: The line right after `{lines[i]}` is:\n")
-    return ids, [lines[i + 1]], [span]
+    ids += enc(f"\n\nCopy the line of the code above that defines `{name}`, exactly, between "
+               f"backticks.\nAnswer: `{lead}")
+    return ids, [rest], [span]
 
 
 def make_sample(task: str, tokenizer, context: int, *, seed: int, index: int = 0,
@@ -256,9 +268,9 @@ def score(task: str, answers: list[str], generated: str) -> bool:
     vartrack: every expected value is among the numbers (names) generated."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
-    if task == "code_line":
-        first = next((ln.strip() for ln in generated.split("\n") if ln.strip()), "")
-        return first.strip("`").strip() == answers[0].strip()
+    if task == "code_line":  # the line's rest, up to the closing backtick or the line's end
+        first = generated.split("\n")[0].split("`")[0]
+        return first.strip() == answers[0].strip()
     found = _NAME.findall(generated) if task == "vartrack" else _NUM.findall(generated)
     if len(answers) == 1:
         return bool(found) and found[0] == answers[0]

@@ -65,14 +65,17 @@ def _cell(ok: list[bool], texts: list[str], seconds: float) -> dict:
 
 
 def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
-              ref_retention=0.15, chunk_steps=8, seed=0, impl="auto", log=print) -> dict:
-    """Run every (task, context) on `samples` samples with dense, exact (at ref_retention) and
-    every arm x retention. Returns {"results": {context: {task: cell}}} with per-sample
-    correctness and Wilson 95 % intervals."""
+              ref_retention=0.15, sweep_arms=None, chunk_steps=8, seed=0, impl="auto",
+              log=print, on_cell=None) -> dict:
+    """Run every (task, context) on `samples` samples with dense, exact and every arm at
+    ref_retention, and the sweep_arms (default: every arm) at the other retentions. Returns
+    {"results": {context: {task: cell}}} with per-sample correctness and Wilson 95 % intervals;
+    on_cell(results) is called after each cell (to save partial results)."""
     import sfi_jax
     from sfi_jax.eval.prefill_cache import shared_prefill
 
-    bad = [a for a in arms if a not in ARMS]
+    sweep_arms = arms if sweep_arms is None else sweep_arms
+    bad = [a for a in list(arms) + list(sweep_arms) if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arms {bad}; choose from {list(ARMS)}")
     out: dict = {}
@@ -86,7 +89,9 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                 runs.append(("exact", ref_retention, "exact",
                              budget_config("sfi", ref_retention, ctx)))
             runs += [(a, r, "sfi", budget_config(ARMS[a][0], r, ctx, **ARMS[a][1]))
-                     for r in retentions for a in arms]
+                     for r in retentions for a in ARMS
+                     if a in (arms if ref_retention is not None and abs(r - ref_retention) < 1e-9
+                              else sweep_arms)]
             # an SFI prefill keeps the window queries every later arm can reuse: run one first
             first = next((i for i, x in enumerate(runs) if x[2] == "sfi" and
                           x[3].policy != "streaming"), 0)
@@ -125,6 +130,8 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                 cell["exact_equals_dense"] = float(np.mean(
                     [a == b for a, b in zip(tokens["exact"], tokens["dense"])]))
             out.setdefault(str(ctx), {})[task] = cell
+            if on_cell is not None:
+                on_cell({"results": out})
             log(f"{task} @ {ctx}: dense {cell['arms']['dense']['1']['acc']:.2f} "
                 f"({time.perf_counter() - t0:.0f}s)")
     return {"results": out}
