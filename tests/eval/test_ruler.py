@@ -133,3 +133,30 @@ def test_budget_config_is_equal_budget():
             assert cfg.policy == policy
             for key, v in over.items():
                 assert getattr(cfg, key) == v
+
+
+def test_script_suite_report_merges_runs(tmp_path):
+    """eval_quality.py --suite retrieval --report: merges runs of other arms into one report."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "eval_quality_suite", os.path.join(root, "scripts", "eval_quality.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["eval_quality_suite"] = mod
+    spec.loader.exec_module(mod)
+    a, b = _fake_results(), _fake_results()
+    for cell in b["results"]["2048"].values():
+        cell["arms"] = {"oracle": cell["arms"]["sfi"]}
+    paths = []
+    for i, r in enumerate((a, b)):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        json.dump(r, open(paths[-1], "w"))
+    res = mod.main(["--suite", "retrieval", "--report", *paths, "--out", str(tmp_path / "o")])
+    arms = res["results"]["2048"]["niah_single"]["arms"]
+    assert {"dense", "exact", "sfi", "sfi+succ7", "oracle"} <= set(arms)
+    assert res["meta"]["commands"] == ["cmd", "cmd"]
+    assert "| oracle |" in (tmp_path / "o" / "retrieval.md").read_text()
+    args = mod.parse_args(["--suite", "retrieval", "--smoke"])
+    assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["sfi", "sfi+succ7"])
