@@ -173,14 +173,33 @@ def pooled(res, ctx, arm, r, tasks=None):
     return {"acc": k / n, "ci95": [lo, hi], "correct": k, "n": n}
 
 
+def headline_markdown(res: dict, ctx: str) -> list[str]:
+    """At the reference retention, one row per arm and one column per task (and pooled):
+    accuracy [Wilson 95 %]; the report's first table."""
+    ref = res["meta"]["ref_retention"]
+    tasks = res["results"][ctx]
+    arms = ["dense", "exact"] + [a for a in ARMS if any(a in c["arms"] for c in tasks.values())]
+    L = ["| arm | " + " | ".join(f"{t} (n={c['samples']})" for t, c in tasks.items()) +
+         " | pooled |", "|---|" + "---|" * (len(tasks) + 1)]
+    for a in arms:
+        r = 1.0 if a == "dense" else ref
+        L.append(f"| {a} | " + " | ".join(_pct(_acc(c, a, r)) for c in tasks.values()) +
+                 f" | {_pct(pooled(res, ctx, a, r))} |")
+    return L
+
+
 def write_markdown(res: dict, path: str):
     m = res["meta"]
     rets = _retentions(res)
     arms = [a for a in ARMS if any(a in cell["arms"] for ctx in res["results"].values()
                                    for cell in ctx.values())]
+    mc = m["machine"]
+    machine = (f"{mc['platform']} ({mc['cpu_count']} cores), jax {mc['jax']}, Python "
+               f"{mc['python']}" if isinstance(mc, dict) else str(mc))
+    walls = m.get("walls_s", [m.get("wall_s", 0)] * len(m["commands"]))
     L = ["# Retrieval suite (RULER-style): SFI vs dense and equal-budget baselines", "",
-         f"Model: {m['model']}. Machine: {m['machine']}. Wall time {m.get('wall_s', 0):.0f} s.",
-         "", "Run: " + " ; ".join(f"`{c}`" for c in m["commands"]), "",
+         f"Model: {m['model']}. Machine: {machine}.", "", "Runs (wall time each):", ""] + [
+        f"- `{c}` ({w:.0f} s)" for c, w in zip(m["commands"], walls)] + ["",
          f"Samples per task and context: {m['samples']}; contexts {m['contexts']}; retentions "
          f"{', '.join(f'{r:.0%}' for r in rets)} (budget = sink 4 + selected + recent = "
          "retention x context; selecting arms keep a recent window of min(256, budget / 2)); "
@@ -194,7 +213,8 @@ def write_markdown(res: dict, path: str):
          "(`sfi_jax.eval.ruler.score`). Cells: accuracy [Wilson 95 % interval].", ""]
     for ctx in sorted(res["results"], key=int):
         tasks = res["results"][ctx]
-        L += [f"## Context {ctx}", "", "### All tasks pooled", "",
+        L += [f"## Context {ctx}", "", f"### Every arm at {m['ref_retention']:.0%} retention",
+              ""] + headline_markdown(res, ctx) + ["", "### All tasks pooled, by retention", "",
               "| arm | " + " | ".join(f"{r:.0%}" for r in rets) + " |",
               "|---|" + "---|" * len(rets)]
         d = pooled(res, ctx, "dense", 1.0)
@@ -264,7 +284,7 @@ def write_plot(res: dict, path: str):
             if j == 0:
                 a_.set_ylabel("accuracy (%)")
     ax[0, -1].legend(fontsize=6)
-    fig.suptitle("Retrieval accuracy against retention (95 % Wilson intervals; SmolLM2-135M)")
+    fig.suptitle("Retrieval accuracy vs retention (95 % Wilson)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -284,6 +304,7 @@ def merge(results: list[dict]) -> dict:
     out = {"meta": dict(results[0]["meta"]), "results": {}}
     out["meta"]["commands"] = [c for r in results for c in r["meta"]["commands"]]
     out["meta"]["wall_s"] = sum(r["meta"].get("wall_s", 0) for r in results)
+    out["meta"]["walls_s"] = [r["meta"].get("wall_s", 0) for r in results]
     for r in results:
         for ctx, tasks in r["results"].items():
             for task, cell in tasks.items():
@@ -295,6 +316,7 @@ def merge(results: list[dict]) -> dict:
                     raise ValueError(f"{task} @ {ctx}: runs used different samples")
                 for arm, rs in cell["arms"].items():
                     dst[task]["arms"].setdefault(arm, {}).update(rs)
+    out["meta"]["tasks"] = list(dict.fromkeys(t for ctx in out["results"].values() for t in ctx))
     return out
 
 
