@@ -475,7 +475,10 @@ def write_markdown(res: dict, path: str):
           "the paper's recent window of 256 (half the budget when that is smaller); streaming "
           "spends all but the sink on it. "
           f"t_max = {m['args']['t_max']}. Policies: " +
-          "; ".join(f"`{p}` = {LABELS[p]}" for p in POLICIES) + ".", ""]
+          "; ".join(f"`{p}` = {LABELS[p]}" for p in POLICIES) + ".", "",
+          "The RULER-style retrieval suite (`--suite retrieval`: six tasks over several text "
+          "sources, every SFI extension and baseline at equal budget, Wilson intervals) writes "
+          "its own report: [retrieval.md](retrieval.md), [retrieval.png](retrieval.png).", ""]
     tg = res.get("targets", {})
     if tg:
         L += [f"## Targets at retention {tg['ref_retention']:.0%}", ""]
