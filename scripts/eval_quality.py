@@ -740,6 +740,8 @@ def run_retrieval_suite(args, argv):
 
     if args.report:
         res = suite.merge([json.load(open(p)) for p in args.report])
+        if args.notes:
+            res["meta"]["notes"] = open(args.notes).read().strip()
         suite.write_report(res, args.out)
         return res
     import jax

@@ -211,6 +211,8 @@ def write_markdown(res: dict, path: str):
          "haystack.py`); json_kv is a generated JSON object, code_line standard-library source. "
          "Each prompt ends with the answer's lead-in; the answer is scored by exact match "
          "(`sfi_jax.eval.ruler.score`). Cells: accuracy [Wilson 95 % interval].", ""]
+    if m.get("notes"):
+        L += [m["notes"], ""]
     for ctx in sorted(res["results"], key=int):
         tasks = res["results"][ctx]
         L += [f"## Context {ctx}", "", f"### Every arm at {m['ref_retention']:.0%} retention",
