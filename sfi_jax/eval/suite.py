@@ -281,6 +281,7 @@ def write_plot(res: dict, path: str):
                 a_.errorbar(x, y, yerr=err, fmt="o-", ms=3, lw=1, capsize=2, color=colors[arm],
                             label=arm)
             a_.set_ylim(-5, 105)
+            a_.set_xlim(0, 30)
             a_.set_title(f"{t} @ {ctx}", fontsize=9)
             a_.set_xlabel("retention (%)")
             if j == 0:
