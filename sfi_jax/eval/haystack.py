@@ -114,8 +114,9 @@ _SUBJ = ("The old mill", "A quiet village", "The northern road", "Every winter",
          "The east wind", "The night train", "Each morning", "The clock tower", "The valley")
 _VERB = ("stands near", "looks over", "leads past", "waits beside", "turns toward", "hides behind",
          "opens onto", "rests under", "winds around", "reaches across")
-_OBJ = ("the grey hills", "a field of barley", "the frozen lake", "an empty square", "the pine forest",
-        "a row of cottages", "the stone wall", "the slow river", "a crowded inn", "the far coast")
+_OBJ = ("the grey hills", "a field of barley", "the frozen lake", "an empty square",
+        "the pine forest", "a row of cottages", "the stone wall", "the slow river", "a crowded inn",
+        "the far coast")
 _TAIL = ("and nobody remembers why.", "as it always has.", "in the pale light.",
          "before the rain comes.", "while the bells ring.", "long after dusk.", "without a sound.",
          "for most of the year.")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from sfi_jax.eval.metrics import wilson_interval
-from sfi_jax.eval.ruler import TASKS, make_sample, score
+from sfi_jax.eval.ruler import make_sample, score
 
 N_SINK = 4
 ARMS = {
