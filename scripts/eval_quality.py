@@ -36,6 +36,21 @@ N_SINK = 4
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--suite", choices=("quality", "retrieval"), default="quality",
+                   help="quality: teacher forcing, stability and the KJV retrieval tasks; "
+                        "retrieval: the RULER-style suite (sfi_jax.eval.ruler), every arm at "
+                        "equal budget, written to OUT/retrieval.json, .md and .png")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="retrieval suite: sparse arms (default: all of sfi_jax.eval.suite.ARMS)")
+    p.add_argument("--sweep-arms", nargs="+", default=None,
+                   help="retrieval suite: arms run at every retention (default: --arms); the "
+                        "others run at --ref-retention only")
+    p.add_argument("--rs-retention", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25],
+                   help="retrieval suite: retentions")
+    p.add_argument("--rs-samples", type=int, default=50,
+                   help="retrieval suite: samples per task and context")
+    p.add_argument("--compile-cache", default=None,
+                   help="a folder for JAX's persistent compilation cache (reruns skip compiles)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192],
                    help="context lengths (prompt + continuation <= context)")
     p.add_argument("--retention", type=float, nargs="+", default=[0.05, 0.15, 0.30],
@@ -84,7 +99,10 @@ def parse_args(argv=None):
     p.add_argument("--report", nargs="+", default=None,
                    help="merge these result JSONs and write the report; run nothing")
     a = p.parse_args(argv)
-    if a.smoke:
+    if a.smoke and a.suite == "retrieval":
+        a.contexts, a.rs_retention, a.rs_samples, a.batch = [1024], [0.15], 2, 2
+        a.arms = a.arms or ["sfi", "sfi+succ7"]
+    elif a.smoke:
         a.contexts, a.retention, a.ref_retention = [1024], [0.15], 0.15
         a.tf_samples, a.tf_tokens, a.rt_samples = 2, 33, 2
         a.tasks = a.tasks or ["passkey"]
@@ -460,7 +478,10 @@ def write_markdown(res: dict, path: str):
           "the paper's recent window of 256 (half the budget when that is smaller); streaming "
           "spends all but the sink on it. "
           f"t_max = {m['args']['t_max']}. Policies: " +
-          "; ".join(f"`{p}` = {LABELS[p]}" for p in POLICIES) + ".", ""]
+          "; ".join(f"`{p}` = {LABELS[p]}" for p in POLICIES) + ".", "",
+          "The RULER-style retrieval suite (`--suite retrieval`: six tasks over several text "
+          "sources, every SFI extension and baseline at equal budget, Wilson intervals) writes "
+          "its own report: [retrieval.md](retrieval.md), [retrieval.png](retrieval.png).", ""]
     tg = res.get("targets", {})
     if tg:
         L += [f"## Targets at retention {tg['ref_retention']:.0%}", ""]
@@ -716,8 +737,68 @@ RETRIEVAL_DESIGN = (
     "at every step (its timeline is all slow, but its tokens are computed sparsely).")
 
 
+def run_retrieval_suite(args, argv):
+    """--suite retrieval: the RULER-style suite; --report merges its JSONs instead."""
+    from sfi_jax.eval import suite
+
+    if args.report:
+        res = suite.merge([json.load(open(p)) for p in args.report])
+        if args.notes:
+            res["meta"]["notes"] = open(args.notes).read().strip()
+        suite.write_report(res, args.out)
+        return res
+    import jax
+    from tqdm import tqdm
+
+    if jax.devices()[0].platform != "cpu":  # f32 matmuls in full precision on GPUs
+        jax.config.update("jax_default_matmul_precision", "highest")
+    import sfi_jax
+    from sfi_jax.eval.ruler import TASKS
+
+    t_start = time.perf_counter()
+    log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
+    model = sfi_jax.load_model(args.model, dtype="float32")
+    tok = sfi_jax.load_tokenizer(args.model)
+    tasks = args.tasks or list(TASKS)
+    arms = args.arms or list(suite.ARMS)
+    meta = {
+        "commands": ["python scripts/eval_quality.py " + " ".join(
+            argv if argv is not None else sys.argv[1:])],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(), "model": "SmolLM2-135M-Instruct (embedded GGUF, Q4_1 "
+        "dequantised, float32)", "contexts": args.contexts, "tasks": tasks,
+        "samples": args.rs_samples, "retentions": args.rs_retention, "arms": arms,
+        "ref_retention": args.ref_retention, "batch": args.batch, "seed": args.seed,
+        "sweep_arms": args.sweep_arms or arms, "arm_configs": suite.config_summary()}
+
+    def save(res):
+        res["meta"] = dict(meta, wall_s=time.perf_counter() - t_start)
+        if args.json_only:
+            with open(args.json_only, "w") as f:
+                json.dump(res, f, indent=1)
+        else:
+            suite.write_report(res, args.out)
+
+    res = suite.run_suite(model, tok, contexts=args.contexts, tasks=tasks,
+                          samples=args.rs_samples, retentions=args.rs_retention, arms=arms,
+                          sweep_arms=args.sweep_arms, batch=args.batch,
+                          ref_retention=args.ref_retention, seed=args.seed, impl=args.impl,
+                          log=log, on_cell=save)
+    save(res)
+    log(f"done in {res['meta']['wall_s']:.0f}s")
+    return res
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if args.suite == "retrieval":
+        return run_retrieval_suite(args, argv)
     if args.report:
         res = merge([json.load(open(p)) for p in args.report])
         if args.notes:

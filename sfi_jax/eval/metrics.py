@@ -73,3 +73,15 @@ def answer_correct(task: str, answers, generated_text: str) -> tuple[bool, float
         return ok, float(ok)
     hit = sum(a in found for a in answers)
     return hit == len(answers), hit / len(answers)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95 % by default): unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n successes."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p = successes / n
+    denom = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, mid - half), min(1.0, mid + half)
