@@ -163,7 +163,7 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
             buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
                                      lambda buf: (buf, attend()), buf)
         x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe,
-                                     matmul=options.matmul)
+                                     matmul=options.matmul, tuning=options.tuning)
         return (x, k, v, norms, buf), None
 
     x = embed_tokens(params, tokens)
