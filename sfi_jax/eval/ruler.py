@@ -22,7 +22,9 @@ import dataclasses
 import random
 import re
 
+from sfi_jax.eval import tasks
 from sfi_jax.eval.haystack import SOURCES, TokenHaystack, load_haystack
+from sfi_jax.eval.tasks import _number, _var
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vartrack", "json_kv", "code_line")
 ANSWER_TOKENS = {"niah_single": 9, "niah_multikey": 9, "niah_multivalue": 25, "vartrack": 17,
@@ -56,24 +58,8 @@ class Sample:
     answer_tokens: int
 
 
-def _number(rng, digits):
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-
-
 def _key(rng, used):
-    while True:
-        k = f"{rng.choice(_A)}-{rng.choice(_B)}"
-        if k not in used:
-            used.add(k)
-            return k
-
-
-def _var(rng, used):
-    while True:
-        v = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-        if v not in used:
-            used.add(v)
-            return v
+    return tasks._key(rng, used, _A, _B)
 
 
 def _needles(task, rng):

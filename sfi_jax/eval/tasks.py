@@ -51,9 +51,9 @@ def _number(rng, digits):
     return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
 
 
-def _key(rng, used):
+def _key(rng, used, first=_WORDS_A, second=_WORDS_B):
     while True:
-        k = f"{rng.choice(_WORDS_A)}-{rng.choice(_WORDS_B)}"
+        k = f"{rng.choice(first)}-{rng.choice(second)}"
         if k not in used:
             used.add(k)
             return k
