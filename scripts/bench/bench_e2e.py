@@ -189,12 +189,26 @@ def kernel_tuning(args) -> KernelTuning:
         launch_dependents=False if args.no_launch_dependents else None)
 
 
+def sfi_fields(pairs):
+    """`--sfi FIELD=VALUE` pairs as SFIConfig keyword arguments (ints where they parse)."""
+    out = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or field not in SFIConfig.__dataclass_fields__:
+            raise SystemExit(f"--sfi {pair!r}: expected FIELD=VALUE with an SFIConfig field")
+        try:
+            out[field] = int(value)
+        except ValueError:
+            out[field] = float(value)
+    return out
+
+
 def bench_one(name, cfg, params, ctx, args, bw, B):
     n, chunks, S = _steps(ctx, args)
     # static refresh slots per step: rows beyond them wait one step with their old selection
     slots = args.refresh_rows or min(B, max(2, B // 4))
     # the record says what "auto" stands for
-    sfi = SFIConfig(t_max=args.t_max, refresh_rows=slots)
+    sfi = SFIConfig(**{"t_max": args.t_max, "refresh_rows": slots, **sfi_fields(args.sfi)})
     options = engine_options(args)
     trig = np.zeros((cfg.vocab_size,), bool)
     trig[TRIGGER_ID] = True
@@ -203,7 +217,7 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     rec = dict(model=name, context=ctx, batch=B, new_tokens=chunks * n, fill=args.fill,
                trigger_every=args.trigger_every, t_max=args.t_max, k_select=sfi.k_select,
                n_recent=sfi.n_recent, n_sink=sfi.n_sink, refresh_rows=slots,
-               options=dataclasses.asdict(options))
+               sfi_fields=sfi_fields(args.sfi), options=dataclasses.asdict(options))
 
     # dense arm
     state = make_state(cfg, B, S, ctx, None)
@@ -600,6 +614,8 @@ def main(argv=None):
     p.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
                    help="an engine option (sfi_jax.EngineOptions field), e.g. "
                         "selector_topk=radix or repack=xla; repeat for several")
+    p.add_argument("--sfi", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an SFIConfig field for the SFI arm, e.g. successor_radius=7")
     p.add_argument("--mode", choices=("sfi", "exact"), default="sfi",
                    help="exact: also time exact mode (SFI drafts, dense verify)")
     p.add_argument("--draft-len", type=int, default=3, help="exact mode's draft length")
