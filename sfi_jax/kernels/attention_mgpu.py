@@ -138,8 +138,10 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
            scale, interpret, on_scores=None):
     """Online softmax over n key blocks, `stages` of them in flight: fetch(i, slot) starts
     block i's TMA copies into K/V slot `slot`; valid(i) is how many leading keys of block i
-    count, a scalar or per query row ([64, block_k], from `_iota(.., 0, ..)`), the rest score
-    -inf; on_scores(i, s) sees each block's masked, scaled scores.
+    count, a scalar or per query row ([64, block_k], from `_iota(.., 0, ..)`), or a pair
+    (first, end): keys [first, end) of the block count (a block fetched from an 8-aligned
+    start below its first key); the rest score -inf; on_scores(i, s) sees each block's
+    masked, scaled scores.
     Returns (acc [64, D], m [64], l [64]) in registers; m starts at a finite M_INIT, so a row
     with no valid key in a block keeps exp(m - m_new) = 1 (and l = 0 if it never sees one)."""
     bk, d = k_smem.shape[1], k_smem.shape[2]
@@ -152,7 +154,10 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(k_bar.at[slot])
         s = _qk(q_smem, k_smem.at[slot], interpret) * scale
-        s = jnp.where(_iota((_M, bk), 1, interpret) < valid(i), s, -jnp.inf)
+        key = _iota((_M, bk), 1, interpret)
+        first, end = _bounds(valid(i))
+        keep = key < end if first is None else (key >= first) & (key < end)
+        s = jnp.where(keep, s, -jnp.inf)
         if on_scores is not None:
             on_scores(i, s)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -178,6 +183,17 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
     m = _layout(jnp.full((_M,), M_INIT, jnp.float32), row_layout, interpret)
     l = _layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
     return lax.fori_loop(0, n, step, (acc, m, l))
+
+
+def _bounds(valid):
+    """(first, end) of a valid(i) result: a count means (None, count)."""
+    return valid if isinstance(valid, tuple) else (None, valid)
+
+
+def aligned(x, m=8):
+    """A dynamic TMA start along a tiled axis, told to the compiler to be a multiple of m
+    (the layout inference proves a tiled copy's offsets from such hints)."""
+    return pl.multiple_of(x, m)
 
 
 def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group):
@@ -215,23 +231,15 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
 
     def fetch(i, slot):
-        blk = (*kv, pl.ds(start + i * bk, bk))
+        blk = (*kv, pl.ds(aligned(start + i * bk, bk), bk))
         plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
     def store_logits(at):
-        """The group's rows of s_smem to logits [at, at + bk). The hardware clips a block past
-        S; interpret mode drops such a store, so there the last block is stored at its size."""
-        def store(size):
-            plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, group), pl.ds(0, size)],
-                                    lg_ref.at[r, pl.ds(h * group, group), pl.ds(at, size)])
-
-        tail = s_len % bk
-        if interpret and tail:
-            pl.when(at + bk <= s_len)(lambda: store(bk))
-            pl.when(at + bk > s_len)(lambda: store(tail))
-        else:
-            store(bk)
+        """The group's rows of s_smem to logits [at, at + bk): the logits are padded to whole
+        blocks (logits_length), so every store is in bounds and tile-aligned."""
+        plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, group)],
+                                lg_ref.at[r, pl.ds(h * group, group), pl.ds(aligned(at, bk), bk)])
 
     def on_scores(i, s):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's store read it
@@ -272,8 +280,15 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
     rs = jnp.clip(rs_ref[r], 0, length)
-    n_c = lax.div(c_len + (bk - 1), bk)
-    n_all = n_c + lax.div(length - rs + (bk - 1), bk)
+    # TMA reads tiles of 8 keys: each segment is fetched from its 8-aligned start below it,
+    # the keys before its first one masked (c_off, w_off)
+    c_base = lax.div(h * c_size, 8) * 8
+    c_off = h * c_size - c_base
+    w_base = lax.div(rs, 8) * 8
+    w_off = rs - w_base
+    n_c = jnp.where(c_len > 0, lax.div(c_off + c_len + (bk - 1), bk), 0)
+    n_w = jnp.where(length > rs, lax.div(w_off + length - rs + (bk - 1), bk), 0)
+    n_all = n_c + n_w
     chunk = lax.div(n_all + (n_splits - 1), n_splits)
     first = j * chunk
     n = jnp.clip(n_all - first, 0, chunk)
@@ -286,19 +301,21 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
 
         @pl.when(b < n_c)
         def _compact():
-            blk = (layer, r, pl.ds(h * c_size + b * bk, bk))
+            blk = (layer, r, pl.ds(aligned(c_base + b * bk), bk))
             plgpu.copy_gmem_to_smem(ck_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(cv_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
         @pl.when(b >= n_c)
         def _window():
-            blk = (*at, pl.ds(rs + (b - n_c) * bk, bk))
+            blk = (*at, pl.ds(aligned(w_base + (b - n_c) * bk), bk))
             plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
     def valid(i):
         b = first + i
-        return jnp.where(b < n_c, c_len - b * bk, length - rs - (b - n_c) * bk)
+        lo = jnp.where(b < n_c, c_off - b * bk, w_off - (b - n_c) * bk)
+        hi = jnp.where(b < n_c, c_off + c_len - b * bk, w_off + length - rs - (b - n_c) * bk)
+        return lo, hi
 
     plgpu.barrier_wait(q_bar)
     carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
@@ -326,6 +343,12 @@ def _pad_q(q, hkv):
     n_rows, hq, d = q.shape
     qg = q.reshape(n_rows, hkv, hq // hkv, d)
     return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
+
+
+def logits_length(s_len, bk):
+    """The logits' padded length: whole key blocks, so each block's store is in bounds and
+    aligned to the f32 tile TMA splits it into (the result is sliced back to S)."""
+    return -(-s_len // bk) * bk
 
 
 def _check_config(cfg, d, logits=False):
@@ -391,7 +414,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, s_len=s_len, bk=bk, stages=cfg.stages,
         scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
-    s_lg = -(-s_len // 4) * 4  # TMA: the logits' row stride a multiple of 16 bytes
+    s_lg = logits_length(s_len, bk)
     extra_out, extra_scratch = (), ()
     if return_logits:  # and the scores block they are stored from
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)

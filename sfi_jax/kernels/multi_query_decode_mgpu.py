@@ -53,7 +53,7 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
 
     def fetch(i, slot):
-        blk = (*kv, pl.ds(start + i * bk, bk))
+        blk = (*kv, pl.ds(base.aligned(start + i * bk, bk), bk))
         plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
@@ -64,17 +64,9 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         limit = jnp.where((row < gt) & (pos < kvl), pos + 1, 0)
         return limit - (start + i * bk)
 
-    def store_logits(at):
-        def store(size):
-            plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, gt), pl.ds(0, size)],
-                                    lg_ref.at[b, pl.ds(h * gt, gt), pl.ds(at, size)])
-
-        tail = s_len % bk  # interpret mode drops a partly out-of-bounds store (attention_mgpu)
-        if interpret and tail:
-            pl.when(at + bk <= s_len)(lambda: store(bk))
-            pl.when(at + bk > s_len)(lambda: store(tail))
-        else:
-            store(bk)
+    def store_logits(at):  # whole blocks: the logits are padded (base.logits_length)
+        plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, gt)],
+                                lg_ref.at[b, pl.ds(h * gt, gt), pl.ds(base.aligned(at, bk), bk)])
 
     def on_scores(i, s):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -126,7 +118,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     kernel = functools.partial(
         _kernel, n_q=n_q, gt=gt, split=split, s_len=s_len, bk=bk, stages=cfg.stages,
         scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
-    s_lg = -(-s_len // 4) * 4  # TMA: the logits' row stride a multiple of 16 bytes
+    s_lg = base.logits_length(s_len, bk)
     extra_out, extra_scratch = (), ()
     if return_logits:
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq * n_q, s_lg), jnp.float32),)
