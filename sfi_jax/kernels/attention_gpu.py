@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stack, dot_precision, merge_splits, pow2
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 from sfi_jax.kernels.triton_lowering import dependents_mask, signals_dependents
 
@@ -338,8 +338,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     into = logits_into is not None
     signal = signals_dependents(launch_dependents, interpret)
     cfg = config or (REFRESH if into else DENSE_LOGITS if return_logits else DENSE)
-    k, layer_arr = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     _, hq, d = q.shape
     if gather_q and rows is None:
         raise ValueError("gather_q=True needs `rows` (the cache rows whose q each program uses)")
@@ -402,10 +401,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     if write_norms and not write_kv:
         raise ValueError("key_norms is written only together with new_kv")
     stacked = layer is not None
-    ck, layer_arr = as_layer_stack(ck, layer)
-    cv, _ = as_layer_stack(cv, layer)
-    k, _ = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     c_size = ck.shape[3]

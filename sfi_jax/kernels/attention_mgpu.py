@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.common import as_layer_stack
+from sfi_jax.kernels.common import as_layer_stacks
 
 _M = 64  # wgmma's M per warpgroup: a query group is padded to this
 M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
@@ -401,8 +401,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     rows `rows` (default: row r) of k, v [(L,) B, Hkv, S, D], half precision. Returns out, or
     (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq])."""
     cfg = config or fit(DENSE_LOGITS if return_logits else DENSE, q.shape[-1], return_logits)
-    k, layer_arr = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv
@@ -439,10 +438,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way)."""
     cfg = config or fit(SPARSE, q.shape[-1])
-    ck, layer_arr = as_layer_stack(ck, layer)
-    cv, _ = as_layer_stack(cv, layer)
-    k, _ = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     c_size = ck.shape[3]

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels.common import as_layer_stack, dot_precision
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision
 
 BLOCK_K = 512
 _LANES = 128
@@ -128,8 +128,7 @@ def _params():
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
                  interpret=None, block_k=BLOCK_K):
     """Dense decode attention (see kernels.attention.dense_decode)."""
-    k, layer_arr = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
@@ -202,10 +201,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     The grid covers ceil(C / block) compact steps plus enough recent steps for `window`
     keys at any alignment (the whole cache when window is None).
     """
-    ck, layer_arr = as_layer_stack(ck, layer)
-    cv, _ = as_layer_stack(cv, layer)
-    k, _ = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape
     hkv, s_len, c_size = k.shape[2], k.shape[3], ck.shape[3]
     group = hq // hkv

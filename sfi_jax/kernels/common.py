@@ -34,6 +34,12 @@ def as_layer_stack(x, layer):
     return x, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
+def as_layer_stacks(layer, *xs):
+    """as_layer_stack for several arrays read at the same layer: (stacks..., layer index)."""
+    stacks = [as_layer_stack(x, layer)[0] for x in xs]
+    return (*stacks, as_layer_stack(xs[0], layer)[1])
+
+
 def pow2(n):
     """The smallest power of two >= n (1 for n <= 1): the kernels' padded block sizes."""
     return 1 << max(int(n) - 1, 0).bit_length()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stack, dot_precision, merge_splits, pow2
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision, merge_splits, pow2
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
@@ -161,8 +161,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     q [B, T, Hq, D]; k, v [B, Hkv, S, D] or stacked [L, B, Hkv, S, D] read at `layer`.
     config: a Config (None: default_config for the padded row count).
     """
-    v, _ = as_layer_stack(v, layer)
-    k, layer_arr = as_layer_stack(k, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, n_q, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv

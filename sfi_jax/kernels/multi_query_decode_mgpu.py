@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sfi_jax.kernels import attention_mgpu as base
-from sfi_jax.kernels.common import as_layer_stack
+from sfi_jax.kernels.common import as_layer_stacks
 from sfi_jax.kernels.multi_query_decode_gpu import row_end
 
 DEFAULT = base.DENSE
@@ -99,8 +99,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     k, v [B, Hkv, S, D] or stacked [L, B, Hkv, S, D] read at `layer`; half precision."""
     cfg = config or base.fit(DEFAULT_LOGITS if return_logits else DEFAULT, q.shape[-1],
                              return_logits)
-    k, layer_arr = as_layer_stack(k, layer)
-    v, _ = as_layer_stack(v, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, n_q, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
     group = hq // hkv

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sfi_jax.kernels.attention_tpu import finish_rows, fold_scores
-from sfi_jax.kernels.common import as_layer_stack, dot_precision
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision
 
 BLOCK_K = 512
 _LANES = 128
@@ -82,8 +82,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
 
     block_k: key block, a multiple of 128 (the whole cache when it is shorter).
     """
-    v, _ = as_layer_stack(v, layer)
-    k, layer_arr = as_layer_stack(k, layer)
+    k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, n_q, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stack, dot_precision, pow2
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
 _LOG2E = 1.4426950408889634
@@ -113,8 +113,7 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
     config: a Config (block_q / block_k, when given, override its rows and block_k).
     """
     b, t, hq, d = q.shape
-    v, _ = as_layer_stack(v, layer)
-    k, layer = as_layer_stack(k, layer)
+    k, v, layer = as_layer_stacks(layer, k, v)
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
     gp, dp = pow2(group), max(_MIN_DOT, pow2(d))

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels.common import as_layer_stack
+from sfi_jax.kernels.common import as_layer_stacks
 
 BLOCK_Q = 128
 BLOCK_K = 512
@@ -95,8 +95,7 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
                       interpret=None):
     """Flash prefill attention (see kernels.prefill_attention.prefill_attention)."""
     b, t, hq, d = q.shape
-    v, _ = as_layer_stack(v, layer)
-    k, layer = as_layer_stack(k, layer)
+    k, v, layer = as_layer_stacks(layer, k, v)
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
     bq = min(block_q or BLOCK_Q, -(-t // 8) * 8)
