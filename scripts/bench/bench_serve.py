@@ -11,6 +11,8 @@ chosen lengths as random token ids, outputs of chosen lengths, streamed over HTT
     # against a server already running (one engine, named by --label)
     python scripts/bench/bench_serve.py --url http://127.0.0.1:8000 --label sfi --smoke
     python scripts/bench/bench_serve.py --smoke          # the embedded SmolLM2, a tiny load
+    # time from `python -m sfi_jax.serve` to an `openai` client's first answer, 3 launches
+    python scripts/bench/bench_serve.py --startup 3 --out benchmarks/serve_startup
 
 Writes OUT.json (every request's timings too), OUT.md and OUT.png (latency against output
 throughput, one line per engine, one point per rate).
@@ -77,6 +79,9 @@ def build_parser():
                         "--model's shape with random weights if it does not exist)")
     p.add_argument("--peer-arg", action="append", default=[],
                    help="one more flag for `transformers serve`, e.g. --peer-arg=--cb-num-blocks=4096")
+    p.add_argument("--startup", type=int, default=0, metavar="N",
+                   help="instead of a load: launch the server N times (the first fills the "
+                        "caches) and time launch -> ready line -> an openai client's answer")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny load: 3 requests at one rate, 16-token prompts, 8 new tokens")
     p.add_argument("--out", default="benchmarks/serve",
@@ -131,7 +136,9 @@ def check_args(parser, args):
 # --- one server per engine -------------------------------------------------------------------
 
 def start_server(args, mode):
-    """`python -m sfi_jax.serve` on a free port of 127.0.0.1; (process, base URL)."""
+    """`python -m sfi_jax.serve` on a free port of 127.0.0.1; (process, base URL, seconds from
+    the launch to its ready line)."""
+    launched = time.monotonic()
     cmd = [sys.executable, "-m", "sfi_jax.serve", "--model", args.model, "--mode", mode,
            "--host", "127.0.0.1", "--port", "0", "--served-model-name", mode,
            *args.server_arg]
@@ -150,7 +157,7 @@ def start_server(args, mode):
             line = proc.stdout.readline()
             m = re.search(r"serving .* on (http://\S+)", line)
             if m:
-                return proc, m.group(1)
+                return proc, m.group(1), time.monotonic() - launched
     proc.kill()
     raise SystemExit(f"error: the {mode} server was not ready in {args.start_timeout} s")
 
@@ -401,10 +408,57 @@ def machine():
     return f"{where}, {platform.node()}, Python {platform.python_version()}"
 
 
+def startup(args, argv):
+    """Launch the server args.startup times: seconds to its ready line and to the first answer
+    of an `openai` client request (the first launch fills the compilation and weight caches)."""
+    import openai
+
+    runs = []
+    for i in range(args.startup):
+        launched = time.monotonic()
+        proc, url, ready_s = start_server(args, args.engine_list[0])
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=600)
+            answer = client.completions.create(model=args.engine_list[0], max_tokens=8,
+                                               prompt="The capital of France is",
+                                               temperature=0)
+            answer_s = time.monotonic() - launched
+            t = time.monotonic()
+            client.completions.create(model=args.engine_list[0], max_tokens=8, temperature=0,
+                                      prompt="The capital of Italy is")
+            again_s = time.monotonic() - t
+        finally:
+            stop_server(proc)
+        runs.append({"launch": i, "ready_s": round(ready_s, 2), "answer_s": round(answer_s, 2),
+                     "next_answer_s": round(again_s, 2), "text": answer.choices[0].text})
+        print(json.dumps(runs[-1]), flush=True)
+    report = {"command": "python scripts/bench/bench_serve.py " + " ".join(
+                  argv if argv is not None else sys.argv[1:]),
+              "machine": machine(), "model": args.model, "server_args": args.server_arg,
+              "runs": runs}
+    lines = [f"# Server start to first answer: {args.model}", "",
+             f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+             "Seconds from launching `python -m sfi_jax.serve` to its ready line and to the "
+             "answer of an `openai` client completion (8 tokens, greedy); then the time of a second "
+             "such request. Launch 0 fills the caches; the others start warm.", "",
+             "| launch | ready (s) | first answer (s) | next request (s) |", "|---|---|---|---|"]
+    lines += [f"| {r['launch']} | {r['ready_s']:.2f} | {r['answer_s']:.2f} | "
+              f"{r['next_answer_s']:.2f} |" for r in runs]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}.json, .md")
+    return report
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if args.startup:
+        return startup(args, argv)
     results, raw = {}, {}
     for engine in args.engine_list:
         proc = None
@@ -414,7 +468,7 @@ def main(argv=None):
             proc, url = start_peer(args)
             model = None
         else:
-            proc, url = start_server(args, engine)
+            proc, url, _ = start_server(args, engine)
             model = engine
         try:
             results[engine], raw[engine] = run_engine(args, url, model, engine)
