@@ -4,10 +4,10 @@ Runs `python -m sfi_jax.generate --max-new-tokens N` in a subprocess with SFI_JA
 pointing at a fresh directory, first with it empty and then again; records for each run the
 time until the answer starts streaming (first byte on stdout), the total wall time, the
 child's CPU time, and the stats line (prefill, compile, decode tokens/s, and whether SFI mode
-decoded densely: every prompt + new tokens fit its budget). With several --modes each runs in
-turn (its first run compiles its programs, "first"), and the summary gives each mode's median
-warm decode tokens/s and its ratio to dense's. The machine's load average is recorded too: on a
-shared machine the wall times move with it.
+decoded densely: every prompt + new tokens fit its budget). With several --modes each runs
+once first (compiling its programs: "cold", then "first"), then the warm runs take turns, and
+the summary gives each mode's median warm decode tokens/s and its ratio to dense's. The
+machine's load average is recorded too: on a shared machine the wall times move with it.
 
     python scripts/bench/bench_quickstart.py --out /tmp/quickstart.json
     python scripts/bench/bench_quickstart.py --modes sfi,dense --warm-runs 3 \
@@ -99,12 +99,12 @@ def main(argv=None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "SFI_JAX_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
+        cmds = {mode: base + ([] if mode is None else ["--mode", mode]) for mode in modes}
         for mode in modes:
-            cmd = base + ([] if mode is None else ["--mode", mode])
-            first = "cold" if not runs else "first"
-            runs.append(dict(run_once(cmd, env), kind=first, mode=mode))
-            runs += [dict(run_once(cmd, env), kind="warm", mode=mode)
-                     for _ in range(args.warm_runs)]
+            runs.append(dict(run_once(cmds[mode], env), kind="cold" if not runs else "first",
+                             mode=mode))
+        for _ in range(args.warm_runs):  # the modes take turns: the machine's load hits both
+            runs += [dict(run_once(cmds[mode], env), kind="warm", mode=mode) for mode in modes]
     result = {"command": " ".join(["python"] + base[1:]), "modes": modes,
               "cpus": os.cpu_count(), "runs": runs, "summary": summary(runs)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
