@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     for r in runs:
-        print(f"{r['mode']} {r['kind']}: {r.get('decode_tokens_per_s')} tokens/s, first token {r['first_token_s']} s, done {r['wall_s']} s, "
+        print(f"{r['mode']} {r['kind']}: {r.get('decode_tokens_per_s')} tokens/s, "
+              f"first token {r['first_token_s']} s, done {r['wall_s']} s, "
               f"cpu {r['cpu_s']} s, compile {r.get('compile_s')} s, prefill "
               f"{r.get('prefill_s')} s, decode {r.get('decode_s')} s, load {r['load_avg_1m']}")
     print(json.dumps(result["summary"]))
