@@ -106,7 +106,7 @@ class SlotDecoder:
         self.steps = 0  # decode steps (exact mode: rounds) taken
         self.compile_s = 0.0
         self.slow, self.logits, self.diag = [], [], []  # per chunk, with record
-        self.dense_within_budget = True
+        self.dense_within_budget = True  # False: mode sfi runs the SFI program alone, as before
         self.dense_steps = np.zeros((B,), np.int64)  # per slot: steps of the dense program
         # the mode the rows decode in (sfi within its budget decodes densely)
         self.label = "exact" if mode == "exact" else ("sfi" if sfi is not None else "dense")
