@@ -424,6 +424,8 @@ def stats_line(mode: str, s: dict) -> str:
         line += " | decoded densely: every prompt + new tokens fit the SFI budget"
     elif mode == "sfi":
         line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
+        if s.get("decode_path") == "sfi+dense":
+            line += f", dense steps (the rows still open fit the budget) {s['dense_steps']}"
     if mode == "exact":
         line += (f" | verify steps per row {s['verify_steps']}, accepted/drafted "
                  f"{sum(s['accepted'])}/{sum(s['drafted'])}")

@@ -3,10 +3,15 @@
 Runs `python -m sfi_jax.generate --max-new-tokens N` in a subprocess with SFI_JAX_CACHE_DIR
 pointing at a fresh directory, first with it empty and then again; records for each run the
 time until the answer starts streaming (first byte on stdout), the total wall time, the
-child's CPU time, and the stats line (prefill, compile, decode). The machine's load average is
-recorded too: on a shared machine the wall times move with it.
+child's CPU time, and the stats line (prefill, compile, decode tokens/s, and whether SFI mode
+decoded densely: every prompt + new tokens fit its budget). With several --modes each runs
+once first (compiling its programs: "cold", then "first"), then the warm runs take turns, and
+the summary gives each mode's median warm decode tokens/s and its ratio to dense's. The
+machine's load average is recorded too: on a shared machine the wall times move with it.
 
     python scripts/bench/bench_quickstart.py --out /tmp/quickstart.json
+    python scripts/bench/bench_quickstart.py --modes sfi,dense --warm-runs 3 \
+        --max-new-tokens 128 --out benchmarks/quickstart_cpu.json
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import re
 import resource
 import selectors
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +30,8 @@ import time
 
 STATS = re.compile(r"prefill \d+ prompt tokens in (?P<prefill_s>[\d.]+) s = [\d.]+ tokens/s \| "
                    r"compile (?P<compile_s>[\d.]+) s \| "
-                   r"decode (?P<decode_tokens>\d+) tokens in (?P<decode_s>[\d.]+) s")
+                   r"decode (?P<decode_tokens>\d+) tokens in (?P<decode_s>[\d.]+) s = "
+                   r"(?P<decode_tokens_per_s>[\d.]+) tokens/s")
 
 
 def run_once(cmd: list[str], env: dict) -> dict:
@@ -54,10 +61,27 @@ def run_once(cmd: list[str], env: dict) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed ({rc}):\n{err_text[-3000:]}")
     m = STATS.search(err_text)
     stats = {k: float(v) for k, v in m.groupdict().items()} if m else {}
+    stats["decoded_densely"] = "decoded densely" in err_text
     return {"wall_s": round(wall, 2), "first_token_s": None if first is None else round(first, 2),
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
             "load_avg_1m": round(os.getloadavg()[0], 2), **stats,
             "text": out.decode(errors="replace").strip()}
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per mode: its warm runs' decode tokens/s and their median, and that median over dense's
+    (when dense ran)."""
+    out = {}
+    for r in runs:
+        if r["kind"] == "warm" and "decode_tokens_per_s" in r:
+            out.setdefault(str(r["mode"]), {"decode_tokens_per_s": []})[
+                "decode_tokens_per_s"].append(r["decode_tokens_per_s"])
+    for m in out.values():
+        m["median"] = statistics.median(m["decode_tokens_per_s"])
+    if "dense" in out:
+        for m in out.values():
+            m["vs_dense"] = round(m["median"] / out["dense"]["median"], 3)
+    return out
 
 
 def main(argv=None) -> int:
@@ -65,20 +89,33 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warm-runs", type=int, default=2, help="runs after the cold one")
+    p.add_argument("--modes", default="",
+                   help="comma-separated --mode values to run in turn (default: the command's "
+                        "own default mode, no --mode flag)")
     args = p.parse_args(argv)
-    cmd = [sys.executable, "-m", "sfi_jax.generate", "--max-new-tokens", str(args.max_new_tokens)]
+    base = [sys.executable, "-m", "sfi_jax.generate", "--max-new-tokens",
+            str(args.max_new_tokens)]
+    modes = [m for m in args.modes.split(",") if m] or [None]
+    runs = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "SFI_JAX_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
-        runs = [dict(run_once(cmd, env), kind="cold")]
-        runs += [dict(run_once(cmd, env), kind="warm") for _ in range(args.warm_runs)]
-    result = {"command": " ".join(["python"] + cmd[1:]), "cpus": os.cpu_count(), "runs": runs}
+        cmds = {mode: base + ([] if mode is None else ["--mode", mode]) for mode in modes}
+        for mode in modes:
+            runs.append(dict(run_once(cmds[mode], env), kind="cold" if not runs else "first",
+                             mode=mode))
+        for _ in range(args.warm_runs):  # the modes take turns: the machine's load hits both
+            runs += [dict(run_once(cmds[mode], env), kind="warm", mode=mode) for mode in modes]
+    result = {"command": " ".join(["python"] + base[1:]), "modes": modes,
+              "cpus": os.cpu_count(), "runs": runs, "summary": summary(runs)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     for r in runs:
-        print(f"{r['kind']}: first token {r['first_token_s']} s, done {r['wall_s']} s, "
+        print(f"{r['mode']} {r['kind']}: {r.get('decode_tokens_per_s')} tokens/s, "
+              f"first token {r['first_token_s']} s, done {r['wall_s']} s, "
               f"cpu {r['cpu_s']} s, compile {r.get('compile_s')} s, prefill "
               f"{r.get('prefill_s')} s, decode {r.get('decode_s')} s, load {r['load_avg_1m']}")
+    print(json.dumps(result["summary"]))
     return 0
 
 

@@ -69,7 +69,10 @@ class SlotDecoder:
     mode "sfi"/"dense" runs `decode_chunk` (n = chunk_steps steps; state.rows None: one
     static `sampling` for every row and the host caps a chunk at the rows' budget), mode
     "exact" runs `exact_chunk` (chunk_steps // (draft_len + 1) rounds; `counts` holds its
-    per-row bookkeeping and budgets). eos_mask, trigger_mask: bool [vocab] on the device.
+    per-row bookkeeping and budgets). In mode "sfi" a chunk runs the dense program instead
+    when every active request fits the SFI budget until its end (`fits`): SFI reads every
+    position of such a row, so it is dense decoding (dense_within_budget=False: always the SFI
+    program). eos_mask, trigger_mask: bool [vocab] on the device.
     stop_ids: token ids that end a request (kept in its tokens); hidden_ids: ids never in its
     text. forced: [B, max tokens] teacher-forced ids (-1 = sample). record: keep the per-chunk
     slow flags, logits (return_logits) and diagnostics (when state.diag is set) for the
@@ -103,6 +106,8 @@ class SlotDecoder:
         self.steps = 0  # decode steps (exact mode: rounds) taken
         self.compile_s = 0.0
         self.slow, self.logits, self.diag = [], [], []  # per chunk, with record
+        self.dense_within_budget = True  # False: mode sfi runs the SFI program alone, as before
+        self.dense_steps = np.zeros((B,), np.int64)  # per slot: steps of the dense program
         # the mode the rows decode in (sfi within its budget decodes densely)
         self.label = "exact" if mode == "exact" else ("sfi" if sfi is not None else "dense")
 
@@ -119,6 +124,7 @@ class SlotDecoder:
         a.t_first = time.perf_counter()
         self.observe("ttft_s", a.t_first - a.t_submit)
         self.released[a.slot] = False
+        self.dense_steps[a.slot] = 0
         with self.lock:
             self.slots[a.slot] = a
         self.deliver(a, [token], device_done=device_done)
@@ -139,6 +145,7 @@ class SlotDecoder:
 
     def step(self):
         """One device call for every slot; each request gets its new tokens."""
+        dense = False
         if self.mode == "exact":
             fn, statics = exact.exact_chunk, dict(
                 cfg=self.cfg, sfi=self.sfi, sampling=self.sampling,
@@ -147,8 +154,11 @@ class SlotDecoder:
             args = (self.params, self.state, self.counts, self.eos_mask, self.trigger_mask)
         else:
             n = self._n_steps()
+            dense = self.sfi is None or self._dense_chunk()
+            self.tally["dense_chunks" if dense else "sfi_chunks"] += 1
             fn, statics = decode.decode_chunk, dict(
-                cfg=self.cfg, sfi=self.sfi, sampling=self.sampling, n_steps=n,
+                cfg=self.cfg, sfi=None if dense else self.sfi, sampling=self.sampling,
+                n_steps=n,
                 options=self.options, return_logits=self.return_logits, plan=self.plan)
             args = (self.params, self.state, self.eos_mask, self.trigger_mask,
                     self.put(self._forced(n)))
@@ -187,7 +197,10 @@ class SlotDecoder:
             if a is None:
                 continue
             produced += len(new[slot])
-            if slow is not None:
+            if slow is not None and dense:
+                self.tally["dense_steps"] += len(new[slot])
+                self.dense_steps[slot] += len(new[slot])
+            elif slow is not None:
                 n_slow = int(slow[slot].sum())
                 self.tally["slow_steps"] += n_slow
                 self.tally["fast_steps"] += len(new[slot]) - n_slow
@@ -204,6 +217,27 @@ class SlotDecoder:
                              else dt * self.batch / produced)
         if self.on_chunk is not None:
             self.on_chunk(new)
+
+    def fits(self, a: Active) -> bool:
+        """Whether request `a` stays inside the SFI budget until its end: its last decode step
+        feeds position prompt + max_tokens - 2, so its sink + selected + recent sets cover
+        every position at every step (SFI_METHOD.md section 2) and it is dense decoding."""
+        return len(a.ids) + a.handle.request.max_tokens <= self.sfi.budget
+
+    def _dense_chunk(self) -> bool:
+        """Mode "sfi": whether this chunk runs the dense program. Only when every active
+        request fits, so that every row the SFI program ever runs for is still dense there:
+        a fitting row reads no compact buffer in the SFI program (its c_len is hidden) and
+        never reaches the budget's refresh, so what dense chunks leave out (compact buffers,
+        selections, refresh bookkeeping) is never read for it; its key norms the dense
+        program writes. A row that does not fit runs only in SFI chunks, from its insert on.
+        Not with diagnostics (they measure the SFI program), nor on a mesh (there `generate`
+        decides for the whole batch)."""
+        if not self.dense_within_budget or self.state.diag is not None or \
+                self.plan is not None:
+            return False
+        active = [a for a in self.slots if a is not None]
+        return bool(active) and all(self.fits(a) for a in active)
 
     def _n_steps(self) -> int:
         """chunk_steps; without per-row budgets on the device (state.rows None), no more than

@@ -377,6 +377,9 @@ class Engine:
                     "tokens_generated": dec.tally["tokens_generated"],
                     "slow_steps": dec.tally["slow_steps"],
                     "fast_steps": dec.tally["fast_steps"],
+                    "dense_steps": dec.tally["dense_steps"],
+                    "dense_chunks": dec.tally["dense_chunks"],
+                    "sfi_chunks": dec.tally["sfi_chunks"],
                     "decode_tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
     def _observe(self, kind, value):

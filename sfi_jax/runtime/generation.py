@@ -464,6 +464,8 @@ class _Decoded:
     decode_s: float
     compile_s: float
     counts: exact.ExactCounts | None = None  # exact mode's per-row bookkeeping
+    dense_steps: list | None = None  # per row: decode steps of the dense program
+    chunks: dict | None = None  # decode chunks per program: {"dense": n, "sfi": n}
 
 
 def _decode(run: _Run, state: DecodeState, counts, first, first_logits, eos_ids, eos_mask,
@@ -502,7 +504,9 @@ def _decode(run: _Run, state: DecodeState, counts, first, first_logits, eos_ids,
     results = [a.handle.result(0) for a in rows]
     return _Decoded([r.token_ids for r in results], [r.text for r in results], dec.state,
                     dec.logits if return_logits else None, dec.slow, dec.diag, dec.steps,
-                    decode_s, dec.compile_s, counts=dec.counts)
+                    decode_s, dec.compile_s, counts=dec.counts,
+                    dense_steps=dec.dense_steps.tolist(),
+                    chunks={"dense": dec.tally["dense_chunks"], "sfi": dec.tally["sfi_chunks"]})
 
 
 def _check_exact(plan, sfi, forced_tokens):
@@ -540,6 +544,17 @@ def _exact_stats(counts: exact.ExactCounts) -> dict:
                                             float("nan")).tolist()}
 
 
+def _decode_path(run: _Run, out: _Decoded, mode) -> str:
+    """Which program decoded, mode "sfi": "dense" (every row fits the SFI budget: the dense
+    program alone), "sfi" (the SFI program alone) or "sfi+dense" (the dense program once
+    every row still open fit, `SlotDecoder._dense_chunk`); other modes: the mode."""
+    if mode != "sfi" or out.chunks is None or not any(out.chunks.values()):
+        return run.decode_path
+    if out.chunks["sfi"] and out.chunks["dense"]:
+        return "sfi+dense"
+    return "sfi" if out.chunks["sfi"] else "dense"
+
+
 def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics) -> dict:
     """Timings, per-row slow/fast step counts and the optional logits and diagnostics."""
     B, cfg = run.batch, run.cfg
@@ -563,7 +578,8 @@ def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
         if mode == "sfi":  # every row within the budget ran dense (decode_path)
             stats["slow_timeline"] = np.zeros((B, out.steps), bool)
-    stats["decode_path"] = run.decode_path
+    stats["dense_steps"] = out.dense_steps
+    stats["decode_path"] = _decode_path(run, out, mode)
     if return_logits:
         stats["logits"] = np.concatenate(out.logits, axis=1)
     if diagnostics:
@@ -617,7 +633,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     prefill across calls).
     stats: timings in seconds (compiles apart: prefill_compile_s, decode_compile_s,
     compile_s), ttft_s (time to first token, compiles excluded) and ttft_with_compile_s,
-    prefill_tokens_per_s, decode_tokens_per_s, per-row slow/fast step counts, memory_bytes.
+    prefill_tokens_per_s, decode_tokens_per_s, per-row slow/fast step counts and dense_steps
+    (steps run by the dense program), decode_path (mode "sfi": "dense" when every row fits
+    the budget, "sfi", or "sfi+dense"), memory_bytes.
     """
     t_request = time.perf_counter()
     _check_exact_call(mode, return_logits, accept_rate)

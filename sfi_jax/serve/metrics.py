@@ -20,6 +20,8 @@ _GAUGES = {"queue_length": "requests waiting for a slot",
            "decode_tokens_per_s": "recent decode throughput of the engine, tokens per second"}
 _COUNTERS = {"slow_steps": "SFI slow (dense, refreshing) decode steps",
              "fast_steps": "SFI fast (sparse) decode steps",
+             "dense_steps": "decode steps of the dense program (mode dense, or SFI chunks "
+                            "whose requests all fit the budget)",
              "tokens_generated": "tokens the engine generated",
              "requests_finished": "requests the engine finished"}
 

@@ -410,3 +410,73 @@ def test_generate_decodes_through_the_engines_loop(tiny_qwen3, monkeypatch):
     assert rows == out.tokens and [len(r) for r in rows] == [10, 10]
     assert [len(new) for slot, new in deliveries if slot == 0] == [1, 4, 4, 1]
     assert out.stats["decode_steps"] == 9
+
+
+def test_sfi_within_its_budget_is_the_sfi_programs_output(tiny_qwen3):
+    """The dense program that SFI mode runs within its budget gives the SFI program's tokens
+    (diagnostics keep the SFI program) and dense decoding's."""
+    model = tiny_qwen3.model
+    prompts = _prompts([7, 12], seed=13)
+    kw = dict(max_new_tokens=6, mode="sfi", sfi=SMALL, stop_at_eos=False)  # 12 + 6 <= 18
+    fast = sfi_jax.generate(model, prompts, **kw)
+    program = sfi_jax.generate(model, prompts, diagnostics=True, **kw)
+    dense = sfi_jax.generate(model, prompts, max_new_tokens=6, mode="dense", stop_at_eos=False)
+    assert fast.stats["decode_path"] == "dense" and program.stats["decode_path"] == "sfi"
+    assert fast.tokens == program.tokens == dense.tokens
+    assert fast.stats["dense_steps"] == [5, 5] and program.stats["dense_steps"] == [0, 0]
+
+
+def test_generate_goes_dense_once_the_open_rows_fit(tiny_qwen3):
+    """A batch whose long row ends early (a forced EOS) decodes its fitting row with the dense
+    program from then on: each row gives its tokens alone (the long row the SFI program's,
+    the fitting row dense decoding's), and the stats count the steps of each program."""
+    model = tiny_qwen3.model
+    fit, long = _prompts([5, 14], seed=14)  # 5 + 12 <= 18 < 14 + 12
+    forced = np.full((2, 12), -1, np.int32)
+    forced[1, 3] = TINY_EOS
+    kw = dict(max_new_tokens=12, sfi=SMALL, chunk_steps=2)
+    both = sfi_jax.generate(model, [fit, long], mode="sfi", forced_tokens=forced, **kw)
+    # the references: the SFI program alone (diagnostics keep it) and dense decoding
+    alone = sfi_jax.generate(model, [long], mode="sfi", forced_tokens=forced[1:],
+                             diagnostics=True, **kw)
+    dense = sfi_jax.generate(model, [fit], mode="dense", forced_tokens=forced[:1], **kw)
+    assert both.tokens == [dense.tokens[0], alone.tokens[0]]
+    assert len(both.tokens[0]) == 12 and both.tokens[1][-1] == TINY_EOS
+    s = both.stats
+    assert s["decode_path"] == "sfi+dense" and alone.stats["decode_path"] == "sfi"
+    assert s["dense_steps"][1] == 0 and 0 < s["dense_steps"][0] < 11
+    assert [a + b + c for a, b, c in zip(s["slow_steps"], s["fast_steps"], s["dense_steps"])] \
+        == [11, 3]
+    assert alone.stats["slow_steps"][0] >= 1
+
+
+def test_engine_runs_the_dense_program_while_every_request_fits(tiny_qwen3):
+    """A request that fits the budget decodes alone in dense chunks; one that does not fit
+    arrives and the chunks run the SFI program for both. Each gives its tokens alone: the
+    fitting one dense decoding's, the other the SFI program's (which differ from dense here);
+    the metrics count both programs. With dense_within_budget off, the same tokens."""
+    model = tiny_qwen3.model
+    fit, long = _prompts([5, 12], seed=15)
+    want_fit = sfi_jax.generate(model, [fit], max_new_tokens=13, mode="dense").tokens[0]
+    want_long = sfi_jax.generate(model, [long], max_new_tokens=24, mode="sfi", sfi=SMALL,
+                                 diagnostics=True).tokens[0]  # (the SFI program alone)
+    dense_long = sfi_jax.generate(model, [long], max_new_tokens=24, mode="dense").tokens[0]
+    assert want_long != dense_long  # the long request needs the SFI program
+    for switch in (True, False):
+        with sfi_jax.Engine(model, mode="sfi", **ENGINE) as engine:
+            engine.decoder.dense_within_budget = switch
+            first = threading.Event()
+            h_fit = engine.submit(sfi_jax.Request(prompt=fit, max_tokens=13),  # 5 + 13 <= 18
+                                  on_event=lambda e: first.set())
+            assert first.wait(TIMEOUT)  # (its first chunk runs before `long` is admitted)
+            h_long = engine.submit(sfi_jax.Request(prompt=long, max_tokens=24))
+            got_fit, got_long = h_fit.result(TIMEOUT), h_long.result(TIMEOUT)
+            m = engine.metrics()
+        assert got_fit.token_ids == want_fit, switch
+        assert got_long.token_ids == want_long, switch
+        if switch:
+            assert m["dense_chunks"] >= 1 and m["sfi_chunks"] >= 1, m
+            assert 0 < m["dense_steps"] < 12, m
+        else:
+            assert m["dense_chunks"] == 0 and m["dense_steps"] == 0, m
+        assert m["slow_steps"] + m["fast_steps"] + m["dense_steps"] == 12 + 23, m

@@ -336,3 +336,27 @@ def test_bench_skinny_matmul_smoke_and_report(tmp_path, xla_fast_compile):
     bench.main(["--report", str(out), "--out", str(tmp_path / "report.md")])
     text = (tmp_path / "report.md").read_text()
     assert "| qwen3-0.6b | tiny_pair | 3 |" in text
+
+
+def test_bench_quickstart_reads_the_stats_line():
+    """bench_quickstart parses the CLI's own stats line (rates, the dense path) and gives each
+    mode's median warm rate over dense's."""
+    from sfi_jax.cli import stats_line
+
+    bq = load("bench/bench_quickstart.py")
+    s = {"prompt_tokens": [41], "prefill_s": 0.5, "compile_s": 1.25, "decode_tokens": 82,
+         "decode_s": 4.1, "decode_tokens_per_s": 20.0, "ttft_s": 0.6,
+         "first_token_from_start_s": 9.0, "decode_path": "dense"}
+    line = stats_line("sfi", s)
+    got = bq.STATS.search(line).groupdict()
+    assert float(got["decode_tokens_per_s"]) == 20.0 and float(got["decode_tokens"]) == 82
+    assert "decoded densely" in line and "decoded densely" not in stats_line(
+        "sfi", dict(s, decode_path="sfi", slow_steps=[1], fast_steps=[80]))
+    runs = [dict(kind="first", mode="sfi", decode_tokens_per_s=1.0)] + \
+        [dict(kind="warm", mode=m, decode_tokens_per_s=r)
+         for m, r in [("sfi", 9.0), ("dense", 10.0), ("sfi", 13.0), ("dense", 8.0),
+                      ("sfi", 10.5), ("dense", 12.0)]]
+    out = bq.summary(runs)
+    assert out["sfi"]["median"] == 10.5 and out["dense"]["median"] == 10.0
+    assert out["sfi"]["vs_dense"] == 1.05
+    assert out["sfi"]["decode_tokens_per_s"] == [9.0, 13.0, 10.5]

@@ -156,7 +156,9 @@ def test_metrics_carry_the_engine_counts(served):
     from prometheus_client.parser import text_string_to_metric_families
 
     url, engine = served
-    openai_client(url).completions.create(model="smol", prompt="Hello", max_tokens=3)
+    client = openai_client(url)
+    client.completions.create(model="smol", prompt="Hello", max_tokens=3)  # fits the budget
+    client.completions.create(model="smol", prompt="Hello " * 60, max_tokens=3)  # does not
     text = httpx.get(url + "/metrics", timeout=30).text
     value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
              if not s.labels}
@@ -164,6 +166,7 @@ def test_metrics_carry_the_engine_counts(served):
     assert value["sfi_jax_max_slots"] == 2
     assert value["sfi_jax_engine_slow_steps_total"] == m["slow_steps"] > 0
     assert value["sfi_jax_engine_fast_steps_total"] == m["fast_steps"] > 0
+    assert value["sfi_jax_engine_dense_steps_total"] == m["dense_steps"] > 0
     assert value["sfi_jax_time_to_first_token_seconds_count"] >= 1
     assert value["sfi_jax_inter_token_latency_seconds_count"] >= 1
     assert value["sfi_jax_engine_requests_finished_total"] == m["requests_finished"]
