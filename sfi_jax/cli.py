@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-major", choices=("auto", "on", "off"), default="auto",
                    help="store the output and dense MLP weights transposed for the K-major "
                         "decode kernel (one GPU: faster for small models decoding up to 4 "
-                        "prompts, slower for larger ones; benchmarks/kmajor.md). auto: on where "
+                        "prompts, slower for larger ones; docs/findings.md). auto: on where "
                         "it was measured faster (load_model's k_major_pays)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")

@@ -108,7 +108,7 @@ def _read_hf_config(path: str) -> ModelConfig:
 
 
 # Where the layout was measured faster at batch 1: the largest K-major weight's bytes
-# (benchmarks/kmajor.md: qwen3-0.6b's 6.3 MB; qwen3-4b's 50 MB was slower, smaller models
+# (kmajor.md in docs/findings.md: qwen3-0.6b's 6.3 MB; qwen3-4b's 50 MB was slower, smaller models
 # were not measured)
 K_MAJOR_AUTO_BYTES = (4 << 20, 8 << 20)
 
