@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.models.modeling import T_SUFFIX, Model, unfuse_qkv_weights
+from sfi_jax.models.modeling import Model, unfuse_qkv_weights
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import exact, prefill, programs, selection
 from sfi_jax.runtime import mesh as mesh_lib
@@ -223,15 +223,14 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     plan = mesh_lib.plan_for(cfg, mesh, B)
     options = options.resolved(mesh=None if plan is None else plan.mesh)  # once per request
     if plan is not None and mesh_lib.mesh_of(params) != plan.mesh:
-        if isinstance(params["layers"], list) and any(
-                k == "wqkv" or k.endswith(T_SUFFIX) for k in params["layers"][0]):
+        if model.layout.fused_qkv or model.layout.k_major:
             # per-head shardings need q, k, v apart and the weights as the shardings name
             # them: split each layer's fused weight, transpose its K-major ones, on the mesh
             rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
-            params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg)
+            params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg, model.layout)
                                 for w in params["layers"]]
         params = jax.device_put(params, mesh_lib.param_shardings(
-            cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
+            cfg, plan.mesh, split_layers=model.layout.split))
     if mode is Mode.EXACT:
         _check_exact(plan, sfi, forced_tokens)
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
