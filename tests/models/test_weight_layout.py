@@ -81,3 +81,10 @@ def test_a_mixed_or_unsplit_layout_is_refused():
         WeightLayout.of([layer])
     with pytest.raises(ValueError, match="layouts of split layers"):
         WeightLayout(fused_qkv=True)
+
+
+def test_a_stated_layout_is_checked_against_the_weights():
+    params = random_params(CFG, "float32", 4)
+    with pytest.raises(ValueError, match="not in the stated"):
+        Model(CFG, params, layout=WeightLayout(split=True))
+    assert Model(CFG, params, layout=STACKED).layout == STACKED
