@@ -9,6 +9,8 @@ import math
 import sys
 import time
 
+from sfi_jax.runtime.mode import Mode
+
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt with the tokenizer's chat template (default: on for "
                         "the built-in example prompt, off otherwise)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--mode", choices=("sfi", "dense", "exact"), default="sfi",
+    p.add_argument("--mode", type=Mode.from_flag, choices=list(Mode), default=Mode.SFI,
                    help="decoding mode (exact: SFI fast steps draft, a dense step verifies; "
                    "the tokens are dense decoding's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-major", choices=("auto", "on", "off"), default="auto",
                    help="store the output and dense MLP weights transposed for the K-major "
                         "decode kernel (one GPU: faster for small models decoding up to 4 "
-                        "prompts, slower for larger ones; benchmarks/kmajor.md). auto: on where "
+                        "prompts, slower for larger ones; docs/findings.md). auto: on where "
                         "it was measured faster (load_model's k_major_pays)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 elsewhere)")
@@ -409,9 +411,10 @@ def _first_seen(streamer: Streamer):
     return note
 
 
-def stats_line(mode: str, s: dict) -> str:
+def stats_line(mode: Mode | str, s: dict) -> str:
     """The stats line: prompt tokens/s over the prefill time it is shown beside; the first
     token both from the request (compiles excluded) and from the command's start."""
+    mode = Mode.parse(mode)
     prompt_tokens = sum(s["prompt_tokens"])
     rate = prompt_tokens / s["prefill_s"] if s["prefill_s"] > 0 else float("nan")
     line = (f"[{mode}] prefill {prompt_tokens} prompt tokens in {s['prefill_s']:.2f} s = "
@@ -420,13 +423,13 @@ def stats_line(mode: str, s: dict) -> str:
             f"{s['decode_tokens_per_s']:.1f} tokens/s | first token {s['ttft_s']:.2f} s "
             f"(compiles excluded), {s['first_token_from_start_s']:.2f} s after the command "
             "started")
-    if mode == "sfi" and s.get("decode_path") == "dense":
+    if mode is Mode.SFI and s.get("decode_path") == Mode.DENSE:
         line += " | decoded densely: every prompt + new tokens fit the SFI budget"
-    elif mode == "sfi":
+    elif mode is Mode.SFI:
         line += f" | slow/fast steps per row {s['slow_steps']}/{s['fast_steps']}"
         if s.get("decode_path") == "sfi+dense":
             line += f", dense steps (the rows still open fit the budget) {s['dense_steps']}"
-    if mode == "exact":
+    if mode is Mode.EXACT:
         line += (f" | verify steps per row {s['verify_steps']}, accepted/drafted "
                  f"{sum(s['accepted'])}/{sum(s['drafted'])}")
     return line

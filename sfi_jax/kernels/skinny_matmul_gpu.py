@@ -3,7 +3,7 @@ Triton lowering.
 
 At decode batch sizes a projection reads its whole weight for a handful of rows, so its time is
 the weight's bytes over the bandwidth. XLA's gemm fusions for one row do not stream at that
-limit (benchmarks/profile_batch1.md). Here program (j, s) reads one column block of the weight
+limit (profile_batch1.md in docs/findings.md). Here program (j, s) reads one column block of the weight
 over one K split, so the grid has enough programs to keep every SM's loads in flight; each
 split writes float32 partial sums that the caller's next elementwise fusion adds up.
 
@@ -472,7 +472,7 @@ def skinny_matmul_fused(x, weights, norm, sync, *, epilogue, residual=None, cos=
 class KMajorConfig:
     """Tiles of the K-major kernel: block_n weight rows (output columns) per program, each
     read over the whole of K in block_k steps. The defaults are the H200 sweeps' best at every
-    weight size measured, qwen3-0.6b's and qwen3-4b's (benchmarks/kmajor.md)."""
+    weight size measured, qwen3-0.6b's and qwen3-4b's (kmajor.md in docs/findings.md)."""
 
     block_n: int = 2
     block_k: int = 1024

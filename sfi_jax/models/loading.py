@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from sfi_jax.models import gguf_loader
 from sfi_jax.models.config import PRESETS, ModelConfig
-from sfi_jax.models.modeling import K_MAJOR, Model, param_shapes, stack_layers
+from sfi_jax.models.modeling import (K_MAJOR, STACKED, Model, WeightLayout, param_shapes,
+                                     stack_layers)
 from sfi_jax.models.params import params_from_getter, random_params, safetensors_getter
 from sfi_jax.options import on_gpu
 
@@ -108,7 +109,7 @@ def _read_hf_config(path: str) -> ModelConfig:
 
 
 # Where the layout was measured faster at batch 1: the largest K-major weight's bytes
-# (benchmarks/kmajor.md: qwen3-0.6b's 6.3 MB; qwen3-4b's 50 MB was slower, smaller models
+# (kmajor.md in docs/findings.md: qwen3-0.6b's 6.3 MB; qwen3-4b's 50 MB was slower, smaller models
 # were not measured)
 K_MAJOR_AUTO_BYTES = (4 << 20, 8 << 20)
 
@@ -151,22 +152,22 @@ def load_model(source: str = EMBEDDED_DEFAULT, *, dtype="bfloat16", mesh=None, s
     if k_major is True and split_layers is False:
         raise ValueError("k_major=True needs split layers; split_layers=False was passed")
 
-    def layout(cfg: ModelConfig) -> dict:
-        """The layer layout asked for, as `params_from_getter` builds it."""
+    def layout(cfg: ModelConfig) -> WeightLayout:
+        """The layer layout asked for (`params_from_getter` builds it)."""
         km = k_major_pays(cfg, decode_rows, dtype, mesh) if k_major == "auto" else k_major
         split = (on_gpu() or km) if split_layers is None else split_layers
-        return dict(split_layers=bool(split), fuse_qkv=bool(split) and mesh is None,
-                    k_major=bool(km) and bool(split))
+        return WeightLayout(split=bool(split), fused_qkv=bool(split) and mesh is None,
+                            k_major=bool(km) and bool(split))
 
     model = _load(source, dtype=dtype, mesh=mesh, seed=seed, layout=layout)
     return _maybe_split(model, layout(model.config))
 
 
-def _maybe_split(model: Model, layout: dict) -> Model:
+def _maybe_split(model: Model, layout: WeightLayout) -> Model:
     """The model in `layout` (a no-op for layers a loader already split)."""
-    if not layout["split_layers"]:
+    if not layout.split:
         return model
-    return model.split_layers(fuse_qkv=layout["fuse_qkv"], k_major=layout["k_major"])
+    return model.split_layers(fuse_qkv=layout.fused_qkv, k_major=layout.k_major)
 
 
 def _load(source: str, *, dtype, mesh, seed, layout=None) -> Model:
@@ -175,8 +176,10 @@ def _load(source: str, *, dtype, mesh, seed, layout=None) -> Model:
     dtype = _check_dtype(dtype)
 
     def placed(cfg, getter):
-        return Model(cfg, params_from_getter(cfg, getter, dtype, mesh,
-                                             **(layout(cfg) if layout else {})))
+        want = layout(cfg) if layout else STACKED
+        return Model(cfg, params_from_getter(cfg, getter, dtype, mesh, split_layers=want.split,
+                                             fuse_qkv=want.fused_qkv, k_major=want.k_major),
+                     layout=want)
 
     if source in PRESETS:
         cfg = PRESETS[source]
@@ -247,7 +250,7 @@ def save_orbax(model: Model, directory: str, tokenizer=None) -> str:
     directory = os.path.abspath(directory)
     ckpt = ocp.StandardCheckpointer()
     params = model.params
-    params["layers"] = stack_layers(params["layers"], model.config)  # the checkpoint format
+    params["layers"] = stack_layers(params["layers"], model.config, model.layout)  # as saved
     ckpt.save(os.path.join(directory, "params"), params, force=True)
     ckpt.wait_until_finished()
     with open(os.path.join(directory, ORBAX_CONFIG), "w") as f:
@@ -277,5 +280,5 @@ def restore_orbax(directory: str, *, dtype="bfloat16", mesh=None,
                           param_shapes(cfg), shardings, is_leaf=lambda x: isinstance(x, tuple))
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
     split = on_gpu() if split_layers is None else bool(split_layers)
-    layout = dict(split_layers=split, fuse_qkv=split and mesh is None, k_major=False)
-    return _maybe_split(Model(cfg, params), layout)
+    layout = WeightLayout(split=split, fused_qkv=split and mesh is None)
+    return _maybe_split(Model(cfg, params, layout=STACKED), layout)

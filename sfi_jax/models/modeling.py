@@ -2,8 +2,10 @@
 
 Layer weights come in one of two layouts: stacked along a leading layer axis (the layers run
 under `lax.scan`, compile time does not grow with depth) or split, one dict per layer (a Python
-loop: no per-layer slice of stacked weights, which XLA on GPU copies at every step). `run_layers`
-runs either.
+loop: no per-layer slice of stacked weights, which XLA on GPU copies at every step). Split
+layers may also hold one fused q/k/v weight and K-major (transposed) weights. A `WeightLayout`
+says which, decided when the model is loaded (`Model.layout`); the layer functions and
+`run_layers` take it instead of looking at the weights' names.
 
 The layer is split in two halves around attention
 (`attention_inputs` and `attention_output_and_mlp`) so the runtime can put its own KV cache
@@ -12,6 +14,7 @@ and decode kernels in between; `forward` is the plain full-sequence causal path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,6 +30,73 @@ from sfi_jax.kernels.common import rms_norm
 from sfi_jax.models.config import ModelConfig, rope_inv_freq_and_scale
 
 
+QKV = ("wq", "wk", "wv")
+# The weights into the hidden state and the dense MLP's: in the K-major layout each is stored
+# transposed, [N, K], under its name + T_SUFFIX, so that every output column's weights are one
+# contiguous read (`skinny_matmul_gpu.skinny_matmul_kmajor`)
+K_MAJOR = ("wo", "w_gate", "w_up", "w_down")
+T_SUFFIX = "_t"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """How the layer weights are stored (hashable: a static argument).
+
+    split: one dict per layer (a list) instead of one dict of [L, ...] stacked weights.
+    fused_qkv: one "wqkv" [hidden, (Hq + 2 Hkv) D] per layer instead of wq, wk, wv.
+    k_major: the `K_MAJOR` weights stored transposed, [N, K], as name + T_SUFFIX.
+    The last two are layouts of split layers."""
+
+    split: bool = False
+    fused_qkv: bool = False
+    k_major: bool = False
+
+    def __post_init__(self):
+        if (self.fused_qkv or self.k_major) and not self.split:
+            raise ValueError(f"{self}: fused q/k/v and K-major weights are layouts of split "
+                             "layers (split=True)")
+
+    def names(self, stacked_names) -> set:
+        """A layer's weight names in this layout, from the stacked layout's names."""
+        names = set(stacked_names)
+        if self.fused_qkv:
+            names = (names - set(QKV)) | {"wqkv"}
+        if self.k_major:
+            names = {n + T_SUFFIX if n in K_MAJOR else n for n in names}
+        return names
+
+    def weight(self, w: dict, name: str):
+        """(weight, transposed): a layer's weight `name` as stored, [K, N] or (K-major) [N, K]."""
+        if self.k_major and name in K_MAJOR:
+            return w[name + T_SUFFIX], True
+        return w[name], False
+
+    @classmethod
+    def of(cls, layers) -> "WeightLayout":
+        """The layout of a params tree's "layers" entry, read from its structure (static under
+        jit): by `Model(config, params)` when no loader states it, and once per compiled
+        program (decode, exact, prefill), whose weights arrive as a plain pytree. The one
+        place that reads the weights' names; ValueError for an unknown mix."""
+        split = isinstance(layers, (list, tuple))
+        names = set(layers[0] if split else layers)
+        layout = cls(split=split, fused_qkv="wqkv" in names,
+                     k_major=any(n.endswith(T_SUFFIX) for n in names))
+        plain = {n[:-len(T_SUFFIX)] if n.endswith(T_SUFFIX) else n for n in names}
+        if layout.fused_qkv:
+            plain = (plain - {"wqkv"}) | set(QKV)
+        if layout.names(plain) != names or (layout.fused_qkv and set(QKV) & names):
+            raise ValueError(f"layer weights {sorted(names)} are in no known layout")
+        return layout
+
+
+STACKED = WeightLayout()
+
+
+def k_major_names(cfg: ModelConfig) -> tuple:
+    """The `K_MAJOR` weights a layer of this model has (an MoE layer: the output projection)."""
+    return ("wo",) if cfg.is_moe else K_MAJOR
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers, each weight stacked along axis 0 (the layer axis)."""
 
@@ -36,11 +106,17 @@ class DecoderLayers(nnx.Module):
 
 
 class Model(nnx.Module):
-    """A decoder with its config. `model.params` is the pure pytree the runtime jits over;
-    its "layers" entry is the stacked dict or, after `split_layers()`, a list of per-layer dicts."""
+    """A decoder with its config and its weights' layout. `model.params` is the pure pytree the
+    runtime jits over; its "layers" entry is the stacked dict or, after `split_layers()`, a
+    list of per-layer dicts (`model.layout` says which, and how each layer is stored).
+    layout: the layout the loader built, checked against the weights (None: read from them)."""
 
-    def __init__(self, config: ModelConfig, params: dict):
+    def __init__(self, config: ModelConfig, params: dict, layout: WeightLayout | None = None):
         self.config = config
+        found = WeightLayout.of(params["layers"])
+        if layout is not None and layout != found:
+            raise ValueError(f"the weights are in {found}, not in the stated {layout}")
+        self.layout = found
         self.embed = nnx.Param(params["embed"])
         self._set_layers(params["layers"])
         self.final_norm = nnx.Param(params["final_norm"])
@@ -48,7 +124,7 @@ class Model(nnx.Module):
             self.lm_head = nnx.Param(params["lm_head"])
 
     def _set_layers(self, layers):
-        if isinstance(layers, (list, tuple)):
+        if self.layout.split:
             self.layers = nnx.List([DecoderLayers(w) for w in layers])
         else:
             self.layers = DecoderLayers(layers)
@@ -62,7 +138,7 @@ class Model(nnx.Module):
 
     @property
     def layers_split(self) -> bool:
-        return isinstance(self.layers, nnx.List)
+        return self.layout.split
 
     def split_layers(self, fuse_qkv: bool = False, k_major: bool = False) -> "Model":
         """Switch to one weight dict per layer, in place (the faster decode layout on GPU).
@@ -76,6 +152,7 @@ class Model(nnx.Module):
             stacked = {k: v[...] for k, v in vars(self.layers).items()
                        if isinstance(v, nnx.Param)}
             self.layers = None
+            self.layout = WeightLayout(split=True, fused_qkv=fuse_qkv, k_major=k_major)
             self._set_layers(split_layers(stacked, fuse_qkv=fuse_qkv, k_major=k_major))
         return self
 
@@ -114,9 +191,6 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-QKV = ("wq", "wk", "wv")
-
-
 def fuse_qkv_weights(layer: dict) -> dict:
     """One layer's wq, wk, wv -> one "wqkv" [hidden, (Hq + 2 Hkv) D] (columns q | k | v)."""
     out = {k: v for k, v in layer.items() if k not in QKV}
@@ -124,32 +198,19 @@ def fuse_qkv_weights(layer: dict) -> dict:
     return out
 
 
-def unfuse_qkv_weights(layer: dict, cfg: ModelConfig) -> dict:
-    """The inverse of `fuse_qkv_weights` and of the K-major layout's transposes (a no-op for
-    weights in neither layout)."""
-    t = len(T_SUFFIX)
-    layer = {k[:-t] if k.endswith(T_SUFFIX) else k: v.T if k.endswith(T_SUFFIX) else v
-             for k, v in layer.items()}
-    if "wqkv" not in layer:
+def unfuse_qkv_weights(layer: dict, cfg: ModelConfig, layout: WeightLayout) -> dict:
+    """One split layer's weights in `layout` back in the plain layout: the inverse of
+    `fuse_qkv_weights` and of the K-major layout's transposes."""
+    if layout.k_major:
+        layer = dict(layer)
+        for n in k_major_names(cfg):
+            layer[n] = layer.pop(n + T_SUFFIX).T
+    if not layout.fused_qkv:
         return layer
     out = {k: v for k, v in layer.items() if k != "wqkv"}
     q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out["wq"], out["wk"], out["wv"] = jnp.split(layer["wqkv"], [q, q + kv], axis=-1)
     return out
-
-
-# The weights into the hidden state and the dense MLP's: in the K-major layout each is stored
-# transposed, [N, K], under its name + T_SUFFIX, so that every output column's weights are one
-# contiguous read (`skinny_matmul_gpu.skinny_matmul_kmajor`)
-K_MAJOR = ("wo", "w_gate", "w_up", "w_down")
-T_SUFFIX = "_t"
-
-
-def layer_weight(w: dict, name: str):
-    """(weight, transposed): a layer's weight `name` as stored, [K, N] or (K-major) [N, K]."""
-    if name + T_SUFFIX in w:
-        return w[name + T_SUFFIX], True
-    return w[name], False
 
 
 def split_layers(stacked: dict, fuse_qkv: bool = False, via_host: bool | None = None,
@@ -232,19 +293,19 @@ def _split_via_host(stacked: dict, fuse_qkv: bool) -> list[dict]:
     return layers
 
 
-def stack_layers(layers, cfg: ModelConfig) -> dict:
+def stack_layers(layers, cfg: ModelConfig, layout: WeightLayout) -> dict:
     """The inverse of `split_layers` (a no-op for stacked weights)."""
-    if not isinstance(layers, (list, tuple)):
+    if not layout.split:
         return layers
-    layers = [unfuse_qkv_weights(w, cfg) for w in layers]
+    layers = [unfuse_qkv_weights(w, cfg, layout) for w in layers]
     return {name: jnp.stack([w[name] for w in layers]) for name in layers[0]}
 
 
-def run_layers(body, carry, layers, num_layers: int, unroll=1):
+def run_layers(body, carry, layers, layout: WeightLayout, num_layers: int, unroll=1):
     """Apply body(carry, (layer_weights, layer_index)) over the layers: `lax.scan` over stacked
     weights (traced index), a Python loop over split ones (static index).
     Returns (carry, per-layer outputs stacked along a new leading axis, or None)."""
-    if isinstance(layers, (list, tuple)):
+    if layout.split:
         ys = []
         for l, w in enumerate(layers):
             carry, y = body(carry, (w, l))
@@ -273,10 +334,11 @@ def apply_rope(x, positions, cfg: ModelConfig):
     return out.astype(x.dtype)
 
 
-def _heads_kernel(heads: str, cfg: ModelConfig, w: dict, T: int):
+def _heads_kernel(heads: str, cfg: ModelConfig, layout: WeightLayout, T: int):
     """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): asked for,
     fused q/k/v weights, one position per row, a supported head dim."""
-    return heads == "kernel" and T == 1 and "wqkv" in w and heads_kernels.supported(cfg.head_dim)
+    return (heads == "kernel" and T == 1 and layout.fused_qkv
+            and heads_kernels.supported(cfg.head_dim))
 
 
 def _kmajor_tuning(tuning) -> dict:
@@ -295,15 +357,16 @@ def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=
         **_kmajor_tuning(tuning)))
 
 
-def _proj(x, w: dict, name: str, matmul: str, tuning=None):
-    weight, transposed = layer_weight(w, name)
+def _proj(x, w: dict, layout: WeightLayout, name: str, matmul: str, tuning=None):
+    weight, transposed = layout.weight(w, name)
     return skinny_matmul(x, (weight,), impl=matmul, transposed=transposed,
                          **_kmajor_tuning(tuning))[0].astype(x.dtype)
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
-                     matmul: str = "xla"):
-    """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x.
+                     matmul: str = "xla", layout: WeightLayout = STACKED):
+    """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x;
+    w: the layer's weights, stored as `layout` says.
 
     heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
     rotates its heads in one Triton launch (interpret mode off the GPU).
@@ -312,9 +375,9 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     "by_shape" (the kernel where it was measured faster)."""
     B, T, _ = x.shape
     norm = w["attn_norm"]
-    if "wqkv" in w:
+    if layout.fused_qkv:
         qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul)
-        if _heads_kernel(heads, cfg, w, T):
+        if _heads_kernel(heads, cfg, layout, T):
             cos, sin = rope_cos_sin(positions, cfg)
             q, k, v = heads_kernels.norm_rope_heads(
                 qkv[:, 0], cos[:, 0], sin[:, 0], w.get("q_norm") if cfg.qk_norm else None,
@@ -336,28 +399,28 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
 
 
 def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla",
-                             matmul: str = "xla", tuning=None):
+                             matmul: str = "xla", tuning=None, layout: WeightLayout = STACKED):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
     moe: see `moe_mlp`; matmul: see `attention_inputs`; tuning: the GPU kernels' sweep points
     (`options.KernelTuning`; None: the tuned kernels)."""
     B, T = attn.shape[:2]
-    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, "wo", matmul, tuning)
+    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, layout, "wo", matmul, tuning)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
-    (wg, t), (wu, _) = layer_weight(w, "w_gate"), layer_weight(w, "w_up")
+    (wg, t), (wu, _) = layout.weight(w, "w_gate"), layout.weight(w, "w_up")
     gate, up = _normed_matmuls(x, w["mlp_norm"], (wg, wu), cfg, matmul, transposed=t,
                                tuning=tuning)
-    return x + _proj(jax.nn.silu(gate) * up, w, "w_down", matmul, tuning)
+    return x + _proj(jax.nn.silu(gate) * up, w, layout, "w_down", matmul, tuning)
 
 
-def fused_decode_layer(w: dict, cfg: ModelConfig, rows: int, heads: str, matmul: str,
-                       epilogue: str) -> bool:
+def fused_decode_layer(layout: WeightLayout, cfg: ModelConfig, rows: int, heads: str,
+                       matmul: str, epilogue: str) -> bool:
     """Whether a decode step of `rows` rows runs this layer's matmuls with their epilogues in
     the kernel (`decode_attention_inputs` / `decode_output_and_mlp`): asked for, the kernel
     for these rows, fused q/k/v weights and the heads kernel's head dim."""
     return (epilogue == "fused" and skinny_matmul_kernels.uses_fused(matmul, rows)
-            and heads == "kernel" and "wqkv" in w and heads_kernels.supported(cfg.head_dim))
+            and _heads_kernel(heads, cfg, layout, 1))
 
 
 def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync, tuning=None):
@@ -376,18 +439,18 @@ def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync, tunin
 
 
 def decode_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, sync, moe: str = "xla",
-                          tuning=None):
+                          tuning=None, layout: WeightLayout = STACKED):
     """`attention_output_and_mlp` for one decode step with the residual adds and the SiLU
     product in the matmuls' epilogues. Returns x and the counters."""
     B = x.shape[0]
     fused = functools.partial(skinny_matmul_kernels.skinny_matmul_fused, tuning=tuning)
-    wo, t = layer_weight(w, "wo")
+    wo, t = layout.weight(w, "wo")
     x, sync = fused(attn.reshape(B, -1).astype(x.dtype), (wo,), None, sync,
                     epilogue="residual", residual=x.reshape(B, -1), transposed=t)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return (x + moe_mlp(w, cfg, h, impl=moe))[:, None], sync
-    (wg, t), (wu, _), (wd, _) = (layer_weight(w, n) for n in ("w_gate", "w_up", "w_down"))
+    (wg, t), (wu, _), (wd, _) = (layout.weight(w, n) for n in ("w_gate", "w_up", "w_down"))
     h, sync = fused(x, (wg, wu), w["mlp_norm"], sync, epilogue="silu", eps=cfg.rms_norm_eps,
                     transposed=t)
     x, sync = fused(h, (wd,), None, sync, epilogue="residual", residual=x, transposed=t)
@@ -437,18 +500,20 @@ def grouped_attention(q, k, v, mask):
     return out.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-@jax.jit(static_argnums=(1,))
-def _forward(params, cfg: ModelConfig, tokens):
+@jax.jit(static_argnums=(1, 2))
+def _forward(params, cfg: ModelConfig, layout: WeightLayout, tokens):
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
     def layer(x, xs):
         w, _ = xs
-        q, k, v = attention_inputs(w, cfg, x, positions)
-        return attention_output_and_mlp(w, cfg, x, grouped_attention(q, k, v, causal)), None
+        q, k, v = attention_inputs(w, cfg, x, positions, layout=layout)
+        attn = grouped_attention(q, k, v, causal)
+        return attention_output_and_mlp(w, cfg, x, attn, layout=layout), None
 
-    x, _ = run_layers(layer, embed_tokens(params, tokens), params["layers"], cfg.num_layers)
+    x, _ = run_layers(layer, embed_tokens(params, tokens), params["layers"], layout,
+                      cfg.num_layers)
     return output_logits(params, cfg, x)
 
 
@@ -460,4 +525,4 @@ def forward(model: Model, tokens) -> jax.Array:
     if tokens.shape[1] > model.config.max_position_embeddings:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context "
                          f"{model.config.max_position_embeddings}")
-    return _forward(model.params, model.config, tokens)
+    return _forward(model.params, model.config, model.layout, tokens)

@@ -7,7 +7,8 @@ the one host-side decode loop over slots (decoder), the Engine (engine, requests
 from sfi_jax.runtime.engine import (Engine, QueueFull, Request, RequestError, RequestHandle,
                                    RequestResult, TokenEvent)
 from sfi_jax.runtime.generation import GenerateResult, generate
+from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.sampling import SamplingConfig
 
-__all__ = ["Engine", "GenerateResult", "QueueFull", "Request", "RequestError", "RequestHandle",
-           "RequestResult", "SamplingConfig", "TokenEvent", "generate"]
+__all__ = ["Engine", "GenerateResult", "Mode", "QueueFull", "Request", "RequestError",
+           "RequestHandle", "RequestResult", "SamplingConfig", "TokenEvent", "generate"]

@@ -31,7 +31,7 @@ from sfi_jax.kernels import dense_decode, sparse_decode
 from sfi_jax.kernels.attention import write_new_token
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
+from sfi_jax.models.modeling import (WeightLayout, attention_inputs, attention_output_and_mlp,
                                      decode_attention_inputs, decode_output_and_mlp, embed_tokens,
                                      fused_decode_layer, output_logits, run_layers)
 from sfi_jax.options import EngineOptions
@@ -88,20 +88,22 @@ class LayerAttention(NamedTuple):
 # device's rows and KV heads, head_axis the mesh axis the KV heads are split over); slots: the
 # rows that refresh (B = empty; None: no row does).
 
-def _write(k, v, st, k_new, v_new, pos, l):
+def _write(k, v, sfi_state, k_new, v_new, pos, l):
     """Store this step's key and value (and, with an SFI state, the key's norm)."""
-    k, v, norms = write_new_token(k, v, None if st is None else st.key_norms, (k_new, v_new),
-                                  pos, l)
-    return k, v, st if st is None else st._replace(key_norms=norms)
+    norms = None if sfi_state is None else sfi_state.key_norms
+    k, v, norms = write_new_token(k, v, norms, (k_new, v_new), pos, l)
+    return k, v, sfi_state if sfi_state is None else sfi_state._replace(key_norms=norms)
 
 
-def _read_compact(q, k, v, st, l, pos, dense_rows, sfi, impl, **write):
+def _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi, impl, **write):
     """Sparse attention over sink + selected (the compact buffers) + recent. A dense row
     (context within the budget) reads [0, length) as its "recent" window, so no row reads more
     than `budget` cache positions in place."""
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
-    return sparse_decode(q, st.ck, st.cv, st.c_len, k, v, recent_start, pos + 1, layer=l,
-                         impl=impl, window=min(sfi.budget, k.shape[3]), **write)
+    with jax.named_scope("sparse"):
+        return sparse_decode(q, sfi_state.ck, sfi_state.cv, sfi_state.c_len, k, v, recent_start,
+                             pos + 1, layer=l, impl=impl, window=min(sfi.budget, k.shape[3]),
+                             **write)
 
 
 def _tuned(options, kind=None) -> dict:
@@ -114,34 +116,35 @@ def _tuned(options, kind=None) -> dict:
     return kw
 
 
-def _without_dense_rows(st, dense_rows):
+def _without_dense_rows(sfi_state, dense_rows):
     """The state with the dense rows' compact counts 0: they read no compact buffer."""
-    return st._replace(c_len=jnp.where(dense_rows[None, :, None], 0, st.c_len))
+    return sfi_state._replace(c_len=jnp.where(dense_rows[None, :, None], 0, sfi_state.c_len))
 
 
-def attend_dense(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+def attend_dense(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
                  options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
     """Dense attention over each row's whole cache (an SFI state keeps its key norms: exact
     mode's plain dense steps)."""
-    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
-    attn = dense_decode(q, k, v, pos + 1, layer=l, impl=options.attention,
-                        **_tuned(options, "dense"))
-    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+    k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
+    with jax.named_scope("dense"):
+        attn = dense_decode(q, k, v, pos + 1, layer=l, impl=options.attention,
+                            **_tuned(options, "dense"))
+    return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
 
 
-def attend_fixed(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+def attend_fixed(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
                  options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
     """Sparse attention over the selection made at prefill ("streaming", "prefill_only")."""
-    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
-    attn = _read_compact(q, k, v, _without_dense_rows(st, dense_rows), l, pos, dense_rows, sfi,
-                         options.attention, **_tuned(options, "sparse"))
-    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+    k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
+    attn = _read_compact(q, k, v, _without_dense_rows(sfi_state, dense_rows), l, pos,
+                         dense_rows, sfi, options.attention, **_tuned(options, "sparse"))
+    return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
 
 
-def attend_oracle(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
+def attend_oracle(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
                   options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
     """Select from this step's dense logits, per layer and row, then read sparsely."""
-    k, v, st = _write(k, v, st, k_new, v_new, pos, l)
+    k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
     B, Hq = q.shape[:2]
     Hkv, n_slots = k.shape[2], slots.shape[0]
     rows = jnp.minimum(slots, B - 1)
@@ -152,36 +155,37 @@ def attend_oracle(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, sl
                                     impl=options.attention, **_tuned(options))
         lo, hi = allowed_range(pos[rows], sfi)
         ck, cv, c_len, positions = select_compact(
-            logits.reshape(n_slots, Hkv, Hq // Hkv, -1), st.key_norms[l, rows], k[l, rows],
+            logits.reshape(n_slots, Hkv, Hq // Hkv, -1), sfi_state.key_norms[l, rows], k[l, rows],
             v[l, rows], lo, hi, lengths[rows], sfi=sfi, options=options, head_axis=head_axis)
     at = (l, slots)
-    st = st._replace(ck=st.ck.at[at].set(ck, mode="drop"), cv=st.cv.at[at].set(cv, mode="drop"),
-                     c_len=st.c_len.at[at].set(c_len, mode="drop"),
-                     positions=st.positions.at[at].set(positions, mode="drop"))
-    attn = _read_compact(q, k, v, _without_dense_rows(st, dense_rows), l, pos, dense_rows, sfi,
-                         options.attention, **_tuned(options, "sparse"))
-    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+    sfi_state = sfi_state._replace(
+        ck=sfi_state.ck.at[at].set(ck, mode="drop"), cv=sfi_state.cv.at[at].set(cv, mode="drop"),
+        c_len=sfi_state.c_len.at[at].set(c_len, mode="drop"),
+        positions=sfi_state.positions.at[at].set(positions, mode="drop"))
+    attn = _read_compact(q, k, v, _without_dense_rows(sfi_state, dense_rows), l, pos,
+                         dense_rows, sfi, options.attention, **_tuned(options, "sparse"))
+    return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
 
 
-def attend_deferred(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, *, sfi,
-                    options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *,
+                    sfi, options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
     """Every row reads sparsely (the kernel also stores this step's key, value and key norm;
     the dense rows' compact counts are 0 for the whole step, see `decode_chunk`); the rows in
     `slots` also attend densely, their output replacing the sparse one and their logits kept
     in `slow_logits` [L, n_slots, Hkv, G, S] for the selection at the step's end
     (`select_all_layers`: all layers at once, not per layer, as the selector is ~30 small
     kernels). slots None (the fast loop's steps): no dense launch."""
-    attn, k, v, norms = _read_compact(q, k, v, st, l, pos, dense_rows, sfi, options.attention,
-                                      new_kv=(k_new, v_new), key_norms=st.key_norms,
-                                      **_tuned(options, "sparse"))
-    st = st._replace(key_norms=norms)
+    attn, k, v, norms = _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi,
+                                      options.attention, new_kv=(k_new, v_new),
+                                      key_norms=sfi_state.key_norms, **_tuned(options, "sparse"))
+    sfi_state = sfi_state._replace(key_norms=norms)
     if q_hist is not None:  # evidence_window > 1: remember this step's query
         q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))
     if slots is not None:
         with jax.named_scope("refresh"):
             attn, slow_logits = _refresh(q, k, v, attn, slow_logits, l, pos, slots, options,
                                          q_hist, step)
-    return LayerAttention(attn, k, v, st, slow_logits, q_hist)
+    return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
 
 
 def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
@@ -205,7 +209,7 @@ def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
                                      **_tuned(options))
         return attn, flat.reshape(slow_logits.shape)
 
-    def refresh(buf):
+    def refresh(scratch):
         if q_hist is None:
             out, logits, _ = dense_decode(q[rows], k, v, row_len, return_logits=True, layer=l,
                                           rows=rows, impl=impl, **_tuned(options))
@@ -213,10 +217,10 @@ def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
             out = dense_decode(q[rows], k, v, row_len, layer=l, rows=rows, impl=impl,
                                **_tuned(options, "dense"))
             logits = window_logits(q_hist[l, rows], k[l, rows], row_len, step)
-        return buf.at[l].set(logits.reshape(buf.shape[1:]).astype(buf.dtype)), out
+        return scratch.at[l].set(logits.reshape(scratch.shape[1:]).astype(scratch.dtype)), out
 
-    def without(buf):
-        return buf, jnp.zeros((slots.shape[0],) + q.shape[1:], q.dtype)
+    def without(scratch):
+        return scratch, jnp.zeros((slots.shape[0],) + q.shape[1:], q.dtype)
 
     slow_logits, out = jax.lax.cond(jnp.any(slots < B), refresh, without, slow_logits)
     return attn.at[slots].set(out, mode="drop"), slow_logits
@@ -233,9 +237,9 @@ def attend_layer(variant: str, *, sfi, options, plan=None) -> Callable[..., Laye
     if plan is None:
         return fn
 
-    def on_mesh(q, k_new, v_new, k, v, st, slow_logits, l, pos, dense_rows, slots, **_):
-        return LayerAttention(*mesh.attend(plan, fn, q, k_new, v_new, k, v, st, slow_logits, l,
-                                           pos, dense_rows, slots))
+    def on_mesh(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, **_):
+        return LayerAttention(*mesh.attend(plan, fn, q, k_new, v_new, k, v, sfi_state,
+                                           slow_logits, l, pos, dense_rows, slots))
 
     return on_mesh
 
@@ -277,10 +281,11 @@ class LayerCarry(NamedTuple):
     sync: jax.Array | None  # the fused matmul epilogues' counters (None: unfused)
 
 
-def layer_step(carry: LayerCarry, xs, *, cfg, options, attend, fused, inputs: StepInputs,
-               sfi=None):
+def layer_step(carry: LayerCarry, xs, *, cfg, layout, options, attend, fused,
+               inputs: StepInputs, sfi=None):
     """One layer of one decode step for the whole batch: qkv, attend, output + MLP.
-    fused: the matmuls run with their epilogues in the kernel (`fused_decode_layer`)."""
+    layout: the weights' `WeightLayout`; fused: the matmuls run with their epilogues in the
+    kernel (`fused_decode_layer`)."""
     w, l = xs
     x, pos, sync = carry.x, inputs.pos, carry.sync
     with jax.named_scope("qkv"):
@@ -289,7 +294,7 @@ def layer_step(carry: LayerCarry, xs, *, cfg, options, attend, fused, inputs: St
                                                             tuning=options.tuning)
         else:
             q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None], heads=options.heads,
-                                               matmul=options.matmul)
+                                               matmul=options.matmul, layout=layout)
     with jax.named_scope("attend"):
         a = attend(q[:, 0], k_new[:, 0], v_new[:, 0], carry.k, carry.v, carry.sfi,
                    carry.slow_logits, l, pos, inputs.dense_rows, inputs.slots,
@@ -297,10 +302,11 @@ def layer_step(carry: LayerCarry, xs, *, cfg, options, attend, fused, inputs: St
     with jax.named_scope("mlp"):  # (the attention's output projection and the MLP)
         if fused:
             x, sync = decode_output_and_mlp(w, cfg, x, a.attn[:, None], sync, moe=options.moe,
-                                            tuning=options.tuning)
+                                            tuning=options.tuning, layout=layout)
         else:
             x = attention_output_and_mlp(w, cfg, x, a.attn[:, None], moe=options.moe,
-                                         matmul=options.matmul, tuning=options.tuning)
+                                         matmul=options.matmul, tuning=options.tuning,
+                                         layout=layout)
     carry = LayerCarry(x, a.k, a.v, a.sfi, carry.diag, a.slow_logits, a.q_hist, sync)
     if carry.diag is None:
         return carry, None
@@ -309,28 +315,27 @@ def layer_step(carry: LayerCarry, xs, *, cfg, options, attend, fused, inputs: St
 
 def _diagnose(carry: LayerCarry, q, l, inputs: StepInputs, sfi):
     """Layer l's coverage and Jaccard diagnostics (`runtime.diagnostics`)."""
-    pos, dense_rows, st = inputs.pos, inputs.dense_rows, carry.sfi
+    pos, dense_rows, sfi_state = inputs.pos, inputs.dense_rows, carry.sfi
     recent_start = jnp.where(dense_rows, 0, jnp.maximum(sfi.n_sink, pos - sfi.n_recent))
     fast_rows = ~dense_rows & (True if sfi.selects_every_step else ~inputs.refreshed)
-    positions = jnp.where(dense_rows[:, None, None], -1, st.positions[l])
+    positions = jnp.where(dense_rows[:, None, None], -1, sfi_state.positions[l])
     cov, jac, support = attention_diagnostics(q, carry.k[l], pos + 1, positions, fast_rows,
                                               recent_start, carry.diag[l], sfi.k_select)
     return carry._replace(diag=carry.diag.at[l].set(support)), (cov, jac)
 
 
-def run_step_layers(params, carry: LayerCarry, inputs: StepInputs, *, cfg, sfi, options,
-                    attend, fused):
+def run_step_layers(params, carry: LayerCarry, inputs: StepInputs, *, cfg, layout, sfi,
+                    options, attend, fused):
     """The layers of one decode step; returns the carry and the per-layer diagnostics."""
-    body = functools.partial(layer_step, cfg=cfg, options=options, attend=attend, fused=fused,
-                             inputs=inputs, sfi=sfi)
-    return run_layers(body, carry, params["layers"], cfg.num_layers, options.unroll)
+    body = functools.partial(layer_step, cfg=cfg, layout=layout, options=options,
+                             attend=attend, fused=fused, inputs=inputs, sfi=sfi)
+    return run_layers(body, carry, params["layers"], layout, cfg.num_layers, options.unroll)
 
 
-def uses_fused_layers(params, cfg, batch: int, options) -> bool:
+def uses_fused_layers(layout: WeightLayout, cfg, batch: int, options) -> bool:
     """Whether the decode step's matmuls run with their epilogues in the kernel."""
-    layers = params["layers"]  # (stacked: a dict; its names are a layer's)
-    return fused_decode_layer(layers if isinstance(layers, dict) else layers[0], cfg, batch,
-                              options.heads, options.matmul, options.epilogue)
+    return fused_decode_layer(layout, cfg, batch, options.heads, options.matmul,
+                              options.epilogue)
 
 
 def slow_logits_buffer(cfg: ModelConfig, sfi: SFIConfig | None, batch: int, max_len: int,
@@ -388,11 +393,13 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         raise ValueError(f"options {options} were resolved without the mesh; pass "
                          "options.resolved(mesh=...)")
     B, L = state.token.shape[0], cfg.num_layers
+    layout = WeightLayout.of(params["layers"])  # (the structure of a static argument)
+    fused = uses_fused_layers(layout, cfg, B, options)
     variant = attention_variant(sfi)
     n_slots = B if sfi is None or sfi.refresh_rows is None else min(sfi.refresh_rows, B)
     attend = attend_layer(variant, sfi=sfi, options=options, plan=plan)
-    layers = functools.partial(run_step_layers, params, cfg=cfg, sfi=sfi, options=options,
-                               attend=attend, fused=uses_fused_layers(params, cfg, B, options))
+    layers = functools.partial(run_step_layers, params, cfg=cfg, layout=layout, sfi=sfi,
+                               options=options, attend=attend, fused=fused)
     select_all = functools.partial(select_all_layers, sfi=sfi, options=options)
     if plan is not None:
         select_all = functools.partial(mesh.select_all_layers, plan, select_all)
@@ -413,7 +420,7 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
                                                                           variant),
                                     state.diag, carry.slow_logits, state.q_hist, carry.sync),
                          inputs)
-        st = out.sfi if variant != "deferred" else out.sfi._replace(c_len=state.sfi.c_len)
+        sfi_state = out.sfi if variant != "deferred" else out.sfi._replace(c_len=state.sfi.c_len)
         with jax.named_scope("logits"):
             logits = output_logits(params, cfg, out.x[:, 0])
         with jax.named_scope("sample"):
@@ -423,12 +430,13 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         carry = _record(carry, i, token, live, logits, inputs.refreshed, ys, return_logits)
         if variant != "dense":
             triggered = trigger_mask[token] if sfi.uses_triggers else False
-            st = count_step(st, refreshed=inputs.refreshed, live=live, advanced=1, restart=1,
-                            wants=triggered, fast=~inputs.refreshed & live, t_max=sfi.t_max)
+            sfi_state = count_step(sfi_state, refreshed=inputs.refreshed, live=live, advanced=1,
+                                   restart=1, wants=triggered, fast=~inputs.refreshed & live,
+                                   t_max=sfi.t_max)
         if variant == "deferred" and inputs.slots is not None:
             with jax.named_scope("select"):  # the refreshed rows' selections, all layers
-                st = _apply_selections(select_all, st, out, inputs, token)
-        state = _next_state(state, out, st, token, key, rows, logits, eos_mask, plan)
+                sfi_state = _apply_selections(select_all, sfi_state, out, inputs, token)
+        state = _next_state(state, out, sfi_state, token, key, rows, logits, eos_mask, plan)
         return carry._replace(state=state, i=i + 1, sync=out.sync, slow_logits=out.slow_logits)
 
     def cond(carry: LoopCarry):
@@ -439,7 +447,7 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         jnp.zeros((B, n_steps, cfg.vocab_size) if return_logits else (0,), jnp.float32),
         jnp.zeros((2, B, n_steps, L, cfg.num_kv_heads) if state.diag is not None else (0,),
                   jnp.float32),
-        new_sync() if uses_fused_layers(params, cfg, B, options) else None,
+        new_sync() if fused else None,
         slow_logits_buffer(cfg, sfi, B, state.k.shape[3], plan))
     if variant != "deferred" or options.refresh != "unconditional":
         # (behind `lax.cond` a fast step launches nothing for the refresh slots: one step body,
@@ -466,14 +474,14 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
     return state, out_tokens, taken, out_slow, out_logits, out_diag
 
 
-def _hide_dense_rows(st, inputs: StepInputs, variant):
+def _hide_dense_rows(sfi_state, inputs: StepInputs, variant):
     """The deferred variant's state for the layers: the dense rows' compact counts 0 (they read
     no compact buffer; no layer writes c_len). The barrier materialises the mask once: without
     it XLA re-runs this fusion once per layer (docs/findings.md)."""
     if variant != "deferred":
-        return st
-    return st._replace(c_len=jax.lax.optimization_barrier(
-        jnp.where(inputs.dense_rows[None, :, None], 0, st.c_len)))
+        return sfi_state
+    return sfi_state._replace(c_len=jax.lax.optimization_barrier(
+        jnp.where(inputs.dense_rows[None, :, None], 0, sfi_state.c_len)))
 
 
 def _sample(state: DecodeState, logits, sampling):
@@ -499,17 +507,17 @@ def _record(carry: LoopCarry, i, token, live, logits, refreshed, ys, return_logi
     return out
 
 
-def _apply_selections(select_all, st, out: LayerCarry, inputs: StepInputs, token):
+def _apply_selections(select_all, sfi_state, out: LayerCarry, inputs: StepInputs, token):
     """The refreshed rows get their new selections (all layers at once) before the next step
     reads the compact buffers. `+ min(token, 0)` (a 0 XLA cannot fold) makes the update wait
     for this step's token, so for every layer's read of the buffers (else XLA copies them)."""
     B = token.shape[0]
-    return jax.lax.cond(jnp.any(inputs.slots < B), select_all, lambda st, *_: st, st,
-                        out.slow_logits, out.k, out.v, inputs.pos + jnp.minimum(token, 0),
-                        inputs.slots)
+    return jax.lax.cond(jnp.any(inputs.slots < B), select_all, lambda state, *_: state,
+                        sfi_state, out.slow_logits, out.k, out.v,
+                        inputs.pos + jnp.minimum(token, 0), inputs.slots)
 
 
-def _next_state(state: DecodeState, out: LayerCarry, st, token, key, rows, logits, eos_mask,
+def _next_state(state: DecodeState, out: LayerCarry, sfi_state, token, key, rows, logits, eos_mask,
                 plan) -> DecodeState:
     """The state after a step: a row ends at EOS, when its budget is spent (`rows`) or at a
     NaN/inf logit (when checked); rows that had ended stay where they are (an idle slot never
@@ -524,7 +532,7 @@ def _next_state(state: DecodeState, out: LayerCarry, st, token, key, rows, logit
         done = done | nonfinite
     state = DecodeState(k=out.k, v=out.v, lengths=jnp.where(live, state.lengths + 1,
                                                             state.lengths),
-                        token=token, done=done, step=state.step + 1, key=key, sfi=st,
+                        token=token, done=done, step=state.step + 1, key=key, sfi=sfi_state,
                         diag=out.diag, q_hist=out.q_hist, rows=rows, nonfinite=nonfinite)
     if plan is not None:  # keep the loop carry's shardings fixed
         state = mesh.constrain(state, mesh.decode_state_shardings(plan, state))

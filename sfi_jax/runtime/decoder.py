@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.runtime import decode, exact, prefill, programs
+from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.requests import RequestHandle, RequestResult, TextStream, TokenEvent
 from sfi_jax.runtime.sampling import SamplingConfig
 from sfi_jax.runtime.state import DecodeState
@@ -80,7 +81,7 @@ class SlotDecoder:
     alone ends with an error). on_chunk(new ids per slot) is called after each chunk.
     """
 
-    def __init__(self, *, params, cfg, mode: str, sfi, options, state: DecodeState, counts,
+    def __init__(self, *, params, cfg, mode: Mode, sfi, options, state: DecodeState, counts,
                  eos_mask, trigger_mask, stop_ids, hidden_ids, chunk_steps: int,
                  sampling: SamplingConfig = SamplingConfig(), plan=None, put=jnp.asarray,
                  forced=None, return_logits: bool = False, accept_rate: float | None = None,
@@ -109,7 +110,7 @@ class SlotDecoder:
         self.dense_within_budget = True  # False: mode sfi runs the SFI program alone, as before
         self.dense_steps = np.zeros((B,), np.int64)  # per slot: steps of the dense program
         # the mode the rows decode in (sfi within its budget decodes densely)
-        self.label = "exact" if mode == "exact" else ("sfi" if sfi is not None else "dense")
+        self.label = str(Mode.DENSE if sfi is None else mode)
 
     @property
     def batch(self) -> int:
@@ -146,7 +147,7 @@ class SlotDecoder:
     def step(self):
         """One device call for every slot; each request gets its new tokens."""
         dense = False
-        if self.mode == "exact":
+        if self.mode is Mode.EXACT:
             fn, statics = exact.exact_chunk, dict(
                 cfg=self.cfg, sfi=self.sfi, sampling=self.sampling,
                 n_rounds=max(1, self.chunk_steps // (self.sfi.draft_len + 1)),
@@ -165,7 +166,7 @@ class SlotDecoder:
         program, seconds = programs.compiled(fn, args, statics)
         self.compile_s += seconds
         t0 = time.perf_counter()
-        if self.mode == "exact":
+        if self.mode is Mode.EXACT:
             self.state, self.counts, toks, n_out, taken = program(*args)
             toks, n_out, taken = np.asarray(toks), np.asarray(n_out), int(taken)
             new = [toks[b, :n_out[b]].tolist() for b in range(self.batch)]
@@ -213,7 +214,7 @@ class SlotDecoder:
         if taken:
             self.rate.append((produced, dt))
             if produced:
-                self.observe("itl_s", dt / taken if self.mode != "exact"
+                self.observe("itl_s", dt / taken if self.mode is not Mode.EXACT
                              else dt * self.batch / produced)
         if self.on_chunk is not None:
             self.on_chunk(new)

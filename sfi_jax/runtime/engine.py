@@ -32,6 +32,7 @@ from sfi_jax.models.modeling import Model
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import exact, prefill, programs, selection
 from sfi_jax.runtime.decoder import Active, SlotDecoder
+from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.requests import (QueueFull, Request, RequestError, RequestHandle,
                                       RequestResult, TextStream, TokenEvent)
 from sfi_jax.runtime.sampling import sample_rows
@@ -112,35 +113,29 @@ def _first_token(logits, controls: RowControls):
 class Engine:
     """Continuous batching over `max_slots` rows of a `max_len`-position cache.
 
-    mode: "sfi", "dense" or "exact" (greedy requests only: dense decoding's tokens, drafted by
-    SFI's fast steps and verified by a dense step; its sampling is one setting for all rows,
-    which `generate` offers for a batch). sfi: the SFIConfig (default
-    SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
+    mode: a `Mode` or its value, "sfi", "dense" or "exact" (exact: greedy requests only:
+    dense decoding's tokens, drafted by SFI's fast steps and verified by a dense step; its
+    sampling is one setting for all rows, which `generate` offers for a batch). sfi: the
+    SFIConfig (default SFIConfig()). chunk_steps: decode steps per device call (the streaming granularity and
     the most steps a finished or cancelled request's slot stays busy). prefill_chunk: the most
     prompt tokens per prefill call (a power of two, default 8192). max_queue: requests that may
     wait for a slot before `submit` raises QueueFull. Use it as a context manager, or call
     `start()` and `stop()`."""
 
-    def __init__(self, model: Model, *, tokenizer=None, mode: str = "sfi",
+    def __init__(self, model: Model, *, tokenizer=None, mode: Mode | str = Mode.SFI,
                  sfi: SFIConfig | None = None, max_slots: int | None = None,
                  max_len: int | None = None, chunk_steps: int = 16,
                  prefill_chunk: int | None = None, max_queue: int = 64,
                  options: EngineOptions | None = None, trigger_ids=None,
                  model_name: str | None = None):
-        if mode not in ("sfi", "dense", "exact"):
-            raise ValueError(f"Engine mode must be 'sfi', 'dense' or 'exact', got {mode!r}")
-        if mode in ("sfi", "exact"):
-            sfi = SFIConfig() if sfi is None else sfi
-            if not isinstance(sfi, SFIConfig):
-                raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
-            if sfi.policy == "oracle":
-                raise ValueError("the oracle policy is an evaluation baseline; it is not served")
-            if mode == "exact" and sfi.evidence_window > 1:
-                raise ValueError("mode='exact' selects from the verify step's own queries; "
-                                 f"SFIConfig.evidence_window={sfi.evidence_window} needs "
-                                 "mode='sfi'")
-        else:
-            sfi = None
+        mode = Mode.parse(mode)
+        sfi = mode.sfi_config(sfi)
+        if sfi is not None and sfi.policy == "oracle":
+            raise ValueError("the oracle policy is an evaluation baseline; it is not served")
+        if mode is Mode.EXACT and sfi.evidence_window > 1:
+            raise ValueError("mode='exact' selects from the verify step's own queries; "
+                             f"SFIConfig.evidence_window={sfi.evidence_window} needs "
+                             "mode='sfi'")
         from sfi_jax.runtime import mesh as mesh_lib
 
         if mesh_lib.mesh_of(model.params) is not None:
@@ -237,7 +232,7 @@ class Engine:
         if self.sfi is not None and self.sfi.evidence_window > 1:
             q_hist = jnp.zeros((cfg.num_layers, B, cfg.num_q_heads, self.sfi.evidence_window,
                                 cfg.head_dim), dtype)
-        exact_mode = self.mode == "exact"
+        exact_mode = self.mode is Mode.EXACT
         state = DecodeState(k=k, v=v, lengths=jnp.zeros((B,), jnp.int32),
                             token=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
                             step=jnp.int32(0), key=jax.random.key(0), sfi=sfi_state,
@@ -279,7 +274,7 @@ class Engine:
         _as_float(request.top_p, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
         V = self.cfg.vocab_size
         _as_int(request.top_k, "top_k", 0, V, f"an integer in [0, {V}] (0 = off)")
-        if self.mode == "exact" and request.temperature > 0:
+        if self.mode is Mode.EXACT and request.temperature > 0:
             raise RequestError("temperature", "this engine runs exact mode, which serves greedy "
                                f"requests (temperature 0); got temperature "
                                f"{request.temperature}")

@@ -27,8 +27,8 @@ from sfi_jax.config import SFIConfig
 from sfi_jax.kernels.multi_query_decode import multi_query_decode
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
-                                     output_logits, run_layers)
+from sfi_jax.models.modeling import (WeightLayout, attention_inputs, attention_output_and_mlp,
+                                     embed_tokens, output_logits, run_layers)
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime.decode import (LayerCarry, attend_layer, attention_variant, run_step_layers,
                                     step_inputs, uses_fused_layers)
@@ -117,22 +117,22 @@ def draft_config(sfi: SFIConfig) -> SFIConfig:
     return dataclasses.replace(sfi, policy="prefill_only") if sfi.refreshes else sfi
 
 
-def _one_step(params, k, v, st, token, pos, *, cfg, sfi, variant, options):
+def _one_step(params, k, v, st, token, pos, *, cfg, layout, sfi, variant, options):
     """One decode step for the whole batch with the decode loop's layers (its fused kernels
     included): logits [B, V] and the updated cache/state. variant: the draft's attention
     variant for a fast (draft) step under `sfi`; "dense" for a plain dense step that keeps the
     SFI state's key norms (a round in which no row drafts)."""
-    fused = uses_fused_layers(params, cfg, token.shape[0], options)
+    fused = uses_fused_layers(layout, cfg, token.shape[0], options)
     x = embed_tokens(params, token[:, None])
     carry = LayerCarry(x, k, v, st, None, None, None, new_sync() if fused else None)
-    out, _ = run_step_layers(params, carry, step_inputs(variant, sfi, pos), cfg=cfg, sfi=sfi,
-                             options=options, attend=attend_layer(variant, sfi=sfi,
-                                                                  options=options),
-                             fused=fused)
+    attend = attend_layer(variant, sfi=sfi, options=options)
+    out, _ = run_step_layers(params, carry, step_inputs(variant, sfi, pos), cfg=cfg,
+                             layout=layout, sfi=sfi, options=options, attend=attend, fused=fused)
     return output_logits(params, cfg, out.x[:, 0]), out.k, out.v, out.sfi
 
 
-def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, options):
+def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, layout,
+            options):
     """The dense verify step: tokens [B, T] at positions q_start + [0, T) through every layer,
     their K/V (and key norms) written, attention by `multi_query_decode` over kv_len. The
     refresh slots' attention logits go to buf [L, n_slots, Hq, T, S]. Returns logits
@@ -146,29 +146,35 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
     def layer(carry, xs):
         x, k, v, norms, buf = carry
         w, l = xs
-        q, k_new, v_new = attention_inputs(w, cfg, x, wpos, heads="xla", matmul=options.matmul)
-        at = (l, rows, slice(None), wpos)  # [B, T] positions -> values [B, T, Hkv, D]
-        k = k.at[at].set(k_new.astype(k.dtype))
-        v = v.at[at].set(v_new.astype(v.dtype))
-        norms = norms.at[at].set(jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1))
-        attend = functools.partial(multi_query_decode, q, k, v, q_start, kv_len, layer=l,
-                                   impl=options.attention)
-        if buf is None:
-            attn = attend()
-        else:
-            def with_logits(buf):
-                out, logits, _ = attend(return_logits=True)
-                return buf.at[l].set(logits[safe]), out
+        with jax.named_scope("qkv"):
+            q, k_new, v_new = attention_inputs(w, cfg, x, wpos, heads="xla",
+                                               matmul=options.matmul, layout=layout)
+        with jax.named_scope("attend"):
+            at = (l, rows, slice(None), wpos)  # [B, T] positions -> values [B, T, Hkv, D]
+            k = k.at[at].set(k_new.astype(k.dtype))
+            v = v.at[at].set(v_new.astype(v.dtype))
+            norms = norms.at[at].set(jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1))
+            attend = functools.partial(multi_query_decode, q, k, v, q_start, kv_len, layer=l,
+                                       impl=options.attention)
+            if buf is None:
+                attn = attend()
+            else:
+                def with_logits(buf):
+                    out, logits, _ = attend(return_logits=True)
+                    return buf.at[l].set(logits[safe]), out
 
-            buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
-                                     lambda buf: (buf, attend()), buf)
-        x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe,
-                                     matmul=options.matmul, tuning=options.tuning)
+                buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
+                                         lambda buf: (buf, attend()), buf)
+        with jax.named_scope("mlp"):
+            x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe,
+                                         matmul=options.matmul, tuning=options.tuning,
+                                         layout=layout)
         return (x, k, v, norms, buf), None
 
-    x = embed_tokens(params, tokens)
+    with jax.named_scope("embed"):
+        x = embed_tokens(params, tokens)
     (x, k, v, key_norms, buf), _ = run_layers(layer, (x, k, v, key_norms, buf), params["layers"],
-                                              cfg.num_layers, options.unroll)
+                                              layout, cfg.num_layers, options.unroll)
     return output_logits(params, cfg, x), k, v, key_norms, buf
 
 
@@ -224,6 +230,9 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     if not options.is_resolved:  # (a request path passes them resolved)
         options = options.resolved()
     B = state.token.shape[0]
+    layout = WeightLayout.of(params["layers"])  # (the structure of a static argument)
+    one_step = functools.partial(_one_step, params, cfg=cfg, layout=layout, options=options)
+    verify = functools.partial(_verify, params, cfg=cfg, layout=layout, options=options)
     k_len, T = sfi.draft_len, sfi.draft_len + 1
     lengths_for = functools.partial(draft_lengths, cfg=cfg, sfi=sfi,
                                     dtype_bytes=jnp.dtype(state.k.dtype).itemsize)
@@ -254,8 +263,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         state, counts, i, out, n_out, buf = carry
         st, live, pos = state.sfi, ~state.done, state.lengths
         key, sub = jax.random.split(state.key)
-        logits, kc, vc, st = _one_step(params, state.k, state.v, st, state.token, pos,
-                                       cfg=cfg, sfi=sfi, variant="dense", options=options)
+        logits, kc, vc, st = one_step(state.k, state.v, st, state.token, pos, sfi=sfi,
+                                      variant="dense")
         if sampling.greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -304,9 +313,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         def draft_step(c):
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
             pos = jnp.minimum(len0 + j, S - 1)
-            logits, kc, vc, st = _one_step(params, kc, vc, st, tok, pos, cfg=cfg,
-                                           sfi=draft_sfi, variant=draft_variant,
-                                           options=options)
+            logits, kc, vc, st = one_step(kc, vc, st, tok, pos, sfi=draft_sfi,
+                                          variant=draft_variant)
             if sampling.greedy:
                 d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
@@ -347,8 +355,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             want, slots = None, None
         tokens_v = jnp.concatenate([state.token[:, None], drafts], axis=1)
         kv_len = jnp.where(live, len0 + m + 1, len0)
-        logits_v, kc, vc, norms, buf = _verify(params, kc, vc, st.key_norms, tokens_v, len0,
-                                               kv_len, slots, buf, cfg=cfg, options=options)
+        logits_v, kc, vc, norms, buf = verify(kc, vc, st.key_norms, tokens_v, len0, kv_len,
+                                              slots, buf)
         st = st._replace(key_norms=norms)
         n, nxt = _accept(logits_v, drafts, q_logits, m, k_acc, sampling, accept_rate)
 

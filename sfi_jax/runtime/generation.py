@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfi_jax.config import SFIConfig
-from sfi_jax.models.modeling import T_SUFFIX, Model, unfuse_qkv_weights
+from sfi_jax.models.modeling import Model, unfuse_qkv_weights
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import exact, prefill, programs, selection
 from sfi_jax.runtime import mesh as mesh_lib
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.decoder import Active, SlotDecoder
+from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.requests import Request, RequestHandle, TextStream
 from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
 
@@ -111,9 +112,6 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
     return out
 
 
-MODES = ("sfi", "dense", "exact")
-
-
 def decode_programs() -> dict:
     """The compiled decode programs held now: {cache key: its static arguments (cfg, sfi,
     options, ...)}, for tests and reports (which engine options were compiled)."""
@@ -162,7 +160,7 @@ class _Run:
     forced_tokens: np.ndarray | None
     trigger_ids: np.ndarray | None
     window: int = 0  # prompt queries kept per row for the initial selection
-    decode_path: str = "sfi"  # "dense": mode sfi, but every row fits the budget (dense anyway)
+    decode_path: Mode = Mode.SFI  # DENSE for mode sfi when every row fits the budget
 
     @property
     def batch(self) -> int:
@@ -186,12 +184,11 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
         raise ValueError(f"options must be an EngineOptions, got {type(options).__name__}")
     if impl is not None:
         options = dataclasses.replace(options, attention=impl)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = Mode.parse(mode)
     if _token_id(max_new_tokens) is None or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     max_new_tokens = operator.index(max_new_tokens)
-    if diagnostics and mode != "sfi":
+    if diagnostics and mode is not Mode.SFI:
         raise ValueError("diagnostics=True needs mode='sfi' (use a budget >= the context for a "
                          "dense reference)")
     if _token_id(chunk_steps) is None or chunk_steps < 1:
@@ -204,12 +201,7 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
                 or not np.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
-    if mode in ("sfi", "exact"):
-        sfi = sfi if sfi is not None else SFIConfig()
-        if not isinstance(sfi, SFIConfig):
-            raise ValueError(f"sfi must be an SFIConfig, got {type(sfi).__name__}")
-    else:
-        sfi = None
+    sfi = mode.sfi_config(sfi)
     ids = _tokenize(prompts, tokenizer)
     B = len(ids)
     lens = np.array([len(p) for p in ids], np.int32)
@@ -222,25 +214,24 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     decode_path = mode
     if sfi is not None:
         sfi = sfi.capped(S)
-        if mode == "sfi" and not diagnostics and int(lens.max()) + max_new_tokens <= sfi.budget:
+        if mode is Mode.SFI and not diagnostics and int(lens.max()) + max_new_tokens <= sfi.budget:
             # every row's sets would cover its whole context: SFI is dense decoding there, so
             # the dense program runs it without the selector and the compact buffers
-            sfi, decode_path = None, "dense"
+            sfi, decode_path = None, Mode.DENSE
     params = model.params
     mesh = mesh_lib.make_mesh(mesh) if mesh is not None else mesh_lib.mesh_of(params)
     plan = mesh_lib.plan_for(cfg, mesh, B)
     options = options.resolved(mesh=None if plan is None else plan.mesh)  # once per request
     if plan is not None and mesh_lib.mesh_of(params) != plan.mesh:
-        if isinstance(params["layers"], list) and any(
-                k == "wqkv" or k.endswith(T_SUFFIX) for k in params["layers"][0]):
+        if model.layout.fused_qkv or model.layout.k_major:
             # per-head shardings need q, k, v apart and the weights as the shardings name
             # them: split each layer's fused weight, transpose its K-major ones, on the mesh
             rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
-            params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg)
+            params["layers"] = [unfuse_qkv_weights(jax.device_put(w, rep), cfg, model.layout)
                                 for w in params["layers"]]
         params = jax.device_put(params, mesh_lib.param_shardings(
-            cfg, plan.mesh, split_layers=isinstance(params["layers"], list)))
-    if mode == "exact":
+            cfg, plan.mesh, split_layers=model.layout.split))
+    if mode is Mode.EXACT:
         _check_exact(plan, sfi, forced_tokens)
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
         raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
@@ -483,7 +474,7 @@ def _decode(run: _Run, state: DecodeState, counts, first, first_logits, eos_ids,
         dec.logits.append(np.asarray(first_logits)[:, None])
     request = Request(prompt=[], max_tokens=max_new_tokens)
     now = time.perf_counter()
-    ended = eos_mask[first] | (mode == "exact" and max_new_tokens <= 1)  # as state.done
+    ended = eos_mask[first] | (mode is Mode.EXACT and max_new_tokens <= 1)  # as state.done
     rows = []
     for b, ids in enumerate(run.ids):
         a = Active(RequestHandle(f"row-{b}", request, ids, None), b, ids,
@@ -523,11 +514,11 @@ def _check_exact(plan, sfi, forced_tokens):
 
 def _check_exact_call(mode, return_logits, accept_rate):
     if accept_rate is not None:
-        if mode != "exact":
-            raise ValueError(f"accept_rate is for mode='exact' only (mode is {mode!r})")
+        if mode is not Mode.EXACT:
+            raise ValueError(f"accept_rate is for mode='exact' only (mode is '{mode}')")
         if isinstance(accept_rate, bool) or not 0.0 <= float(accept_rate) <= 1.0:
             raise ValueError(f"accept_rate must be a number in [0, 1], got {accept_rate!r}")
-    if mode == "exact" and return_logits:
+    if mode is Mode.EXACT and return_logits:
         raise ValueError("return_logits needs mode 'sfi' or 'dense'")
 
 
@@ -544,15 +535,15 @@ def _exact_stats(counts: exact.ExactCounts) -> dict:
                                             float("nan")).tolist()}
 
 
-def _decode_path(run: _Run, out: _Decoded, mode) -> str:
+def _decode_path(run: _Run, out: _Decoded, mode) -> Mode | str:
     """Which program decoded, mode "sfi": "dense" (every row fits the SFI budget: the dense
     program alone), "sfi" (the SFI program alone) or "sfi+dense" (the dense program once
     every row still open fit, `SlotDecoder._dense_chunk`); other modes: the mode."""
-    if mode != "sfi" or out.chunks is None or not any(out.chunks.values()):
+    if mode is not Mode.SFI or out.chunks is None or not any(out.chunks.values()):
         return run.decode_path
     if out.chunks["sfi"] and out.chunks["dense"]:
         return "sfi+dense"
-    return "sfi" if out.chunks["sfi"] else "dense"
+    return Mode.SFI if out.chunks["sfi"] else Mode.DENSE
 
 
 def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics) -> dict:
@@ -576,7 +567,7 @@ def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics
                                     np.zeros((B, 0), bool)))
     else:
         stats.update(slow_steps=[0] * B, fast_steps=[0] * B)
-        if mode == "sfi":  # every row within the budget ran dense (decode_path)
+        if mode is Mode.SFI:  # every row within the budget ran dense (decode_path)
             stats["slow_timeline"] = np.zeros((B, out.steps), bool)
     stats["dense_steps"] = out.dense_steps
     stats["decode_path"] = _decode_path(run, out, mode)
@@ -592,7 +583,7 @@ def _stats(run: _Run, out: _Decoded, mode, prefill_s, return_logits, diagnostics
 
 
 @_on_own_mesh
-def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
+def generate(model: Model, prompts, *, max_new_tokens: int, mode: Mode | str = Mode.SFI,
              sfi: SFIConfig | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, stop_at_eos: bool = True, tokenizer=None,
              chunk_steps: int = 32, options: EngineOptions | None = None,
@@ -603,7 +594,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
              progress: Callable[[int, int, int], None] | None = None,
              accept_rate: float | None = None,
              prefill_fn: Callable | None = None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt; mode "sfi" (default), "dense" or "exact".
+    """Generate up to max_new_tokens per prompt; mode "sfi" (default), "dense" or "exact"
+    (a `Mode` or its value; stats["mode"] is a Mode, stats["decode_path"] a Mode or
+    "sfi+dense").
 
     mode "exact": SFI fast steps draft `sfi.draft_len` tokens, one dense step verifies them
     (the tokens are dense decoding's; greedy identical, sampled with the same distribution);
@@ -638,6 +631,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
     the budget, "sfi", or "sfi+dense"), memory_bytes.
     """
     t_request = time.perf_counter()
+    mode = Mode.parse(mode)
     _check_exact_call(mode, return_logits, accept_rate)
     run = _validate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, sfi=sfi,
                     temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer,
@@ -658,9 +652,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, mode: str = "sfi",
 
     eos_ids, eos_mask, trig = _token_masks(run, tokenizer, stop_at_eos)
     # exact mode keeps the rows' budgets on the device (`exact.ExactCounts`)
-    done = eos_mask[first] | (mode == "exact" and max_new_tokens <= 1)
+    done = eos_mask[first] | (mode is Mode.EXACT and max_new_tokens <= 1)
     counts = exact.initial_counts(B, np.where(done, 0, max_new_tokens - 1)) \
-        if mode == "exact" else None
+        if mode is Mode.EXACT else None
     state = DecodeState(k=k, v=v, lengths=run.put(run.lens), token=run.put(first),
                         done=run.put(done), step=run.put(np.int32(0)), key=key,
                         sfi=sfi_state,

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from sfi_jax.kernels.prefill_attention import XLA_BLOCK_K, XLA_BLOCK_Q, prefill_attention
 from sfi_jax.kernels.prefill_attention_cudnn import supported as cudnn_supported
 from sfi_jax.models.config import ModelConfig
-from sfi_jax.models.modeling import attention_inputs, attention_output_and_mlp, embed_tokens, \
-    output_logits, run_layers
+from sfi_jax.models.modeling import (WeightLayout, attention_inputs, attention_output_and_mlp,
+                                     embed_tokens, output_logits, run_layers)
 from sfi_jax.options import EngineOptions, platform
 from sfi_jax.runtime import mesh, programs
 
@@ -120,6 +120,7 @@ def _write_rows(cache, layer, new, start):
 def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, *,
            cfg: ModelConfig, with_norms: bool, impl: str, plan=None):
     B, C = tokens.shape
+    layout = WeightLayout.of(params["layers"])  # (the structure of a static argument)
     start = start.astype(jnp.int32)
     pos = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
     starts = jnp.full((B,), start, jnp.int32)
@@ -132,7 +133,7 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
     def layer(c, xs):
         x, k, v, kn, wq = c
         w, l = xs
-        q, k_new, v_new = attention_inputs(w, cfg, x, pos)
+        q, k_new, v_new = attention_inputs(w, cfg, x, pos, layout=layout)
         k = _write_rows(k, l, k_new, start)
         v = _write_rows(v, l, v_new, start)
         if with_norms:
@@ -142,11 +143,11 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
             picked = jnp.take_along_axis(q, jnp.clip(rel, 0, C - 1)[:, :, None, None], axis=1)
             wq = wq.at[l].set(jnp.where(in_chunk[:, :, None, None], picked.astype(wq.dtype),
                                         wq[l]))
-        return (attention_output_and_mlp(w, cfg, x, attn), k, v, kn, wq), None
+        return (attention_output_and_mlp(w, cfg, x, attn, layout=layout), k, v, kn, wq), None
 
     x = embed_tokens(params, tokens)
     (x, k, v, key_norms, wq), _ = run_layers(layer, (x, k, v, key_norms, carry.window_q),
-                                             params["layers"], cfg.num_layers)
+                                             params["layers"], layout, cfg.num_layers)
     last = jnp.clip(lengths - 1 - start, 0, C - 1)
     here = (lengths - 1 >= start) & (lengths - 1 < start + C)
     picked = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]

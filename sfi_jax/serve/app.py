@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sfi_jax import QueueFull, RequestError
 from sfi_jax import Request as EngineRequest
+from sfi_jax.runtime.mode import Mode
 from sfi_jax.serve.metrics import ServerMetrics
 from sfi_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
@@ -111,7 +112,7 @@ class _Server:
                                 f"'{self.name}'", "model")
         temperature = body.temperature
         if temperature is None:  # OpenAI's default, except where the engine serves greedy only
-            temperature = 0.0 if getattr(self.engine, "mode", None) == "exact" else 1.0
+            temperature = 0.0 if getattr(self.engine, "mode", None) == Mode.EXACT else 1.0
         req = EngineRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                             top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                             stop=body.stop_list(), stop_token_ids=body.stop_token_ids)

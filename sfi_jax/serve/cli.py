@@ -9,6 +9,8 @@ import contextlib
 import socket
 import sys
 
+from sfi_jax.runtime.mode import Mode
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request at most (default: the Engine's)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; more get 429")
-    p.add_argument("--mode", choices=("sfi", "dense", "exact"), default="sfi",
+    p.add_argument("--mode", type=Mode.from_flag, choices=list(Mode), default=Mode.SFI,
                    help="decoding mode of the engine (exact: greedy requests only, dense "
                         "decoding's tokens; a request's temperature then defaults to 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),

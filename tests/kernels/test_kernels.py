@@ -494,7 +494,7 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
     import dataclasses
 
     from sfi_jax.models.config import ModelConfig
-    from sfi_jax.models.modeling import attention_inputs
+    from sfi_jax.models.modeling import WeightLayout, attention_inputs
 
     cfg = ModelConfig(num_layers=1, hidden_size=48, intermediate_size=64, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, vocab_size=16, max_position_embeddings=1 << 18,
@@ -507,21 +507,23 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
         w["q_norm"] = 1 + 0.3 * normal(ks[2], (d,), dtype)
         w["k_norm"] = 1 + 0.3 * normal(ks[3], (d,), dtype)
     x = normal(ks[4], (5, 1, 48), dtype)
+    fused = WeightLayout(split=True, fused_qkv=True)  # (a layer's weights with one "wqkv")
     pos = jnp.array([[0], [1], [777], [65536], [200003]], jnp.int32)
-    want = attention_inputs(w, cfg, x, pos, heads="xla")
-    got = attention_inputs(w, cfg, x, pos, heads="kernel")
+    want = attention_inputs(w, cfg, x, pos, heads="xla", layout=fused)
+    got = attention_inputs(w, cfg, x, pos, heads="kernel", layout=fused)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     for name, a, b in zip("qkv", got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # v: a plain copy
     # a wrong rotation (no sign flip) or a missing norm would not pass
-    bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, heads="xla")
+    bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, heads="xla",
+                           layout=fused)
     assert rel_err(got[0], bad[0]) > 10 * tol
     # only a decode step (one position per row) with fused q/k/v weights takes the kernel
-    def uses_kernel(w, x, pos):
+    def uses_kernel(w, x, pos, layout=fused):
         return "sfi_norm_rope_heads" in str(jax.make_jaxpr(
-            lambda x: attention_inputs(w, cfg, x, pos, heads="kernel"))(x))
+            lambda x: attention_inputs(w, cfg, x, pos, heads="kernel", layout=layout))(x))
 
     assert uses_kernel(w, x, pos)
     assert not uses_kernel(w, jnp.concatenate([x, x], 1), jnp.concatenate([pos, pos + 1], 1))
@@ -529,7 +531,7 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
     split = {**w, "wq": w["wqkv"][:, :nq], "wk": w["wqkv"][:, nq:nq + nkv],
              "wv": w["wqkv"][:, nq + nkv:]}
     del split["wqkv"]
-    assert not uses_kernel(split, x, pos)
+    assert not uses_kernel(split, x, pos, WeightLayout(split=True))
 
 
 # ------------------------------------------------------------------ MoE grouped matmuls (GPU)

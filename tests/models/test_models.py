@@ -160,7 +160,8 @@ def test_split_layers_via_host_and_on_device(fuse):
     fused; the o and MLP weights transposed with fuse's K-major layout), on the stacked
     weights' device, and free the stacked tensors."""
     from sfi_jax.models.config import PRESETS
-    from sfi_jax.models.modeling import K_MAJOR, QKV, split_layers, unfuse_qkv_weights
+    from sfi_jax.models.modeling import (K_MAJOR, QKV, WeightLayout, split_layers,
+                                         unfuse_qkv_weights)
     from sfi_jax.models.params import random_params
 
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
@@ -177,7 +178,9 @@ def test_split_layers_via_host_and_on_device(fuse):
             names = [n for n in want if not (fuse and n in QKV)] + (["wqkv"] if fuse else [])
             names = [n + "_t" if fuse and n in K_MAJOR else n for n in names]
             assert sorted(layer) == sorted(names), (via_host, list(layer))
-            canon = unfuse_qkv_weights(layer, cfg)
+            layout = WeightLayout(split=True, fused_qkv=fuse, k_major=fuse)
+            assert WeightLayout.of(layers) == layout
+            canon = unfuse_qkv_weights(layer, cfg, layout)
             assert sorted(canon) == sorted(want)
             for n in want:
                 np.testing.assert_array_equal(np.asarray(canon[n]), want[n][i])

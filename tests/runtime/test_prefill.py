@@ -15,8 +15,8 @@ import pytest
 
 import sfi_jax
 from conftest import hf_logits, make_hf_checkpoint, rel_err
-from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp, embed_tokens,
-                                     grouped_attention, run_layers)
+from sfi_jax.models.modeling import (STACKED, attention_inputs, attention_output_and_mlp,
+                                     embed_tokens, grouped_attention, run_layers)
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import generation, prefill, programs
 from sfi_reference import assert_positions, sfi_reference
@@ -114,7 +114,8 @@ def _plain_layers(params, cfg, tokens):
         q, k, v = attention_inputs(w, cfg, x, pos)
         return attention_output_and_mlp(w, cfg, x, grouped_attention(q, k, v, causal)), (q, k, v)
 
-    _, qkv = run_layers(layer, embed_tokens(params, tokens), params["layers"], cfg.num_layers)
+    _, qkv = run_layers(layer, embed_tokens(params, tokens), params["layers"], STACKED,
+                        cfg.num_layers)
     return qkv
 
 
