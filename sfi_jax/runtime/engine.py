@@ -36,8 +36,8 @@ from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.requests import (QueueFull, Request, RequestError, RequestHandle,
                                       RequestResult, TextStream, TokenEvent)
 from sfi_jax.runtime.sampling import sample_rows
-from sfi_jax.runtime.state import (DecodeState, RowControls, empty_cache, empty_sfi_state,
-                                   row_controls, state_bytes)
+from sfi_jax.runtime.state import (DecodeState, RowControls, cache_dtype, empty_cache,
+                                   empty_sfi_state, row_controls, state_bytes)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_SLOTS = 16  # the default slot count at most (fewer when the memory holds fewer)
@@ -180,7 +180,7 @@ class Engine:
         max_len = _as_int(max_len, "max_len", 2, ctx, f"an integer in [2, {ctx}]")
         if self.sfi is not None:  # (k_select beyond the cache length selects nothing more)
             self.sfi = self.sfi.capped(max_len)
-        db = jnp.dtype(self.model.dtype).itemsize
+        db = cache_dtype(self.model.dtype).itemsize
         per_slot = sum(state_bytes(cfg, 1, max_len, db, self.sfi).values())
         from sfi_jax.runtime.generation import _available_device_bytes
 
@@ -226,8 +226,8 @@ class Engine:
 
     def _empty_state(self) -> DecodeState:
         cfg, B, S, dtype = self.cfg, self.max_slots, self.max_len, self.model.dtype
-        k, v = empty_cache(cfg, B, S, dtype)
-        sfi_state = empty_sfi_state(cfg, self.sfi, B, S, dtype) if self.sfi else None
+        k, v = empty_cache(cfg, B, S, cache_dtype(dtype))
+        sfi_state = empty_sfi_state(cfg, self.sfi, B, S, cache_dtype(dtype)) if self.sfi else None
         q_hist = None
         if self.sfi is not None and self.sfi.evidence_window > 1:
             q_hist = jnp.zeros((cfg.num_layers, B, cfg.num_q_heads, self.sfi.evidence_window,
@@ -470,7 +470,7 @@ class Engine:
             a.chunk = prefill.prefill_chunk_size(T, self.max_chunk)
             a.tokens = np.zeros((1, T), np.int32)
             a.tokens[0, :len(a.ids)] = a.ids
-            a.k, a.v = empty_cache(cfg, 1, T, dtype)
+            a.k, a.v = empty_cache(cfg, 1, T, cache_dtype(dtype))
             a.key_norms = jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, T), jnp.float32) \
                 if self.sfi is not None else jnp.zeros((0,), jnp.float32)
             a.carry = prefill.empty_carry(cfg, 1, self.window, jnp.dtype(dtype))
@@ -497,7 +497,7 @@ class Engine:
         lengths = jnp.asarray([n], jnp.int32)
         sfi_row = None
         if sfi is not None:
-            st = empty_sfi_state(cfg, sfi, 1, T, self.model.dtype)._replace(
+            st = empty_sfi_state(cfg, sfi, 1, T, cache_dtype(self.model.dtype))._replace(
                 key_norms=a.key_norms)
             if sfi.sink_only:
                 args = (st, a.k, a.v, lengths)

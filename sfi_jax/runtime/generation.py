@@ -25,7 +25,8 @@ from sfi_jax.runtime.sampling import SamplingConfig, sample
 from sfi_jax.runtime.decoder import Active, SlotDecoder
 from sfi_jax.runtime.mode import Mode
 from sfi_jax.runtime.requests import Request, RequestHandle, TextStream
-from sfi_jax.runtime.state import DecodeState, empty_cache, empty_sfi_state, state_bytes
+from sfi_jax.runtime.state import (DecodeState, cache_dtype, empty_cache, empty_sfi_state,
+                                   state_bytes)
 
 
 @dataclasses.dataclass
@@ -281,7 +282,7 @@ def _fit_memory(cfg, dtype, B, S, T, max_chunk, sfi, window, plan):
     """The cache + state sizes, and the largest chunk (<= max_chunk, halved down to 256
     tokens) whose activations fit beside them on the device; MemoryError naming the sizes
     when nothing fits. Returns (sizes, chunk)."""
-    db = jnp.dtype(dtype).itemsize
+    db = cache_dtype(dtype).itemsize
     sizes = state_bytes(cfg, B, S, db, sfi)
     split = plan.shard_factor if plan is not None else 1
     device = jax.local_devices()[0] if plan is None else \
@@ -311,12 +312,12 @@ def _allocate(run: _Run, dtype):
     its rows and heads)."""
     cfg, sfi, plan, B, S = run.cfg, run.sfi, run.plan, run.batch, run.S
     if plan is None:
-        k, v = empty_cache(cfg, B, S, dtype)
-        sfi_state = empty_sfi_state(cfg, sfi, B, S, dtype) if sfi is not None else None
+        k, v = empty_cache(cfg, B, S, cache_dtype(dtype))
+        sfi_state = empty_sfi_state(cfg, sfi, B, S, cache_dtype(dtype)) if sfi is not None else None
     else:
-        k, v = mesh_lib.place(lambda: empty_cache(cfg, B, S, dtype),
+        k, v = mesh_lib.place(lambda: empty_cache(cfg, B, S, cache_dtype(dtype)),
                               (mesh_lib.cache_sharding(plan),) * 2)
-        sfi_state = mesh_lib.place(lambda: empty_sfi_state(cfg, sfi, B, S, dtype),
+        sfi_state = mesh_lib.place(lambda: empty_sfi_state(cfg, sfi, B, S, cache_dtype(dtype)),
                                    mesh_lib.sfi_state_shardings(plan)) if sfi is not None else None
     return k, v, sfi_state
 

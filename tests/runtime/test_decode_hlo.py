@@ -18,7 +18,7 @@ from sfi_jax.models.modeling import split_layers
 from sfi_jax.models.params import random_params
 from sfi_jax.runtime import decode
 from sfi_jax.runtime.sampling import SamplingConfig
-from sfi_jax.runtime.state import DecodeState, empty_sfi_state
+from sfi_jax.runtime.state import DecodeState, cache_dtype, empty_sfi_state
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
@@ -65,6 +65,28 @@ def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions(), cfg=
                                                 refresh_rows=2)], ids=["dense", "sfi"])
 def test_decode_loop_has_no_big_copies(sfi, split):
     assert _big_copies(sfi, split) == []
+
+
+def test_cpu_caches_keep_the_token_write_in_place():
+    """On a CPU a bfloat16 model's caches are float32 (state.cache_dtype): XLA:CPU turns a
+    bfloat16 scatter into a convert of the whole cache and back at every step."""
+    assert jax.default_backend() == "cpu"
+    assert cache_dtype(jnp.bfloat16) == jnp.float32
+    assert cache_dtype(jnp.float16) == jnp.float16 and cache_dtype("float32") == jnp.float32
+    params = random_params(CFG, "bfloat16", 0)
+    shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
+    dtype = cache_dtype(jnp.bfloat16)
+    state = DecodeState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        lengths=jnp.full((B,), 300, jnp.int32), token=jnp.zeros((B,), jnp.int32),
+                        done=jnp.zeros((B,), bool), step=jnp.int32(0),
+                        key=jnp.zeros((2,), jnp.uint32), sfi=None)
+    mask = jnp.zeros((CFG.vocab_size,), bool)
+    text = decode.decode_chunk.lower(params, state, mask, mask, jnp.zeros((B, N), jnp.int32),
+                                     cfg=CFG, sfi=None, sampling=SamplingConfig(), n_steps=N,
+                                     options=EngineOptions().resolved()).compile().as_text()
+    cache = ",".join(map(str, shape)) + "]"
+    converts = [line for line in text.splitlines() if " convert(" in line and cache in line]
+    assert converts == []
 
 
 @pytest.mark.parametrize("repack", [pytest.param("xla", marks=pytest.mark.slow), "kernel"])
