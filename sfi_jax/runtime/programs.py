@@ -22,8 +22,9 @@ def compiled(fn, args, statics) -> tuple:
     """(the compiled program of jitted `fn` for `args`, seconds spent compiling it now: 0.0
     when it was cached)."""
     key = _key(fn, args, statics)
-    program = _PROGRAMS.get(key)
+    program = _PROGRAMS.pop(key, None)
     if program is not None:
+        _PROGRAMS[key] = program  # most recently used last: eviction takes the least recent
         return program, 0.0
     t = time.perf_counter()
     program = fn.lower(*args, **statics).compile()

@@ -178,7 +178,7 @@ def test_new_prompt_length_in_the_bucket_compiles_nothing(tiny_qwen3):
     try:
         first = sfi_jax.generate(model, _prompts([100, 37], seed=1), **kw)
         n_first = len(compiles)
-        held = programs.programs()
+        held = sorted(map(repr, programs.programs()))
         second = sfi_jax.generate(model, _prompts([150, 201], seed=2), **kw)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
@@ -187,7 +187,7 @@ def test_new_prompt_length_in_the_bucket_compiles_nothing(tiny_qwen3):
     assert n_first > 0 and first.stats["decode_compile_s"] > 0
     assert first.stats["compile_s"] >= first.stats["decode_compile_s"]
     assert compiles[n_first:] == []
-    assert programs.programs() == held
+    assert sorted(map(repr, programs.programs())) == held  # (a hit reorders the cache)
     assert second.stats["prefill_compile_s"] == 0.0 and second.stats["decode_compile_s"] < 0.5
     assert second.stats["ttft_s"] <= second.stats["ttft_with_compile_s"]
     for key in ("ttft_s", "ttft_with_compile_s", "prefill_tokens_per_s", "compile_s"):
