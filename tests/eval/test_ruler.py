@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -160,3 +161,54 @@ def test_script_suite_report_merges_runs(tmp_path):
     assert "| oracle |" in (tmp_path / "o" / "retrieval.md").read_text()
     args = mod.parse_args(["--suite", "retrieval", "--smoke"])
     assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["sfi", "sfi+succ7"])
+
+
+def _whole(number, text):
+    return len(re.findall(rf"(?<!\d){re.escape(number)}(?!\d)", text))
+
+
+def _check_in_haystack(task, s, text):
+    """From the prompt's text alone: its question has exactly one answer in its haystack, and it
+    is the sample's answer."""
+    hay, question = text.rsplit("\n\n", 1)
+    if task in ("niah_single", "niah_multikey", "niah_multivalue"):
+        key = re.search(r"magic numbers? for (.+?) mentioned", question).group(1)
+        found = re.findall(rf"special magic numbers for {re.escape(key)} is: (\d+)\.", hay)
+        assert sorted(found) == sorted(s.answers), (found, s.answers)
+        for a in s.answers:
+            assert _whole(a, hay) == 1, a
+    elif task == "vartrack":
+        value = re.search(r"assigned the value (\d+) ", question).group(1)
+        assign = re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)\.", hay)
+        names = [n for n, _ in assign]
+        assert len(names) == len(set(names))  # each variable is assigned once
+        env = dict(assign)
+
+        def resolve(n, depth=0):
+            v = env[n]
+            return resolve(v[4:], depth + 1) if v.startswith("VAR ") and depth < 10 else v
+
+        assert sorted(n for n in env if resolve(n) == value) == sorted(s.answers)
+        assert _whole(value, hay) == 1
+    elif task == "json_kv":
+        key = re.search(r'value of the key "(\w+)"', question).group(1)
+        pairs = json.loads(hay[hay.index("{"):], object_pairs_hook=list)
+        assert [v for k, v in pairs if k == key] == [int(s.answers[0])]
+        assert _whole(s.answers[0], hay) == 1
+    else:  # code_line: the one line of the haystack that defines the name
+        name = re.search(r"that defines `(\w+)`", question).group(1)
+        lead = question.split("Answer: `", 1)[1]
+        defs = [ln.strip() for ln in hay.split("\n")
+                if re.match(rf"\s*(async\s+)?(def|class)\s+{name}\b", ln)]
+        assert defs == [lead + s.answers[0]], (defs, lead, s.answers)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_fifty_samples_at_2k_each_answer_once(tok, task):
+    """The suite's size (50 samples per task at 2K) generates for every task, and each sample's
+    answer is, by its prompt's text alone, the one answer in its haystack."""
+    n, ctx = 50, 2048
+    for i in range(n):
+        s = make_sample(task, tok, ctx, seed=0, index=i, depth=0.05 + 0.85 * (i + 0.5) / n)
+        assert len(s.prompt_ids) + s.answer_tokens <= ctx
+        _check_in_haystack(task, s, tok.decode(s.prompt_ids))
