@@ -98,7 +98,7 @@ def _fake_results():
         ok = rng.random(4) < 0.5
         cell["arms"]["dense"] = {"1": suite._cell(list(ok), ["x"] * 4, 1.0)}
         cell["arms"]["exact"] = {"0.15": suite._cell(list(ok), ["x"] * 4, 1.0)}
-        for arm in ("sfi", "sfi+succ7"):
+        for arm in ("paper", "sfi+succ7"):
             cell["arms"][arm] = {f"{r:g}": suite._cell(list(rng.random(4) < r * 3), ["x"] * 4, 1.0)
                                  for r in (0.05, 0.15)}
         res["results"]["2048"][task] = cell
@@ -111,8 +111,8 @@ def _fake_results():
 def test_pooled_and_report(tmp_path):
     res = _fake_results()
     cells = res["results"]["2048"]
-    k = sum(c["arms"]["sfi"]["0.15"]["correct"] for c in cells.values())
-    p = suite.pooled(res, "2048", "sfi", 0.15)
+    k = sum(c["arms"]["paper"]["0.15"]["correct"] for c in cells.values())
+    p = suite.pooled(res, "2048", "paper", 0.15)
     assert (p["correct"], p["n"]) == (k, 8)
     assert p["ci95"] == list(wilson_interval(k, 8))
     assert suite.pooled(res, "2048", "oracle", 0.15) is None
@@ -122,7 +122,7 @@ def test_pooled_and_report(tmp_path):
     assert (tmp_path / "retrieval.png").stat().st_size > 1000
     again = json.loads((tmp_path / "retrieval.json").read_text())
     merged = suite.merge([again, again])
-    assert merged["results"]["2048"]["json_kv"]["arms"]["sfi"] == cells["json_kv"]["arms"]["sfi"]
+    assert merged["results"]["2048"]["json_kv"]["arms"]["paper"] == cells["json_kv"]["arms"]["paper"]
     assert os.path.exists(tmp_path / "retrieval.md")
 
 
@@ -134,6 +134,14 @@ def test_budget_config_is_equal_budget():
             assert cfg.policy == policy
             for key, v in over.items():
                 assert getattr(cfg, key) == v
+    # the paper arm is SFIConfig.paper(); the defaults are one arm's pinned extensions
+    from sfi_jax import SFIConfig
+
+    ext = ("successor_radius", "evidence_window")
+    paper = suite.budget_config("sfi", 0.15, 2048, **suite.ARMS["paper"][1])
+    assert [getattr(paper, f) for f in ext] == [getattr(SFIConfig.paper(), f) for f in ext]
+    d = suite.budget_config("sfi", 0.15, 2048, **suite.ARMS[suite.default_arm()][1])
+    assert [getattr(d, f) for f in ext] == [getattr(SFIConfig(), f) for f in ext]
 
 
 def test_script_suite_report_merges_runs(tmp_path):
@@ -149,18 +157,18 @@ def test_script_suite_report_merges_runs(tmp_path):
     spec.loader.exec_module(mod)
     a, b = _fake_results(), _fake_results()
     for cell in b["results"]["2048"].values():
-        cell["arms"] = {"oracle": cell["arms"]["sfi"]}
+        cell["arms"] = {"oracle": cell["arms"]["paper"]}
     paths = []
     for i, r in enumerate((a, b)):
         paths.append(str(tmp_path / f"r{i}.json"))
         json.dump(r, open(paths[-1], "w"))
     res = mod.main(["--suite", "retrieval", "--report", *paths, "--out", str(tmp_path / "o")])
     arms = res["results"]["2048"]["niah_single"]["arms"]
-    assert {"dense", "exact", "sfi", "sfi+succ7", "oracle"} <= set(arms)
+    assert {"dense", "exact", "paper", "sfi+succ7", "oracle"} <= set(arms)
     assert res["meta"]["commands"] == ["cmd", "cmd"]
     assert "| oracle |" in (tmp_path / "o" / "retrieval.md").read_text()
     args = mod.parse_args(["--suite", "retrieval", "--smoke"])
-    assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["sfi", "sfi+succ7"])
+    assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["paper", "sfi+succ7"])
 
 
 def _whole(number, text):
