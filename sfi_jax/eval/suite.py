@@ -119,13 +119,14 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                 prompts = [s.prompt_ids for s in rows]
                 prompts += [prompts[-1]] * (batch - len(rows))  # fixed shapes: one compile
                 M = max(s.answer_tokens for s in rows)
-                with shared_prefill(max_entries=1):
+                with shared_prefill(max_entries=1) as cache:
                     for arm, r, mode, cfg in runs:
                         t = time.perf_counter()
                         res = sfi_jax.generate(model, prompts, mode=mode, sfi=cfg,
                                                max_new_tokens=M, stop_at_eos=False,
                                                tokenizer=tok, chunk_steps=chunk_steps,
-                                               max_len=ctx, impl=impl)
+                                               max_len=ctx, impl=impl,
+                                               prefill_fn=cache.prefill_fn)
                         ok, texts, secs = got[(arm, r)]
                         secs[0] += time.perf_counter() - t
                         for s, g in zip(rows, res.tokens):
@@ -135,7 +136,7 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                         if arm in tokens:
                             tokens[arm] += [list(g) for g in res.tokens[:len(rows)]]
                 log(f"{task} @ {ctx}: {min(b0 + batch, samples)}/{samples} samples "
-                    f"({time.perf_counter() - t0:.0f}s)")
+                    f"({time.perf_counter() - t0:.0f}s, prefill cache {cache.counts})")
             cell = {"samples": samples, "sources": [s.source for s in smp],
                     "depths": [round(s.depth, 3) for s in smp],
                     "prompt_tokens": [len(s.prompt_ids) for s in smp],

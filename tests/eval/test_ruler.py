@@ -220,3 +220,28 @@ def test_fifty_samples_at_2k_each_answer_once(tok, task):
         s = make_sample(task, tok, ctx, seed=0, index=i, depth=0.05 + 0.85 * (i + 0.5) / n)
         assert len(s.prompt_ids) + s.answer_tokens <= ctx
         _check_in_haystack(task, s, tok.decode(s.prompt_ids))
+
+
+def test_run_suite_shares_each_batch_prefill(tok, monkeypatch):
+    """Every arm of a batch gets the batch's shared prefill (a prefill per arm made the suite
+    several times slower on a CPU); dense, exact and each arm run once per batch."""
+    import sfi_jax
+
+    calls = []
+
+    def fake_generate(model, prompts, *, mode, sfi, max_new_tokens, prefill_fn=None, **kw):
+        calls.append((mode, sfi, prefill_fn))
+        return sfi_jax.GenerateResult(tokens=[[0] * max_new_tokens for _ in prompts], text=[],
+                                      stats={})
+
+    monkeypatch.setattr(sfi_jax, "generate", fake_generate)
+    res = suite.run_suite(None, tok, contexts=[1024], tasks=["niah_single"], samples=3,
+                          retentions=[0.15], arms=["paper", "sfi+succ7"], batch=2,
+                          log=lambda s: None)
+    assert len(calls) == 2 * 4  # two batches x (dense, exact, paper, sfi+succ7)
+    for batch in (calls[:4], calls[4:]):
+        assert {m for m, _, _ in batch} == {"dense", "exact", "sfi"}
+        fns = {id(f) for _, _, f in batch}
+        assert len(fns) == 1 and batch[0][2] is not None
+    assert calls[0][2] is not calls[4][2]  # a new cache per batch
+    assert res["results"]["1024"]["niah_single"]["arms"]["paper"]["0.15"]["n"] == 3
