@@ -298,8 +298,9 @@ def write_plot(res: dict, path: str):
                     continue
                 x = np.array([100 * r for r, _ in cs]) + 0.25 * (k - 3)
                 y = np.array([100 * c["acc"] for _, c in cs])
-                err = np.array([[100 * (c["acc"] - c["ci95"][0]), 100 * (c["ci95"][1] - c["acc"])]
-                                for _, c in cs]).T
+                err = np.maximum(0.0, np.array([  # >= 0: a bound equal to acc up to rounding
+                    [100 * (c["acc"] - c["ci95"][0]), 100 * (c["ci95"][1] - c["acc"])]
+                    for _, c in cs]).T)
                 a_.errorbar(x, y, yerr=err, fmt="o-", ms=3, lw=1, capsize=2, color=colors[arm],
                             label=arm)
             a_.set_ylim(-5, 105)
