@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
+from sfi_jax.config import PAPER as _PAPER
 from sfi_jax.eval.metrics import wilson_interval
 from sfi_jax.eval.ruler import make_sample, score
 
 N_SINK = 4
-_PAPER = {"successor_radius": 0, "evidence_window": 1}
 ARMS = {
     # name: (policy, SFIConfig overrides). The SFI arms pin both extensions, so an arm means
     # the same thing whatever SFIConfig's defaults are ("paper" = SFIConfig.paper()'s values).
