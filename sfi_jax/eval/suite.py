@@ -285,6 +285,9 @@ def write_plot(res: dict, path: str):
     for i, ctx in enumerate(ctxs):
         for j, t in enumerate(cols):
             a_ = ax[i, j]
+            if t != "pooled" and t not in res["results"][ctx]:  # a task not run at ctx
+                a_.axis("off")
+                continue
             get = (lambda arm, r: pooled(res, ctx, arm, r)) if t == "pooled" else \
                 (lambda arm, r, t=t: _acc(res["results"][ctx][t], arm, r))
             d = get("dense", 1.0)
