@@ -47,6 +47,8 @@ def parse_args(argv=None):
                         "others run at --ref-retention only")
     p.add_argument("--rs-retention", type=float, nargs="+", default=[0.05, 0.10, 0.15, 0.25],
                    help="retrieval suite: retentions")
+    p.add_argument("--no-exact", action="store_true",
+                   help="retrieval suite: skip the exact-mode check (its tokens equal dense's)")
     p.add_argument("--rs-samples", type=int, default=50,
                    help="retrieval suite: samples per task and context")
     p.add_argument("--compile-cache", default=None,
@@ -101,7 +103,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.smoke and a.suite == "retrieval":
         a.contexts, a.rs_retention, a.rs_samples, a.batch = [1024], [0.15], 2, 2
-        a.arms = a.arms or ["sfi", "sfi+succ7"]
+        a.arms = a.arms or ["paper", "sfi+succ7"]
     elif a.smoke:
         a.contexts, a.retention, a.ref_retention = [1024], [0.15], 0.15
         a.tf_samples, a.tf_tokens, a.rt_samples = 2, 33, 2
@@ -783,7 +785,7 @@ def run_retrieval_suite(args, argv):
                           samples=args.rs_samples, retentions=args.rs_retention, arms=arms,
                           sweep_arms=args.sweep_arms, batch=args.batch,
                           ref_retention=args.ref_retention, seed=args.seed, impl=args.impl,
-                          log=log, on_cell=save)
+                          exact=not args.no_exact, log=log, on_cell=save)
     save(res)
     log(f"done in {res['meta']['wall_s']:.0f}s")
     return res

@@ -27,7 +27,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sfi_jax.config import POLICIES
+    from sfi_jax.config import POLICIES, SFIConfig
+
+    d = SFIConfig()
 
     p = argparse.ArgumentParser(
         prog="python -m sfi_jax.generate", formatter_class=_HelpFormatter,
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one strict JSON object (NaN written as null) with tokens, text "
                         "and stats instead of text (default: text)")
-    g = p.add_argument_group("SFI (defaults from the paper)")
+    g = p.add_argument_group("SFI (defaults from the paper but --successor-radius, "
+                             "docs/SFI_METHOD.md §8)")
     g.add_argument("--n-sink", type=int, default=4, help="sink tokens per head")
     g.add_argument("--n-recent", type=int, default=256, help="recent-window tokens")
     g.add_argument("--k-select", type=int, default=2048, help="selected tokens per KV head")
@@ -86,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh policy (sfi; or a baseline: tmax, streaming, prefill_only, oracle)")
     g.add_argument("--draft-len", type=int, default=3,
                    help="exact mode: fast steps drafted per dense verify step (1..15)")
-    g.add_argument("--successor-radius", type=int, default=0,
-                   help="extension: also keep the next N positions after strong ones (helps "
-                        "copying, e.g. pass keys; 0 = the method as specified)")
-    g.add_argument("--evidence-window", type=int, default=1,
+    g.add_argument("--successor-radius", type=int, default=d.successor_radius,
+                   help="extension: also keep the next N positions after strong ones (keeps "
+                        "retrieval, e.g. pass keys; 0 = the method as the paper specifies it)")
+    g.add_argument("--evidence-window", type=int, default=d.evidence_window,
                    help="extension: select from each layer's last W decode queries (1 = as "
                         "specified)")
     g.add_argument("--refresh-rows", type=int, default=None,

@@ -44,9 +44,15 @@ def _float_field(cfg, name, lo=None, hi=None, lo_open=False, hi_open=False):
     object.__setattr__(cfg, name, value)
 
 
+PAPER = {"successor_radius": 0, "evidence_window": 1}
+"""The fields whose default differs from the method paper's value, at the paper's value."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SFIConfig:
-    """Every SFI knob with its default from SFI_METHOD.md.
+    """Every SFI knob with its default from SFI_METHOD.md: the paper's values, except
+    successor_radius (an extension, on by default because the paper's selector loses needle
+    retrieval; SFI_METHOD.md §8). `SFIConfig.paper()` is the method exactly as specified.
 
     Frozen and hashable because it is passed to jit as a static argument.
     A budget larger than a row's context is allowed: that row is simply dense.
@@ -74,10 +80,11 @@ class SFIConfig:
     # query (SFI_METHOD.md: W = 1 in decode). W > 1 (an extension, single device only) keeps
     # each layer's last W queries and selects from all of them, as prefill does with 16.
     evidence_window: int = 1
-    # An extension (default off): after the scores of §4, each position also lends its score
-    # (minus 1e-3 per step) to its next `successor_radius` positions, so a selected position's
-    # successors are kept too — what copying text (a pass key, a quoted name) reads next.
-    successor_radius: int = 0
+    # An extension (on by default; the paper has none: 0): after the scores of §4, each position
+    # also lends its score (minus 1e-3 per step) to its next `successor_radius` positions, so a
+    # selected position's successors are kept too — what copying text (a pass key, a quoted
+    # name) reads next. The default is the retrieval suite's choice (SFI_METHOD.md §8).
+    successor_radius: int = 7
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
     # With adaptive_draft each row drafts 0..draft_len tokens per round, the length that its
@@ -116,6 +123,11 @@ class SFIConfig:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
+
+    @classmethod
+    def paper(cls, **overrides) -> "SFIConfig":
+        """The method as the paper specifies it (no extension), with `overrides` on top."""
+        return cls(**{**PAPER, **overrides})
 
     @property
     def refreshes(self) -> bool:

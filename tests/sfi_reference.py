@@ -15,6 +15,7 @@ import numpy as np
 # ---------------------------------------------------------------------------------------------
 def ref_scores(logits, key_norms, lo, hi, cfg):
     """z_adj [B, H, S] (float64, -inf outside J), written straight from the method text."""
+    assert cfg.successor_radius == 0, "the paper's selector only: pass SFIConfig.paper(...)"
     B, H, R, S = logits.shape
     eps, a = cfg.eps, cfg.power_alpha
     out = np.full((B, H, S), -np.inf)
@@ -163,7 +164,8 @@ def sfi_reference(hf_model, seq, prompt_len, sfi, slow=None) -> Reference:
 
     P, T = prompt_len, len(seq)
     policy = sfi.policy
-    assert sfi.evidence_window == 1 and sfi.successor_radius == 0, "not modelled here"
+    assert sfi.evidence_window == 1 and sfi.successor_radius == 0, \
+        "the paper's method only: pass SFIConfig.paper(...)"
     if policy in ("sfi", "tmax"):
         assert slow is not None and len(slow) == T - P, "slow flags per decode step"
     initial, final = {}, {}

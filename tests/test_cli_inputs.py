@@ -86,6 +86,7 @@ def fake_run(monkeypatch, tokenizer):
     def generate(model, prompts, *, on_tokens, tokenizer, **kw):
         calls["generate"] += 1
         calls["prompts"] = prompts
+        calls["sfi"] = kw.get("sfi")
         tokens = plan["tokens"]
         on_tokens([[tokens[0]] for _ in prompts])
         for n, start in enumerate(range(1, len(tokens), 3)):
@@ -118,6 +119,21 @@ def test_cli_streams_exactly_the_result_text(fake_run, tokenizer, capsys):
     assert out == text + "\n"
     assert calls["generate"] == 1
     assert "after the command started" in err
+
+
+@pytest.mark.parametrize("argv,want", [
+    ([], SFIConfig()),
+    (["--successor-radius", "0"], SFIConfig.paper()),
+    (["--successor-radius", "3", "--evidence-window", "4"],
+     SFIConfig(successor_radius=3, evidence_window=4)),
+])
+def test_sfi_flags_default_to_sfi_config(fake_run, tokenizer, argv, want):
+    """The CLI's SFI defaults are SFIConfig's (its successor_radius too); radius 0 is the
+    paper's method."""
+    calls, plan = fake_run
+    plan["tokens"] = tokenizer("ok", add_special_tokens=False)["input_ids"] + [2]
+    assert cli.main(["--prompt", "hi", "--no-compile-cache", *argv]) == 0
+    assert calls["sfi"] == want
 
 
 # ---- bad input: one line, before the model loads ----
@@ -206,6 +222,8 @@ def test_unreadable_prompt_files(no_model, tmp_path):
     (["--prompt", ""], "--prompt number 1 is empty"),
     (["--prompt", "ok", "--prompt", " \n"], "--prompt number 2 is empty"),
     (["--k-select", "-5"], "k_select"),
+    (["--successor-radius", "-1"], "successor_radius"),
+    (["--evidence-window", "0"], "evidence_window"),
 ])
 def test_bad_values_before_loading(no_model, argv, expected):
     assert expected in _error(argv + ["--no-compile-cache"])

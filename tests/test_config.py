@@ -16,6 +16,22 @@ def test_defaults_follow_the_method():
     assert cfg.eps == 1e-8 and cfg.prefill_window == 16
     assert cfg.policy == "sfi" and cfg.refresh_rows is None
     assert cfg.budget == 4 + 2048 + 256 and cfg.compact_size == 4 + 2048
+    assert cfg.evidence_window == 1 and cfg.draft_len == 3 and cfg.adaptive_draft
+
+
+def test_paper_preset_is_the_method_as_specified():
+    """SFIConfig.paper(): the defaults with no extension (SFI_METHOD.md's values); the
+    defaults differ from it in successor_radius only (the retrieval suite's choice)."""
+    paper, default = SFIConfig.paper(), SFIConfig()
+    assert paper.successor_radius == 0 and paper.evidence_window == 1
+    diff = {f.name for f in dataclasses.fields(SFIConfig)
+            if getattr(paper, f.name) != getattr(default, f.name)}
+    assert diff == {"successor_radius"} and default.successor_radius == 7
+    assert SFIConfig.paper(k_select=8, policy="tmax") == SFIConfig(
+        k_select=8, policy="tmax", successor_radius=0)
+    assert SFIConfig.paper(successor_radius=3).successor_radius == 3
+    with pytest.raises(ValueError, match=r"SFIConfig\.successor_radius\b"):
+        SFIConfig.paper(successor_radius=-1)
 
 
 def test_hashable_static_argument():

@@ -153,20 +153,34 @@ def _json_sample(tokenizer, context, rng, depth, reserve):
         n_tok += len(line)
     if len(pairs) < 8:
         raise ValueError(f"context {context} is too short for task 'json_kv'")
-    lines[-1] = enc(f'\n  "{pairs[-1][0]}": {pairs[-1][1]}')  # no comma after the last pair
+    last = lambda k, v: enc(f'\n  "{k}": {v}')  # noqa: E731  (no comma after the last pair)
+    lines[-1] = last(*pairs[-1])
     at = min(int(depth * len(pairs)), len(pairs) - 1)
     key, value = pairs[at]
-    ids = list(head)
-    for i, line in enumerate(lines):
-        if i == at:
-            span = (len(ids), len(ids) + len(line))
-        ids += line
-    ids += enc(f"\n}}\n\nWhat is the value of the key \"{key}\" in the JSON object above?\n"
+    tail = enc(f"\n}}\n\nWhat is the value of the key \"{key}\" in the JSON object above?\n"
                f"Answer: The value of \"{key}\" is")
+
+    def build():
+        ids = list(head)
+        for i, line in enumerate(lines):
+            if pairs[i][0] == key:
+                span = (len(ids), len(ids) + len(line))
+            ids += line
+        return ids + tail, span
+
+    ids, span = build()
+    while len(ids) + reserve > context:  # the asked key took more tokens than the probe's
+        if len(pairs) <= 8:
+            raise ValueError(f"context {context} is too short for task 'json_kv'")
+        j = len(pairs) - 1 if pairs[-1][0] != key else len(pairs) - 2
+        del pairs[j], lines[j]
+        lines[-1] = last(*pairs[-1])
+        ids, span = build()
     return ids, [value], [span]
 
 
 _DEF = re.compile(r"^(?:async\s+)?(def|class)\s+(\w+)")
+_CODE_TRIES = 200
 
 
 def _code_sample(tokenizer, context, rng, depth, reserve):
@@ -179,18 +193,7 @@ def _code_sample(tokenizer, context, rng, depth, reserve):
                "\n\n")
     tail_len = 48 + 2 * 16  # the question and the answer's lead-in, each naming the definition
     budget = context - len(head) - tail_len - reserve
-    for _ in range(20):  # a run with no definition (a data table, say): start elsewhere
-        units = hay.run(rng.randrange(len(hay.hay.units)), budget)
-        lines = [hay.hay.units[u].strip() for u in units]
-        names: dict = {}
-        for line in lines:
-            m = _DEF.match(line)
-            if m:
-                names[m.group(2)] = names.get(m.group(2), 0) + 1
-        if 1 in names.values():
-            break
-
-    def split(i):  # (lead-in part, answer part) of a usable definition line, else None
+    def split(lines, names, i):  # (lead-in part, answer part) of a usable definition line
         m = _DEF.match(lines[i])
         if not m or names[m.group(2)] != 1:
             return None
@@ -200,13 +203,25 @@ def _code_sample(tokenizer, context, rng, depth, reserve):
             return None
         return head_, rest
 
-    want = int(depth * len(lines))
-    order = sorted(range(len(lines)), key=lambda i: (abs(i - want), i))
-    i = next((i for i in order if split(i)), None)
-    if i is None:
-        raise ValueError(f"no unique definition to ask about in the code haystack "
+    # A run may hold no usable definition (a data table, or only long signatures): start
+    # elsewhere until one does.
+    for _ in range(_CODE_TRIES):
+        units = hay.run(rng.randrange(len(hay.hay.units)), budget)
+        lines = [hay.hay.units[u].strip() for u in units]
+        names: dict = {}
+        for line in lines:
+            m = _DEF.match(line)
+            if m:
+                names[m.group(2)] = names.get(m.group(2), 0) + 1
+        want = int(depth * len(lines))
+        order = sorted(range(len(lines)), key=lambda i: (abs(i - want), i))
+        i = next((i for i in order if split(lines, names, i)), None)
+        if i is not None:
+            break
+    else:
+        raise ValueError(f"no unique definition to ask about in {_CODE_TRIES} code haystacks "
                          f"(context {context})")
-    lead, rest = split(i)
+    lead, rest = split(lines, names, i)
     name = _DEF.match(lines[i]).group(2)
     ids = list(head)
     for j in units:

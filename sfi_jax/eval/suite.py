@@ -1,8 +1,8 @@
 """The retrieval suite's runner and report: every arm at equal KV budget on the same samples.
 
 `scripts/eval_quality.py --suite retrieval` calls `run_suite` and `write_report`. Arms: dense;
-exact mode (a check: its tokens must be dense decoding's); SFI with the defaults of `SFIConfig`
-and with each extension (successor radius, evidence window) and both; the streaming,
+exact mode (a check: its tokens must be dense decoding's); SFI with the paper's values and with
+each extension (successor radius 3 / 7 / 15, evidence window 16) and both; the streaming,
 prefill-only (SnapKV-like) and oracle baselines. Each batch's prefill is computed once and
 shared by all arms (`prefill_cache.shared_prefill`), so an arm costs its decode steps only.
 """
@@ -16,28 +16,44 @@ import time
 
 import numpy as np
 
+from sfi_jax.config import PAPER as _PAPER
 from sfi_jax.eval.metrics import wilson_interval
 from sfi_jax.eval.ruler import make_sample, score
 
 N_SINK = 4
 ARMS = {
-    # name: (policy, SFIConfig overrides)
-    "sfi": ("sfi", {}),
-    "sfi+succ7": ("sfi", {"successor_radius": 7}),
-    "sfi+ew16": ("sfi", {"evidence_window": 16}),
+    # name: (policy, SFIConfig overrides). The SFI arms pin both extensions, so an arm means
+    # the same thing whatever SFIConfig's defaults are ("paper" = SFIConfig.paper()'s values).
+    "paper": ("sfi", _PAPER),
+    "sfi+succ3": ("sfi", {**_PAPER, "successor_radius": 3}),
+    "sfi+succ7": ("sfi", {**_PAPER, "successor_radius": 7}),
+    "sfi+succ15": ("sfi", {**_PAPER, "successor_radius": 15}),
+    "sfi+ew16": ("sfi", {**_PAPER, "evidence_window": 16}),
     "sfi+succ7+ew16": ("sfi", {"successor_radius": 7, "evidence_window": 16}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
 }
-"""Sparse arms; "dense" and "exact" (SFI defaults, at the reference retention) run besides."""
-ARM_LABELS = {"sfi": "SFI (defaults)", "sfi+succ7": "SFI + successor_radius=7",
+"""Sparse arms; "dense" and "exact" (SFIConfig's defaults, at the reference retention) run
+besides."""
+ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
+              "sfi+succ3": "SFI + successor_radius=3", "sfi+succ7": "SFI + successor_radius=7",
+              "sfi+succ15": "SFI + successor_radius=15",
               "sfi+ew16": "SFI + evidence_window=16",
               "sfi+succ7+ew16": "SFI + successor_radius=7 + evidence_window=16",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
               "oracle": "oracle (dense top-k every step)", "dense": "dense",
               "exact": "exact mode (SFI drafts, dense verifies)"}
+
+
+def default_arm() -> str | None:
+    """The SFI arm whose pinned fields are SFIConfig()'s defaults (None if no arm is)."""
+    from sfi_jax import SFIConfig
+
+    d = SFIConfig()
+    return next((a for a, (p, o) in ARMS.items()
+                 if p == d.policy and o and all(getattr(d, k) == v for k, v in o.items())), None)
 
 
 def budget_config(policy: str, retention: float, context: int, t_max: int = 64, **overrides):
@@ -66,7 +82,7 @@ def _cell(ok: list[bool], texts: list[str], seconds: float) -> dict:
 
 def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
               ref_retention=0.15, sweep_arms=None, chunk_steps=8, seed=0, impl="auto",
-              log=print, on_cell=None) -> dict:
+              exact=True, log=print, on_cell=None) -> dict:
     """Run every (task, context) on `samples` samples with dense, exact and every arm at
     ref_retention, and the sweep_arms (default: every arm) at the other retentions. Returns
     {"results": {context: {task: cell}}} with per-sample correctness and Wilson 95 % intervals;
@@ -85,7 +101,7 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
             smp = [make_sample(task, tok, ctx, seed=seed, index=i,
                                depth=0.05 + 0.85 * (i + 0.5) / samples) for i in range(samples)]
             runs = [("dense", 1.0, "dense", None)]
-            if ref_retention is not None:
+            if ref_retention is not None and exact:
                 runs.append(("exact", ref_retention, "exact",
                              budget_config("sfi", ref_retention, ctx)))
             runs += [(a, r, "sfi", budget_config(ARMS[a][0], r, ctx, **ARMS[a][1]))
@@ -103,13 +119,14 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                 prompts = [s.prompt_ids for s in rows]
                 prompts += [prompts[-1]] * (batch - len(rows))  # fixed shapes: one compile
                 M = max(s.answer_tokens for s in rows)
-                with shared_prefill(max_entries=1):
+                with shared_prefill(max_entries=1) as cache:
                     for arm, r, mode, cfg in runs:
                         t = time.perf_counter()
                         res = sfi_jax.generate(model, prompts, mode=mode, sfi=cfg,
                                                max_new_tokens=M, stop_at_eos=False,
                                                tokenizer=tok, chunk_steps=chunk_steps,
-                                               max_len=ctx, impl=impl)
+                                               max_len=ctx, impl=impl,
+                                               prefill_fn=cache.prefill_fn)
                         ok, texts, secs = got[(arm, r)]
                         secs[0] += time.perf_counter() - t
                         for s, g in zip(rows, res.tokens):
@@ -119,7 +136,7 @@ def run_suite(model, tok, *, contexts, tasks, samples, retentions, arms, batch,
                         if arm in tokens:
                             tokens[arm] += [list(g) for g in res.tokens[:len(rows)]]
                 log(f"{task} @ {ctx}: {min(b0 + batch, samples)}/{samples} samples "
-                    f"({time.perf_counter() - t0:.0f}s)")
+                    f"({time.perf_counter() - t0:.0f}s, prefill cache {cache.counts})")
             cell = {"samples": samples, "sources": [s.source for s in smp],
                     "depths": [round(s.depth, 3) for s in smp],
                     "prompt_tokens": [len(s.prompt_ids) for s in smp],
@@ -179,11 +196,13 @@ def headline_markdown(res: dict, ctx: str) -> list[str]:
     ref = res["meta"]["ref_retention"]
     tasks = res["results"][ctx]
     arms = ["dense", "exact"] + [a for a in ARMS if any(a in c["arms"] for c in tasks.values())]
+    d = default_arm()
     L = ["| arm | " + " | ".join(f"{t} (n={c['samples']})" for t, c in tasks.items()) +
          " | pooled |", "|---|" + "---|" * (len(tasks) + 1)]
     for a in arms:
         r = 1.0 if a == "dense" else ref
-        L.append(f"| {a} | " + " | ".join(_pct(_acc(c, a, r)) for c in tasks.values()) +
+        name = f"{a} (defaults)" if a == d else a
+        L.append(f"| {name} | " + " | ".join(_pct(_acc(c, a, r)) for c in tasks.values()) +
                  f" | {_pct(pooled(res, ctx, a, r))} |")
     return L
 
@@ -204,7 +223,9 @@ def write_markdown(res: dict, path: str):
          f"{', '.join(f'{r:.0%}' for r in rets)} (budget = sink 4 + selected + recent = "
          "retention x context; selecting arms keep a recent window of min(256, budget / 2)); "
          f"arms: {', '.join(['dense', 'exact'] + arms)}. Exact mode runs at "
-         f"{m['ref_retention']:.0%} only, as a check against dense.", "",
+         f"{m['ref_retention']:.0%} only, as a check against dense. The SFI arms pin both "
+         "extensions (`sfi_jax.eval.suite.ARMS`): `paper` is `SFIConfig.paper()`; "
+         f"`SFIConfig()`'s defaults are arm `{default_arm()}`.", "",
          "Tasks: " + "; ".join(f"`{t}`" for t in m["tasks"]) + ". Haystacks rotate over "
          "Python standard-library source, its docstrings, license texts shipped with Python and "
          "the installed dependencies, and grammar-generated sentences (`sfi_jax/eval/"
@@ -252,7 +273,8 @@ def write_plot(res: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"sfi": "C3", "sfi+succ7": "C1", "sfi+ew16": "C5", "sfi+succ7+ew16": "C4",
+    colors = {"paper": "C3", "sfi+succ3": "C9", "sfi+succ7": "C1", "sfi+succ15": "C8",
+              "sfi+ew16": "C5", "sfi+succ7+ew16": "C4",
               "streaming": "C7", "prefill_only": "C2", "oracle": "k"}
     rets = _retentions(res)
     ctxs = sorted(res["results"], key=int)
@@ -263,6 +285,9 @@ def write_plot(res: dict, path: str):
     for i, ctx in enumerate(ctxs):
         for j, t in enumerate(cols):
             a_ = ax[i, j]
+            if t != "pooled" and t not in res["results"][ctx]:  # a task not run at ctx
+                a_.axis("off")
+                continue
             get = (lambda arm, r: pooled(res, ctx, arm, r)) if t == "pooled" else \
                 (lambda arm, r, t=t: _acc(res["results"][ctx][t], arm, r))
             d = get("dense", 1.0)
@@ -276,8 +301,9 @@ def write_plot(res: dict, path: str):
                     continue
                 x = np.array([100 * r for r, _ in cs]) + 0.25 * (k - 3)
                 y = np.array([100 * c["acc"] for _, c in cs])
-                err = np.array([[100 * (c["acc"] - c["ci95"][0]), 100 * (c["ci95"][1] - c["acc"])]
-                                for _, c in cs]).T
+                err = np.maximum(0.0, np.array([  # >= 0: a bound equal to acc up to rounding
+                    [100 * (c["acc"] - c["ci95"][0]), 100 * (c["ci95"][1] - c["acc"])]
+                    for _, c in cs]).T)
                 a_.errorbar(x, y, yerr=err, fmt="o-", ms=3, lw=1, capsize=2, color=colors[arm],
                             label=arm)
             a_.set_ylim(-5, 105)

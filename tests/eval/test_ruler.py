@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ def _fake_results():
         ok = rng.random(4) < 0.5
         cell["arms"]["dense"] = {"1": suite._cell(list(ok), ["x"] * 4, 1.0)}
         cell["arms"]["exact"] = {"0.15": suite._cell(list(ok), ["x"] * 4, 1.0)}
-        for arm in ("sfi", "sfi+succ7"):
+        for arm in ("paper", "sfi+succ7"):
             cell["arms"][arm] = {f"{r:g}": suite._cell(list(rng.random(4) < r * 3), ["x"] * 4, 1.0)
                                  for r in (0.05, 0.15)}
         res["results"]["2048"][task] = cell
@@ -110,8 +111,8 @@ def _fake_results():
 def test_pooled_and_report(tmp_path):
     res = _fake_results()
     cells = res["results"]["2048"]
-    k = sum(c["arms"]["sfi"]["0.15"]["correct"] for c in cells.values())
-    p = suite.pooled(res, "2048", "sfi", 0.15)
+    k = sum(c["arms"]["paper"]["0.15"]["correct"] for c in cells.values())
+    p = suite.pooled(res, "2048", "paper", 0.15)
     assert (p["correct"], p["n"]) == (k, 8)
     assert p["ci95"] == list(wilson_interval(k, 8))
     assert suite.pooled(res, "2048", "oracle", 0.15) is None
@@ -121,7 +122,7 @@ def test_pooled_and_report(tmp_path):
     assert (tmp_path / "retrieval.png").stat().st_size > 1000
     again = json.loads((tmp_path / "retrieval.json").read_text())
     merged = suite.merge([again, again])
-    assert merged["results"]["2048"]["json_kv"]["arms"]["sfi"] == cells["json_kv"]["arms"]["sfi"]
+    assert merged["results"]["2048"]["json_kv"]["arms"]["paper"] == cells["json_kv"]["arms"]["paper"]
     assert os.path.exists(tmp_path / "retrieval.md")
 
 
@@ -133,6 +134,14 @@ def test_budget_config_is_equal_budget():
             assert cfg.policy == policy
             for key, v in over.items():
                 assert getattr(cfg, key) == v
+    # the paper arm is SFIConfig.paper(); the defaults are one arm's pinned extensions
+    from sfi_jax import SFIConfig
+
+    ext = ("successor_radius", "evidence_window")
+    paper = suite.budget_config("sfi", 0.15, 2048, **suite.ARMS["paper"][1])
+    assert [getattr(paper, f) for f in ext] == [getattr(SFIConfig.paper(), f) for f in ext]
+    d = suite.budget_config("sfi", 0.15, 2048, **suite.ARMS[suite.default_arm()][1])
+    assert [getattr(d, f) for f in ext] == [getattr(SFIConfig(), f) for f in ext]
 
 
 def test_script_suite_report_merges_runs(tmp_path):
@@ -148,15 +157,91 @@ def test_script_suite_report_merges_runs(tmp_path):
     spec.loader.exec_module(mod)
     a, b = _fake_results(), _fake_results()
     for cell in b["results"]["2048"].values():
-        cell["arms"] = {"oracle": cell["arms"]["sfi"]}
+        cell["arms"] = {"oracle": cell["arms"]["paper"]}
     paths = []
     for i, r in enumerate((a, b)):
         paths.append(str(tmp_path / f"r{i}.json"))
         json.dump(r, open(paths[-1], "w"))
     res = mod.main(["--suite", "retrieval", "--report", *paths, "--out", str(tmp_path / "o")])
     arms = res["results"]["2048"]["niah_single"]["arms"]
-    assert {"dense", "exact", "sfi", "sfi+succ7", "oracle"} <= set(arms)
+    assert {"dense", "exact", "paper", "sfi+succ7", "oracle"} <= set(arms)
     assert res["meta"]["commands"] == ["cmd", "cmd"]
     assert "| oracle |" in (tmp_path / "o" / "retrieval.md").read_text()
     args = mod.parse_args(["--suite", "retrieval", "--smoke"])
-    assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["sfi", "sfi+succ7"])
+    assert (args.contexts, args.rs_samples, args.arms) == ([1024], 2, ["paper", "sfi+succ7"])
+
+
+def _whole(number, text):
+    return len(re.findall(rf"(?<!\d){re.escape(number)}(?!\d)", text))
+
+
+def _check_in_haystack(task, s, text):
+    """From the prompt's text alone: its question has exactly one answer in its haystack, and it
+    is the sample's answer."""
+    hay, question = text.rsplit("\n\n", 1)
+    if task in ("niah_single", "niah_multikey", "niah_multivalue"):
+        key = re.search(r"magic numbers? for (.+?) mentioned", question).group(1)
+        found = re.findall(rf"special magic numbers for {re.escape(key)} is: (\d+)\.", hay)
+        assert sorted(found) == sorted(s.answers), (found, s.answers)
+        for a in s.answers:
+            assert _whole(a, hay) == 1, a
+    elif task == "vartrack":
+        value = re.search(r"assigned the value (\d+) ", question).group(1)
+        assign = re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)\.", hay)
+        names = [n for n, _ in assign]
+        assert len(names) == len(set(names))  # each variable is assigned once
+        env = dict(assign)
+
+        def resolve(n, depth=0):
+            v = env[n]
+            return resolve(v[4:], depth + 1) if v.startswith("VAR ") and depth < 10 else v
+
+        assert sorted(n for n in env if resolve(n) == value) == sorted(s.answers)
+        assert _whole(value, hay) == 1
+    elif task == "json_kv":
+        key = re.search(r'value of the key "(\w+)"', question).group(1)
+        pairs = json.loads(hay[hay.index("{"):], object_pairs_hook=list)
+        assert [v for k, v in pairs if k == key] == [int(s.answers[0])]
+        assert _whole(s.answers[0], hay) == 1
+    else:  # code_line: the one line of the haystack that defines the name
+        name = re.search(r"that defines `(\w+)`", question).group(1)
+        lead = question.split("Answer: `", 1)[1]
+        defs = [ln.strip() for ln in hay.split("\n")
+                if re.match(rf"\s*(async\s+)?(def|class)\s+{name}\b", ln)]
+        assert defs == [lead + s.answers[0]], (defs, lead, s.answers)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_fifty_samples_at_2k_each_answer_once(tok, task):
+    """The suite's size (50 samples per task at 2K) generates for every task, and each sample's
+    answer is, by its prompt's text alone, the one answer in its haystack."""
+    n, ctx = 50, 2048
+    for i in range(n):
+        s = make_sample(task, tok, ctx, seed=0, index=i, depth=0.05 + 0.85 * (i + 0.5) / n)
+        assert len(s.prompt_ids) + s.answer_tokens <= ctx
+        _check_in_haystack(task, s, tok.decode(s.prompt_ids))
+
+
+def test_run_suite_shares_each_batch_prefill(tok, monkeypatch):
+    """Every arm of a batch gets the batch's shared prefill (a prefill per arm made the suite
+    several times slower on a CPU); dense, exact and each arm run once per batch."""
+    import sfi_jax
+
+    calls = []
+
+    def fake_generate(model, prompts, *, mode, sfi, max_new_tokens, prefill_fn=None, **kw):
+        calls.append((mode, sfi, prefill_fn))
+        return sfi_jax.GenerateResult(tokens=[[0] * max_new_tokens for _ in prompts], text=[],
+                                      stats={})
+
+    monkeypatch.setattr(sfi_jax, "generate", fake_generate)
+    res = suite.run_suite(None, tok, contexts=[1024], tasks=["niah_single"], samples=3,
+                          retentions=[0.15], arms=["paper", "sfi+succ7"], batch=2,
+                          log=lambda s: None)
+    assert len(calls) == 2 * 4  # two batches x (dense, exact, paper, sfi+succ7)
+    for batch in (calls[:4], calls[4:]):
+        assert {m for m, _, _ in batch} == {"dense", "exact", "sfi"}
+        fns = {id(f) for _, _, f in batch}
+        assert len(fns) == 1 and batch[0][2] is not None
+    assert calls[0][2] is not calls[4][2]  # a new cache per batch
+    assert res["results"]["1024"]["niah_single"]["arms"]["paper"]["0.15"]["n"] == 3

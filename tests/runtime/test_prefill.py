@@ -123,7 +123,7 @@ def test_initial_selection_from_prefill_queries(tiny_qwen3):
     """The selection decode starts from (policy prefill_only keeps it) equals the float64
     selector of SFI_METHOD.md §4 on transformers' queries and keys (tests/sfi_reference.py),
     for windows inside one chunk, straddling chunks, and longer than the prompt."""
-    sfi = sfi_jax.SFIConfig(n_sink=2, n_recent=8, k_select=12, policy="prefill_only")
+    sfi = sfi_jax.SFIConfig.paper(n_sink=2, n_recent=8, k_select=12, policy="prefill_only")
     prompts = _prompts([9, 20, 40, 64], seed=4, vocab=250)
     res = sfi_jax.generate(tiny_qwen3.model, prompts, max_new_tokens=1, sfi=sfi,
                            diagnostics=True, stop_at_eos=False, prefill_chunk=16,

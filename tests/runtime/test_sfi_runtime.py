@@ -13,7 +13,7 @@ from conftest import TINY_EOS, assert_same_greedy, fast_compile, hf_masked_logit
 from sfi_reference import assert_positions, sfi_reference
 from sfi_jax.selector import trigger_token_ids
 
-SMALL = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8)
+SMALL = sfi_jax.SFIConfig.paper(n_sink=2, k_select=8, n_recent=8, t_max=8)  # the reference's method
 NEW = 16  # new tokens per row in the tiny-model tests (15 decode steps)
 TRIGGER = 7
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",

@@ -47,7 +47,7 @@ def run_both(logits, key_norms, lo, hi, cfg):
     return z_ref
 
 
-BASE = SFIConfig(n_sink=4, n_recent=16, k_select=24, nms_radius=3)
+BASE = SFIConfig.paper(n_sink=4, n_recent=16, k_select=24, nms_radius=3)  # the §4 reference
 VARIANTS = {
     "default": {},
     "power_alpha=1": dict(power_alpha=1.0),
@@ -289,7 +289,7 @@ def test_successor_spread():
                                         for s in range(1, radius + 1) if j - s >= 0]
                 want[b, :, j] = np.max(np.stack(cands), axis=0)
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    cfg = SFIConfig(k_select=8)
+    cfg = SFIConfig.paper(k_select=8)
     logits = jnp.asarray(rng.standard_normal((2, 3, 4, 40)), jnp.float32)
     norms = jnp.asarray(rng.uniform(0.5, 2, (2, 3, 40)), jnp.float32)
     a = selector_scores(logits, norms, lo, hi, cfg)
@@ -391,7 +391,7 @@ def test_adjust_kernel_against_jnp(change):
     from sfi_jax.kernels import selector_gpu
     from sfi_jax.selector.select import adjust_scores
 
-    cfg = dataclasses.replace(SFIConfig(), **change)
+    cfg = SFIConfig.paper(**change)  # the kernel does steps 5-6; the spread runs after it
     rng = np.random.default_rng(len(str(change)))
     S = 700
     lo, hi = np.array([4, 0, 30, 9], np.int32), np.array([650, 700, 30, 13], np.int32)
