@@ -360,3 +360,37 @@ def test_bench_quickstart_reads_the_stats_line():
     assert out["sfi"]["median"] == 10.5 and out["dense"]["median"] == 10.0
     assert out["sfi"]["vs_dense"] == 1.05
     assert out["sfi"]["decode_tokens_per_s"] == [9.0, 13.0, 10.5]
+
+
+def test_eval_acceptance_intervals():
+    """The bootstrap interval of a pooled rate: exact when every row has the same rate, and
+    inside the rows' range (containing the pooled rate) otherwise; None with no drafts."""
+    acc = load("eval_acceptance.py")
+    assert acc.interval([10, 20, 30], [5, 10, 15], 500) == [0.5, 0.5]
+    lo, hi = acc.interval([10, 10, 10, 10], [0, 10, 5, 5], 2000)
+    assert 0.0 <= lo < 0.5 < hi <= 1.0
+    assert acc.interval([0, 0], [0, 0], 100) is None
+
+
+def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
+    """verify_refresh (t_max = draft_len + 1): a verify that ends a full draft selects from its
+    own logits, so most of a row's verify steps refresh (a draft cut short by a trigger or a
+    rejection waits for the next); plain SFI (t_max 64) refreshes once here. Both give dense
+    decoding's tokens."""
+    import numpy as np
+
+    import sfi_jax
+
+    acc = load("eval_acceptance.py")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 250, n).tolist() for n in (150, 170)]
+    kw = dict(max_new_tokens=24, stop_at_eos=False)
+    dense = sfi_jax.generate(tiny_qwen3.model, prompts, mode="dense", **kw)
+    runs = {}
+    for pol in ("verify_refresh", "sfi"):
+        cfg = acc.policy_config(pol, 0.15, 512, 64, 3)
+        runs[pol] = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg, **kw)
+        assert runs[pol].tokens == dense.tokens
+    s = runs["verify_refresh"].stats
+    assert all(slow >= 0.6 * verify for slow, verify in zip(s["slow_steps"], s["verify_steps"]))
+    assert sum(runs["sfi"].stats["slow_steps"]) <= sum(s["slow_steps"]) / 4
