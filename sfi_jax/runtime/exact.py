@@ -221,10 +221,15 @@ def _accept(logits_v, drafts, q_logits, m, key, sampling, accept_rate):
 def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigger_mask, *,
                 cfg: ModelConfig, sfi: SFIConfig, sampling: SamplingConfig, n_rounds: int,
                 options: EngineOptions = EngineOptions(), accept_rate: float | None = None):
-    """Up to n_rounds draft + verify rounds on device; stops early when every row is done.
+    """Draft + verify rounds and plain dense steps on device within a budget of
+    n_rounds * (draft_len + 1) steps, a round counting draft_len + 1 and a plain dense step 1:
+    n_rounds rounds, or that many times draft_len + 1 dense steps once no row drafts, so a call
+    is as long as the decode loop's chunk whatever the acceptance; stops early when every row
+    is done.
 
     Returns the new state and counts, tokens [B, n_rounds * (draft_len + 1)] (each row's
-    emitted tokens first, -1 after), their count per row [B] and the rounds taken.
+    emitted tokens first, -1 after; a round emits at most draft_len + 1, a dense step 1),
+    their count per row [B] and the rounds taken (a plain dense step is one).
     accept_rate (benchmarks only): accept each draft token with this probability instead of
     verifying it (the tokens are then not dense decoding's)."""
     if not options.is_resolved:  # (a request path passes them resolved)
@@ -260,7 +265,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         """A round in which no row drafts: one plain dense decode step (the decode loop's
         kernels, cheaper than a verify of draft_len + 1 queries); refreshes wait for the next
         verify."""
-        state, counts, i, out, n_out, buf = carry
+        state, counts, i, out, n_out, buf, rounds = carry
         st, live, pos = state.sfi, ~state.done, state.lengths
         key, sub = jax.random.split(state.key)
         logits, kc, vc, st = one_step(state.k, state.v, st, state.token, pos, sfi=sfi,
@@ -290,7 +295,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                             token=jnp.where(live, token, state.token), done=done,
                             step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
                             nonfinite=nonfinite)
-        return state, counts, i + 1, out, n_out + live, buf
+        return state, counts, i + 1, out, n_out + live, buf, rounds + 1  # (a budget step)
 
     def some_row_drafts(carry):
         state, counts = carry[0], carry[1]
@@ -301,10 +306,11 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         """Plain dense steps while no row drafts (a loop, not a condition: no buffer copies)."""
         if not sfi.adaptive_draft:
             return carry
-        return jax.lax.while_loop(lambda c: cond(c) & ~some_row_drafts(c), dense_round, carry)
+        return jax.lax.while_loop(lambda c: cond(c, 1) & ~some_row_drafts(c), dense_round,
+                                  carry)
 
     def one_round(carry):
-        state, counts, i, out, n_out, buf = carry
+        state, counts, i, out, n_out, buf, rounds = carry
         st, live, len0 = state.sfi, ~state.done, state.lengths
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
@@ -407,17 +413,19 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                             token=jnp.where(live, nxt, state.token), done=done,
                             step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
                             nonfinite=nonfinite)
-        return state, counts, i + 1, out, n_out + n_emit, buf
+        return state, counts, i + T, out, n_out + n_emit, buf, rounds + 1  # (T budget steps)
 
-    def cond(carry):
-        return (carry[2] < n_rounds) & ~jnp.all(carry[0].done)
+    def cond(carry, cost):
+        """Some row is live, and the budget has room for a step of this cost."""
+        return ~jnp.all(carry[0].done) & (carry[2] + cost <= width)
 
     # the refresh slots' verify logits [L, n_slots, Hq, T, S]: written whole by every verify
     # that refreshes a row, read only then
     buf = jnp.zeros((L, n_slots, cfg.num_q_heads, T, S), jnp.float32) if sfi.refreshes else None
     # [dense steps] then (verify round, [dense steps]) while rounds remain and some row drafts
-    carry = dense_rounds((state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf))
-    state, counts, taken, out, n_out, _ = jax.lax.while_loop(
-        lambda c: cond(c) & (some_row_drafts(c) if sfi.adaptive_draft else True),
+    carry = dense_rounds((state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf,
+                          jnp.int32(0)))
+    state, counts, _, out, n_out, _, taken = jax.lax.while_loop(
+        lambda c: cond(c, T) & (some_row_drafts(c) if sfi.adaptive_draft else True),
         lambda c: dense_rounds(one_round(c)), carry)
     return state, counts, out, n_out, taken

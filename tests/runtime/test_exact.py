@@ -284,3 +284,22 @@ def test_adaptive_drafts_give_dense_tokens(tiny_qwen3, xla_fast_compile):
                           trigger_ids=[TRIGGER], **kw)
     assert _same_as_dense(tiny_qwen3.model, ex, prompts, "adaptive", **kw) == 0
     _check_counts(ex.stats, ex.tokens)
+
+
+def test_rows_that_stop_drafting_take_a_whole_chunk_of_dense_steps(tiny_qwen3, monkeypatch,
+                                                                    xla_fast_compile):
+    """Once no row drafts, a device call runs draft_len + 1 plain dense steps per round of its
+    budget (as many steps as the decode loop's chunk), not one: exact mode at acceptance 0
+    makes as few device calls as dense decoding."""
+    from sfi_jax.runtime.decoder import SlotDecoder
+
+    calls = []
+    step = SlotDecoder.step
+    monkeypatch.setattr(SlotDecoder, "step", lambda self: (calls.append(1), step(self))[1])
+    model, prompts = tiny_qwen3.model, _prompts([380, 400], seed=5)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=3)
+    res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, max_new_tokens=65,
+                           stop_at_eos=False, trigger_ids=[], accept_rate=0.0)
+    assert [len(t) for t in res.tokens] == [65, 65]
+    dense_calls = -(-64 // 16)  # the first token comes from the prefill; 16 steps per call
+    assert len(calls) <= dense_calls + 1, (len(calls), res.stats["verify_steps"])
