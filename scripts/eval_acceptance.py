@@ -133,6 +133,9 @@ def run_batch(model, tok, prompts, args, text, context, log, on_row):
             t0 = time.perf_counter()
             res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, **kw)
             runs.append((sweep, pol, r, cfg, res, time.perf_counter() - t0))
+            drafted = sum(res.stats["drafted"])
+            log(f"  ({context} {text} {sweep} {pol}: accepted {sum(res.stats['accepted'])} of "
+                f"{drafted} drafts, {runs[-1][-1]:.0f}s)")
         dense = sfi_jax.generate(model, prompts, mode="dense", **kw)
     for sweep, pol, r, cfg, res, wall in runs:
         s = res.stats
