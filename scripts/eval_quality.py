@@ -25,13 +25,14 @@ import random
 import sys
 import time
 
+from sfi_jax.eval.suite import N_SINK, budget_config  # noqa: F401  (scripts import it here)
+
 import numpy as np
 
 POLICIES = ("sfi", "tmax", "prefill_only", "streaming", "oracle")
 LABELS = {"sfi": "SFI", "tmax": "t_max refresh", "prefill_only": "prefill-only (SnapKV-like)",
           "streaming": "streaming (sink+recent)", "oracle": "oracle (dense top-k every step)"}
 SINCE_BINS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 10**9))
-N_SINK = 4
 
 
 def parse_args(argv=None):
@@ -114,23 +115,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- configs
-
-def budget_config(policy: str, retention: float, context: int, t_max: int):
-    """SFIConfig for `policy` with n_sink + k_select + n_recent = round(retention * context).
-
-    Selecting policies keep the paper's recent window of 256 positions (half the budget when
-    that is smaller); streaming spends everything but the sink on the recent window.
-    """
-    from sfi_jax import SFIConfig
-
-    budget = max(32, int(round(retention * context)))
-    if policy == "streaming":
-        return SFIConfig(n_sink=N_SINK, k_select=1, n_recent=budget - N_SINK - 1, t_max=t_max,
-                         policy=policy)
-    n_recent = min(256, budget // 2)
-    return SFIConfig(n_sink=N_SINK, k_select=budget - N_SINK - n_recent, n_recent=n_recent,
-                     t_max=t_max, policy=policy)
-
 
 def _overrides(args) -> dict:
     out = {}
