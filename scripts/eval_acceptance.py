@@ -119,7 +119,7 @@ def interval(drafted, accepted, n_boot: int, seed: int = 0):
     return [float(np.percentile(rates, 2.5)), float(np.percentile(rates, 97.5))]
 
 
-def run_batch(model, tok, prompts, args, text, context, log, on_row):
+def run_batch(model, prompts, args, text, context, log, on_row):
     """Every config on one batch of prompts, sharing its dense prefill; dense decoding last
     (the reference tokens)."""
     import sfi_jax
@@ -271,7 +271,7 @@ def main(argv=None):
         for text in args.texts:
             prompts = prompts_for(text, natural, tok, ctx, args)
             c["prefill_cache"][text] = run_batch(
-                model, tok, prompts, args, text, ctx, log,
+                model, prompts, args, text, ctx, log,
                 lambda row: (c["results"].append(row), save()))
             save()  # partial results survive an interruption
     return res

@@ -69,7 +69,8 @@ class SlotDecoder:
 
     mode "sfi"/"dense" runs `decode_chunk` (n = chunk_steps steps; state.rows None: one
     static `sampling` for every row and the host caps a chunk at the rows' budget), mode
-    "exact" runs `exact_chunk` (chunk_steps // (draft_len + 1) rounds; `counts` holds its
+    "exact" runs `exact_chunk` (a budget of chunk_steps // (draft_len + 1) rounds' worth of
+    steps, a plain dense step counting one; `counts` holds its
     per-row bookkeeping and budgets). In mode "sfi" a chunk runs the dense program instead
     when every active request fits the SFI budget until its end (`fits`): SFI reads every
     position of such a row, so it is dense decoding (dense_within_budget=False: always the SFI
