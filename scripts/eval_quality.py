@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from sfi_jax.eval.suite import N_SINK, budget_config  # noqa: F401  (scripts import it here)
+from sfi_jax.eval.suite import budget_config
 
 import numpy as np
 
