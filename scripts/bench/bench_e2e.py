@@ -270,9 +270,10 @@ def bench_one(name, cfg, params, ctx, args, bw, B):
     rec["dense_of_floor"] = rec["pred_dense_step_s"] / dense_step
     rec["sfi_of_floor"] = rec["pred_sfi_step_s"] / sfi_step
     if args.mode == "exact":
-        rec.update(exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw))
-        rec["exact_speedup"] = rec["exact_tokens_per_s"] / rec["dense_tokens_per_s"]
-        rec["pred_exact_speedup"] = rec["pred_exact_tokens_per_s"] * rec["pred_dense_step_s"] / B
+        rec["exact"] = exact_points(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw)
+        for p in rec["exact"]:
+            p["exact_speedup"] = p["exact_tokens_per_s"] / rec["dense_tokens_per_s"]
+            p["pred_exact_speedup"] = p["pred_exact_tokens_per_s"] * rec["pred_dense_step_s"] / B
     return rec
 
 
@@ -282,13 +283,25 @@ def expected_tokens_per_round(a, d):
     return float(sum(a ** i for i in range(d + 1)))
 
 
-def exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
-    """Exact mode's rounds (draft_len fast steps + one dense verify of draft_len + 1 queries)
-    with acceptance drawn at --accept-rate per draft token (random weights accept nothing
-    useful); tokens/s counts the tokens the rounds emit. Beside it the bytes model: a round
-    reads the weights and the sparse KV draft_len times, then the weights and the whole KV once
-    (plus the refreshed rows' logits)."""
-    d = args.draft_len
+def exact_points(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
+    """exact_arm at every (--draft-len, --accept-rate) pair: one program per draft length (the
+    rate is data)."""
+    points = []
+    for d in args.draft_lens:
+        programs = {}
+        for a in args.accept_rates:
+            points.append(exact_arm(params, cfg, B, S, ctx, sfi, options, d, a, n, chunks, bw,
+                                    programs))
+    return points
+
+
+def exact_arm(params, cfg, B, S, ctx, sfi, options, d, accept_rate, n, chunks, bw, programs):
+    """Exact mode's rounds (up to d fast steps + one dense verify of d + 1 queries; rows
+    whose acceptance does not pay draft less or run plain dense steps) with acceptance drawn
+    at accept_rate per draft token (random weights accept nothing useful); tokens/s counts
+    the tokens the rounds emit. Beside it the bytes model: a round reads the weights and the
+    sparse KV d times, then the weights and the whole KV once (plus the refreshed rows'
+    logits). programs: this draft length's compiled program, filled by the first call."""
     esfi = dataclasses.replace(sfi, draft_len=d)
     rounds = max(1, n // (d + 1))
     trig = np.zeros((cfg.vocab_size,), bool)
@@ -296,13 +309,16 @@ def exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
     trig, eos = jnp.asarray(trig), jnp.zeros((cfg.vocab_size,), bool)
     state = make_state(cfg, B, S, ctx, esfi)
     counts = exact.initial_counts(B, np.full((B,), S - ctx - 2 * (d + 1), np.int32))
-    kw = dict(cfg=cfg, sfi=esfi, sampling=SamplingConfig(), n_rounds=rounds, options=options,
-              accept_rate=float(args.accept_rate))
-    fn = exact.exact_chunk.lower(params, state, counts, eos, trig, **kw).compile()
+    rate = jnp.float32(accept_rate)
+    kw = dict(cfg=cfg, sfi=esfi, sampling=SamplingConfig(), n_rounds=rounds, options=options)
+    if "fn" not in programs:
+        programs["fn"] = exact.exact_chunk.lower(params, state, counts, eos, trig, rate,
+                                                 **kw).compile()
+    fn = programs["fn"]
     times, emitted, taken_rounds = [], [], []
     for c in range(chunks + 1):
         t = time.perf_counter()
-        state, counts, toks, n_out, taken = fn(params, state, counts, eos, trig)
+        state, counts, toks, n_out, taken = fn(params, state, counts, eos, trig, rate)
         jax.block_until_ready(toks)
         if c:
             times.append(time.perf_counter() - t)
@@ -310,16 +326,24 @@ def exact_arm(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
             taken_rounds.append(int(taken))
     slow = float(np.asarray(state.sfi.slow_steps).sum() / max(1, np.asarray(
         counts.verify_steps).sum()))
+    drafted, verifies = int(np.asarray(counts.drafted).sum()), int(np.asarray(
+        counts.verify_steps).sum())
+    del state
     tok_s = sum(emitted) / sum(times)
     m = bytes_model(cfg, B, ctx, esfi, 0.0, bw)
     slow_extra = m["pred_slow_step_s"] - m["pred_fast_step_s"] - m["dense_kv_bytes"] / bw
     t_verify = (m["weights_bytes"] + m["dense_kv_bytes"]) / bw + slow * slow_extra
-    t_round = d * m["pred_fast_step_s"] + t_verify
-    e_tok = expected_tokens_per_round(args.accept_rate, d)
-    return dict(exact_draft_len=d, exact_accept_rate=args.accept_rate,
+    # the draft length that pays best at this rate (what the adaptive rows aim for): 0 is a
+    # plain dense step
+    best = max(range(d + 1), key=lambda j: expected_tokens_per_round(accept_rate, j) / (
+        j * m["pred_fast_step_s"] + (t_verify if j else m["pred_dense_step_s"])))
+    t_round = best * m["pred_fast_step_s"] + (t_verify if best else m["pred_dense_step_s"])
+    e_tok = expected_tokens_per_round(accept_rate, best)
+    return dict(exact_draft_len=d, exact_accept_rate=accept_rate,
                 exact_tokens_per_s=tok_s, exact_round_s=statistics.median(times) / rounds,
                 exact_tokens_per_round=sum(emitted) / (B * sum(taken_rounds)),
-                exact_refresh_share=slow, pred_exact_round_s=t_round,
+                exact_drafted_per_verify=drafted / max(1, verifies),
+                exact_refresh_share=slow, pred_exact_round_s=t_round, pred_exact_draft_len=best,
                 pred_exact_tokens_per_s=B * e_tok / t_round)
 
 
@@ -440,6 +464,10 @@ def _ms(seconds):
     return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _num(x):
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def targets(records):
     """Issue 6's targets, each met or missed by how much (rows of the report's table)."""
     rows = []
@@ -498,15 +526,18 @@ def write_outputs(records, meta, out, notes=None):
             f"{_ms(r.get('repack_row_s'))} | "
             f"{r['dense_attention_share']:.2f} | "
             f"{r['dense_of_floor']:.2f} | {r['sfi_of_floor']:.2f} |")
-    ex = [r for r in records if "exact_tokens_per_s" in r]
+    # (older records hold one point in the record itself)
+    ex = [{**r, **p} for r in records
+          for p in r.get("exact", [r] if "exact_tokens_per_s" in r else [])]
     if ex:
         lines += ["", "Exact mode (SFI fast steps draft, one dense multi-query step verifies): "
                   "acceptance drawn per draft token at the stated rate (random weights accept "
-                  "nothing useful); model = bytes model with i.i.d. acceptance.", "",
+                  "nothing useful); model = bytes model with i.i.d. acceptance at the draft "
+                  "length that pays best at that rate (0: a plain dense step).", "",
                   "| model | ctx | batch | draft_len | accept rate | tokens/round | dense tok/s | "
                   "exact tok/s | exact vs dense | model tok/s | model vs dense | round ms | "
-                  "model round ms | refresh share |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "model round ms | refresh share | drafted per verify |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ex:
             lines.append(
                 f"| {r['model']} | {r['context']} | {r['batch']} | {r['exact_draft_len']} | "
@@ -514,7 +545,8 @@ def write_outputs(records, meta, out, notes=None):
                 f"{r['dense_tokens_per_s']:.0f} | {r['exact_tokens_per_s']:.0f} | "
                 f"{r['exact_speedup']:.2f}x | {r['pred_exact_tokens_per_s']:.0f} | "
                 f"{r['pred_exact_speedup']:.2f}x | {r['exact_round_s'] * 1e3:.2f} | "
-                f"{r['pred_exact_round_s'] * 1e3:.2f} | {r['exact_refresh_share']:.2f} |")
+                f"{r['pred_exact_round_s'] * 1e3:.2f} | {r['exact_refresh_share']:.2f} | "
+                f"{_num(r.get('exact_drafted_per_verify'))} |")
     if meta.get("out_of_memory"):
         lines += ["", "No row (out of memory at every batch tried): " + "; ".join(
             f"{o['model']} {o['context']} (batches {', '.join(map(str, o['batches']))})"
@@ -618,10 +650,13 @@ def main(argv=None):
                    help="an SFIConfig field for the SFI arm, e.g. successor_radius=7")
     p.add_argument("--mode", choices=("sfi", "exact"), default="sfi",
                    help="exact: also time exact mode (SFI drafts, dense verify)")
-    p.add_argument("--draft-len", type=int, default=3, help="exact mode's draft length")
-    p.add_argument("--accept-rate", type=float, default=0.78,
+    p.add_argument("--draft-len", default="3",
+                   help="exact mode's draft length (the most a row drafts); comma-separated "
+                   "for several")
+    p.add_argument("--accept-rate", default="0.78",
                    help="exact mode: probability each draft token is accepted (random weights "
-                   "accept nothing useful; take it from benchmarks/acceptance.md)")
+                   "accept nothing useful; take it from benchmarks/acceptance.md); "
+                   "comma-separated for several, each timed on one program per draft length")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--smoke", action="store_true", help="tiny config, for a CPU check")
     p.add_argument("--no-check", action="store_true", help="skip the engine correctness check")
@@ -655,6 +690,16 @@ def main(argv=None):
                         "griddepcontrol.launch_dependents (KernelTuning.launch_dependents)")
     args = p.parse_args(argv)
     from sfi_jax.kernels import triton_lowering
+
+    try:
+        args.draft_lens = [int(x) for x in args.draft_len.split(",") if x.strip()]
+        args.accept_rates = [float(x) for x in args.accept_rate.split(",") if x.strip()]
+    except ValueError as e:
+        p.error(f"--draft-len takes integers and --accept-rate numbers, comma-separated: {e}")
+    if not args.draft_lens or min(args.draft_lens) < 1:
+        p.error(f"--draft-len must be >= 1, got {args.draft_len!r}")
+    if not args.accept_rates or not all(0 <= a <= 1 for a in args.accept_rates):
+        p.error(f"--accept-rate must be in [0, 1], got {args.accept_rate!r}")
 
     try:
         engine_options(args)

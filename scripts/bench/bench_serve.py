@@ -82,6 +82,18 @@ def build_parser():
     p.add_argument("--startup", type=int, default=0, metavar="N",
                    help="instead of a load: launch the server N times (the first fills the "
                         "caches) and time launch -> ready line -> an openai client's answer")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="after the rates: N streams (set N to the server's --max-slots: every "
+                        "slot busy) of the first --prompt-lens length decode --busy-tokens "
+                        "each; their tokens/s over --busy-seconds; then one ends and --probes "
+                        "new requests arrive one at a time beside the N - 1 others (their "
+                        "time to first token against the same request's on an idle server)")
+    p.add_argument("--busy-tokens", type=int, default=4096,
+                   help="max_tokens of each busy stream (prompt + this must fit --max-len)")
+    p.add_argument("--busy-seconds", type=float, default=10.0,
+                   help="the window over which every stream is counted")
+    p.add_argument("--probes", type=int, default=5,
+                   help="requests timed alone and then beside the busy streams")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny load: 3 requests at one rate, 16-token prompts, 8 new tokens")
     p.add_argument("--out", default="benchmarks/serve",
@@ -108,7 +120,7 @@ def check_args(parser, args):
         lo, hi = (int(x) for x in args.token_range.split(":"))
     except ValueError as e:
         parser.error(f"bad number in --rates/--prompt-lens/--output-lens/--token-range: {e}")
-    if not args.rate_list or min(args.rate_list) <= 0:
+    if (not args.rate_list and not args.busy) or min(args.rate_list, default=1) <= 0:
         parser.error(f"--rates must be positive numbers, got {args.rates!r}")
     if not args.prompt_list or min(args.prompt_list) < 1:
         parser.error(f"--prompt-lens must be >= 1, got {args.prompt_lens!r}")
@@ -119,6 +131,8 @@ def check_args(parser, args):
     args.token_lo, args.token_hi = lo, hi
     if args.requests < 1 or args.max_seconds <= 0:
         parser.error("--requests must be >= 1 and --max-seconds > 0")
+    if args.busy < 0 or args.busy_tokens < 1 or args.busy_seconds <= 0 or args.probes < 1:
+        parser.error("--busy must be >= 0, --busy-tokens and --probes >= 1, --busy-seconds > 0")
     if args.url:
         host = urllib.parse.urlparse(args.url).hostname
         if host not in LOCAL_HOSTS:
@@ -238,12 +252,15 @@ def stop_server(proc):
 
 # --- the load --------------------------------------------------------------------------------
 
-async def one_request(client, url, model, prompt, max_tokens, t0, as_text=False):
-    """Stream one completion; its timings (seconds from t0) and token counts. With `as_text`
-    (the peer) the prompt goes as the text "t<id> t<id> ..." and each streamed "t" counts one
-    token (its usage comes only at the end)."""
-    rec = {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "sent": time.perf_counter() - t0,
-           "chunks": [], "completion_tokens": 0, "status": None, "error": None}
+async def one_request(client, url, model, prompt, max_tokens, t0, as_text=False, rec=None):
+    """Stream one completion; its timings (seconds from t0) and token counts, in `rec` (a dict
+    the caller may pass to watch the stream as it goes). With `as_text` (the peer) the prompt
+    goes as the text "t<id> t<id> ..." and each streamed "t" counts one token (its usage comes
+    only at the end)."""
+    rec = {} if rec is None else rec
+    rec.update({"prompt_tokens": len(prompt), "max_tokens": max_tokens,
+                "sent": time.perf_counter() - t0, "chunks": [], "completion_tokens": 0,
+                "status": None, "error": None})
     body = {"prompt": " ".join(f"t{i}" for i in prompt) if as_text else prompt,
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -338,7 +355,70 @@ def run_engine(args, url, model, label):
         rows.append(summarise(records, rate))
         raw.append({"rate": rate, "records": records})
         print(json.dumps({"engine": label, **rows[-1]}), flush=True)
-    return rows, raw
+    busy = None
+    if args.busy:
+        busy = asyncio.run(run_busy(args, url, model, rng, as_text=label == "transformers"))
+        print(json.dumps({"engine": label, "busy": {k: v for k, v in busy.items()
+                                                    if k != "records"}}), flush=True)
+    return rows, raw, busy
+
+
+async def run_busy(args, url, model, rng, as_text=False):
+    """Probes alone (the prefill time of a prompt on an idle server), then args.busy streams
+    at once: tokens/s over a window in which every stream decodes, then one stream ends and the
+    probes arrive one at a time beside the others. Every request is bounded: the streams are
+    cancelled (their connections closed) at the end."""
+    import httpx
+
+    n_prompt = args.prompt_list[0]
+
+    def prompt():
+        return [rng.randrange(args.token_lo, args.token_hi) for _ in range(n_prompt)]
+
+    def ttft(rec):
+        return rec["chunks"][0][0] - rec["sent"] if rec["error"] is None and rec["chunks"] \
+            else None
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        t0 = time.perf_counter()
+        alone = [await one_request(client, url, model, prompt(), 1, t0, as_text)
+                 for _ in range(args.probes + 1)]  # the first may compile: not counted
+        recs = [{} for _ in range(args.busy)]  # filled as the streams go
+        streams = [asyncio.create_task(one_request(client, url, model, prompt(),
+                                                   args.busy_tokens, t0, as_text, rec))
+                   for rec in recs]
+        deadline = time.perf_counter() + args.max_seconds
+        # until every stream has its first token: then all its slots decode
+        while time.perf_counter() < deadline and not all(t.done() for t in streams):
+            if all(r.get("chunks") for r in recs):
+                break
+            await asyncio.sleep(0.2)
+        started = time.perf_counter() - t0
+        await asyncio.sleep(args.busy_seconds)
+        ended = time.perf_counter() - t0
+        beside = []
+        if streams:
+            streams[0].cancel()  # its slot frees: the probes have one
+            await asyncio.sleep(1.0)
+            for _ in range(args.probes):
+                beside.append(await one_request(client, url, model, prompt(), 1, t0, as_text))
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+    in_window = sum(k for r in recs for t, k in r["chunks"] if started <= t <= ended)
+    t_alone = [x for x in map(ttft, alone[1:]) if x is not None]
+    t_beside = [x for x in map(ttft, beside) if x is not None]
+    return {"streams": args.busy, "prompt_tokens": n_prompt, "window_s": ended - started,
+            "busy_tokens_per_s": in_window / max(ended - started, 1e-9),
+            "all_streams_started": all(r["chunks"] and r["chunks"][0][0] <= started
+                                       for r in recs),
+            "ttft_alone_s": t_alone, "ttft_beside_s": t_beside,
+            "ttft_alone_p50_s": percentile(t_alone, 50),
+            "ttft_beside_p50_s": percentile(t_beside, 50),
+            "ttft_beside_p99_s": percentile(t_beside, 99),
+            "probes_failed": args.probes - len(t_alone) + len(beside) - len(t_beside),
+            "records": {"alone": alone, "beside": beside, "streams": recs}}
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -363,6 +443,23 @@ def markdown(report):
                          f"{r['rejected_429']} | {r['output_tokens_per_s']:.1f} | "
                          f"{_fmt(r['ttft_p50_s'], digits=2)} | {_fmt(r['ttft_p99_s'], digits=2)} | "
                          f"{_fmt(r['itl_p50_s'], 1e3)} | {_fmt(r['itl_p99_s'], 1e3)} |")
+    if report.get("busy"):
+        lines += ["", "Busy slots: the streams decode at once (each has its first token) for "
+                  f"{c.get('busy_seconds')} s; tokens/s counts every stream's tokens in that "
+                  "window. Then one stream ends and each probe (the same prompt length, 1 new "
+                  "token) arrives alone beside the others; 'alone' is the same probe on the "
+                  "idle server before the streams (its prefill time).", "",
+                  "| engine | streams | prompt tokens | busy tok/s | TTFT alone p50 (s) | "
+                  "TTFT beside p50 (s) | TTFT beside p99 (s) | p99 - alone (s) | failed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for engine, b in report["busy"].items():
+            extra = None if b["ttft_beside_p99_s"] is None or b["ttft_alone_p50_s"] is None \
+                else b["ttft_beside_p99_s"] - b["ttft_alone_p50_s"]
+            lines.append(f"| {engine} | {b['streams']} | {b['prompt_tokens']} | "
+                         f"{b['busy_tokens_per_s']:.1f} | {_fmt(b['ttft_alone_p50_s'], digits=2)} | "
+                         f"{_fmt(b['ttft_beside_p50_s'], digits=2)} | "
+                         f"{_fmt(b['ttft_beside_p99_s'], digits=2)} | {_fmt(extra, digits=2)} | "
+                         f"{b['probes_failed']} |")
     if "transformers" in report["results"]:
         lines += ["", "transformers: `transformers serve --continuous-batching` (paged attention, "
                   "bf16) on the same GPU, the same requests as text; "
@@ -459,7 +556,7 @@ def main(argv=None):
     check_args(parser, args)
     if args.startup:
         return startup(args, argv)
-    results, raw = {}, {}
+    results, raw, busy = {}, {}, {}
     for engine in args.engine_list:
         proc = None
         if args.url:
@@ -471,7 +568,7 @@ def main(argv=None):
             proc, url, _ = start_server(args, engine)
             model = engine
         try:
-            results[engine], raw[engine] = run_engine(args, url, model, engine)
+            results[engine], raw[engine], busy[engine] = run_engine(args, url, model, engine)
         finally:
             if proc is not None:
                 stop_server(proc)
@@ -483,8 +580,11 @@ def main(argv=None):
                    "prompt_lens": args.prompt_list, "output_lens": args.output_list,
                    "rates": args.rate_list, "requests": args.requests,
                    "max_seconds": args.max_seconds, "server_args": args.server_arg,
-                   "seed": args.seed, "peer_args": args.peer_arg},
+                   "seed": args.seed, "peer_args": args.peer_arg, "busy": args.busy,
+                   "busy_tokens": args.busy_tokens, "busy_seconds": args.busy_seconds,
+                   "probes": args.probes},
         "results": results,
+        "busy": {e: b for e, b in busy.items() if b is not None},
         "raw": raw,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -152,8 +152,10 @@ class SlotDecoder:
             fn, statics = exact.exact_chunk, dict(
                 cfg=self.cfg, sfi=self.sfi, sampling=self.sampling,
                 n_rounds=max(1, self.chunk_steps // (self.sfi.draft_len + 1)),
-                options=self.options, accept_rate=self.accept_rate)
+                options=self.options)
             args = (self.params, self.state, self.counts, self.eos_mask, self.trigger_mask)
+            if self.accept_rate is not None:  # (benchmarks) data, not a new program per rate
+                args += (jnp.float32(self.accept_rate),)
         else:
             n = self._n_steps()
             dense = self.sfi is None or self._dense_chunk()

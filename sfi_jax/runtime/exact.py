@@ -215,12 +215,11 @@ def _accept(logits_v, drafts, q_logits, m, key, sampling, accept_rate):
     return n, nxt
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_rounds", "options",
-                                             "accept_rate"),
+@functools.partial(jax.jit, static_argnames=("cfg", "sfi", "sampling", "n_rounds", "options"),
                    donate_argnames=("state", "counts"))
-def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigger_mask, *,
-                cfg: ModelConfig, sfi: SFIConfig, sampling: SamplingConfig, n_rounds: int,
-                options: EngineOptions = EngineOptions(), accept_rate: float | None = None):
+def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigger_mask,
+                accept_rate=None, *, cfg: ModelConfig, sfi: SFIConfig, sampling: SamplingConfig,
+                n_rounds: int, options: EngineOptions = EngineOptions()):
     """Draft + verify rounds and plain dense steps on device within a budget of
     n_rounds * (draft_len + 1) steps, a round counting draft_len + 1 and a plain dense step 1:
     n_rounds rounds, or that many times draft_len + 1 dense steps once no row drafts, so a call
@@ -231,7 +230,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     emitted tokens first, -1 after; a round emits at most draft_len + 1, a dense step 1),
     their count per row [B] and the rounds taken (a plain dense step is one).
     accept_rate (benchmarks only): accept each draft token with this probability instead of
-    verifying it (the tokens are then not dense decoding's)."""
+    verifying it (the tokens are then not dense decoding's); an argument, not static, so one
+    program serves every rate."""
     if not options.is_resolved:  # (a request path passes them resolved)
         options = options.resolved()
     B = state.token.shape[0]

@@ -55,3 +55,27 @@ def test_bench_serve_refuses_remote_urls():
     bench = _bench()
     with pytest.raises(SystemExit):
         bench.main(["--url", "http://example.com:8000", "--smoke"])
+
+
+def test_bench_serve_busy_counts_every_stream_and_times_probes_beside_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench = _bench()
+    step_s, chunk, slots = 0.05, 4, 3
+    engine = FakeEngine(max_slots=slots, max_len=100_000, max_queue=16, chunk_steps=chunk,
+                        step_s=step_s)
+    out = str(tmp_path / "busy")
+    with running_server(create_app(engine)) as (url, _):
+        report = bench.main(["--url", url, "--label", "fake", "--prompt-lens", "16",
+                             "--rates", "", "--busy", str(slots), "--busy-tokens", "5000",
+                             "--busy-seconds", "1.0", "--probes", "2", "--out", out])
+    b = report["busy"]["fake"]
+    assert b["streams"] == slots and b["all_streams_started"], b
+    # every slot gets `chunk` tokens per step: about slots * chunk / step_s tokens/s
+    want = slots * chunk / step_s
+    assert 0.5 * want < b["busy_tokens_per_s"] < 1.5 * want, (b["busy_tokens_per_s"], want)
+    assert len(b["ttft_alone_s"]) == 2 and len(b["ttft_beside_s"]) == 2, b
+    assert b["probes_failed"] == 0
+    assert all(0 < t < 20 * step_s for t in b["ttft_alone_s"] + b["ttft_beside_s"]), b
+    # the streams were bounded: each ended long before its 5000 tokens
+    assert all(r["completion_tokens"] < 5000 for r in b["records"]["streams"])
+    assert "| fake | 3 | 16 |" in open(out + ".md").read()
