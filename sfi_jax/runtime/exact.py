@@ -57,9 +57,14 @@ class ExactCounts(NamedTuple):
 
 
 # Adaptive drafts: a new row's acceptance estimate (the prior); each verify moves the averages
-# half-way to its counts; a row that does not draft drifts its estimate up towards 1, so it
-# probes again now and then (with no acceptance: one draft token every ~20-40 rounds).
-ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.02
+# half-way to its counts; while the batch does not draft, every row's estimate drifts up towards
+# 1, so the batch probes again now and then (with no acceptance: a one-token draft every few
+# dozen steps on the H200's qwen3-4b rows).
+ACCEPT_PRIOR, ACCEPT_STEP, ACCEPT_DRIFT = 0.6, 0.5, 0.005
+# A round's cost beyond its bytes, in dense steps (the verify's extra queries, the round's
+# bookkeeping): measured on the H200, rounds at acceptance 0 ran 0.83-0.87x dense when probes
+# were priced at bytes alone (benchmarks/e2e_exact.md).
+ROUND_OVERHEAD = 0.1
 
 
 def initial_counts(batch: int, remaining) -> ExactCounts:
@@ -78,21 +83,26 @@ def _drift(counts: ExactCounts, rows) -> ExactCounts:
                                                   acc))
 
 
-def draft_lengths(accept, lengths, live, *, cfg: ModelConfig, sfi: SFIConfig, dtype_bytes: int):
-    """Each row's draft length 0..draft_len for the next round: the d that maximises expected
-    tokens per round (1 + a + ... + a^d at acceptance a) over its cost in dense steps
-    (d fast steps + one verify), from the bytes a step reads: the weights (shared by the live
-    rows) plus the row's KV, all of it for a verify, at most the SFI budget for a fast step."""
+def draft_length(accept, lengths, live, *, cfg: ModelConfig, sfi: SFIConfig, dtype_bytes: int):
+    """The batch's draft length 0..draft_len for the next round: the d that maximises the live
+    rows' expected tokens per round (each row 1 + a + ... + a^d at its acceptance a) over the
+    round's cost in dense steps (d fast steps, one verify, ROUND_OVERHEAD), 0 being one plain
+    dense step. One length for the batch, because a round's fast steps and verify run for
+    every row: a row drafting less than the others saves nothing and a single row's probe
+    costs the whole batch a round. Costs come from the bytes a step reads: the weights once,
+    plus each live row's KV, all of it for a verify, at most the SFI budget for a fast step."""
     h = cfg.hidden_size
     weights = float(cfg.param_count() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)) \
-        * dtype_bytes / jnp.maximum(jnp.sum(live), 1)
+        * dtype_bytes
     per_position = float(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
-    ctx = lengths.astype(jnp.float32)
-    fast = (weights + per_position * jnp.minimum(ctx, sfi.budget)) / (weights + per_position * ctx)
-    d = jnp.arange(sfi.draft_len + 1, dtype=jnp.float32)[None, :]
+    ctx = jnp.where(live, lengths, 0).astype(jnp.float32)
+    fast = (weights + per_position * jnp.sum(jnp.minimum(ctx, sfi.budget))) / \
+        (weights + per_position * jnp.sum(ctx))
+    d = jnp.arange(sfi.draft_len + 1, dtype=jnp.float32)
     a = jnp.clip(accept, 0.0, 0.999)[:, None]
-    speed = (1 - a ** (d + 1)) / (1 - a) / (1 + d * fast[:, None])
-    return jnp.argmax(speed, axis=1).astype(jnp.int32)  # ties: the shorter draft
+    tokens = jnp.sum(jnp.where(live[:, None], (1 - a ** (d + 1)) / (1 - a), 0.0), axis=0)
+    cost = jnp.where(d > 0, 1 + ROUND_OVERHEAD + d * fast, 1.0)
+    return jnp.argmax(tokens / cost).astype(jnp.int32)  # ties: the shorter draft
 
 
 def sampling_logits(logits, cfg: SamplingConfig):
@@ -239,8 +249,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     one_step = functools.partial(_one_step, params, cfg=cfg, layout=layout, options=options)
     verify = functools.partial(_verify, params, cfg=cfg, layout=layout, options=options)
     k_len, T = sfi.draft_len, sfi.draft_len + 1
-    lengths_for = functools.partial(draft_lengths, cfg=cfg, sfi=sfi,
-                                    dtype_bytes=jnp.dtype(state.k.dtype).itemsize)
+    length_for = functools.partial(draft_length, cfg=cfg, sfi=sfi,
+                                   dtype_bytes=jnp.dtype(state.k.dtype).itemsize)
     L, S = cfg.num_layers, state.k.shape[3]
     draft_sfi = draft_config(sfi)
     draft_variant = attention_variant(draft_sfi)
@@ -249,14 +259,19 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     out = jnp.full((B, width), -1, jnp.int32)
 
     def targets(state, counts, live):
-        """Each row's draft length this round."""
+        """The draft length of every row this round (one for the batch)."""
         if not sfi.adaptive_draft:
             return jnp.full((B,), k_len, jnp.int32)
-        return lengths_for(counts.acceptance, state.lengths, live)
+        return jnp.full((B,), length_for(counts.acceptance, state.lengths, live), jnp.int32)
+
+    def wants_draft(counts, live, target):
+        """Rows that would draft this round: a round runs when some row does."""
+        return live & (counts.remaining >= 2) & (target > 0)
 
     def drafting(state, counts, live, target):
-        """Rows that draft this round."""
-        active = live & (counts.remaining >= 2) & (target > 0)
+        """Rows that draft this round: a row whose refresh is due does not (its selection is
+        older than t_max); the round's verify refreshes it."""
+        active = wants_draft(counts, live, target)
         if sfi.refreshes:
             active = active & (state.sfi.since_slow + 1 < sfi.t_max)
         return active
@@ -300,7 +315,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     def some_row_drafts(carry):
         state, counts = carry[0], carry[1]
         live = ~state.done
-        return jnp.any(drafting(state, counts, live, targets(state, counts, live)))
+        return jnp.any(wants_draft(counts, live, targets(state, counts, live)))
 
     def dense_rounds(carry):
         """Plain dense steps while no row drafts (a loop, not a condition: no buffer copies)."""

@@ -59,3 +59,20 @@ def test_stats_mode_is_a_mode(tiny_qwen3):
     assert line.endswith("fit the SFI budget")
     engine = sfi_jax.Engine(tiny_qwen3.model, mode="dense", max_slots=1, max_len=64)
     assert engine.mode is Mode.DENSE and engine.sfi is None
+
+
+def test_the_server_command_names_its_missing_extra(monkeypatch):
+    """Without the serve extra, `python -m sfi_jax.serve` parses its flags and then says which
+    extra to install (the package imports its application lazily)."""
+    import builtins
+
+    real = builtins.__import__
+
+    def without_extra(name, *args, **kw):
+        if name.split(".")[0] in ("fastapi", "uvicorn"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", without_extra)
+    with pytest.raises(SystemExit, match=r"serve extra \(pip install 'sfi_jax\[serve\]'\)"):
+        serve_cli.main(["--host", "127.0.0.1", "--port", "0"])
