@@ -11,6 +11,13 @@ its cache fits (bench_e2e reports such rows).
 statistics (largest free block) and tries to allocate that row's K and V caches.
 
     python scripts/diag/diag_memory.py --fit qwen3-30b-a3b:65536:10 --split device
+
+--engine MODEL:SLOTS:MAX_LEN:MODE instead builds `sfi_jax.Engine` as the server does (random
+weights of a preset, or the embedded model), serves a few prompts up to MAX_LEN - 64 tokens and
+prints XLA's memory analysis of every program it compiled, largest temporaries first (which
+program holds a second copy of the slots' cache).
+
+    python scripts/diag/diag_memory.py --engine qwen3-4b:7:40960:sfi
 """
 
 from __future__ import annotations
@@ -88,15 +95,61 @@ def fit(spec: str, split: str, out: str | None):
             json.dump(rec, f, indent=1)
 
 
+def engine_programs(spec: str, out: str | None):
+    """An Engine as the server builds it; every program it compiled while serving a short,
+    a middle and a longest prompt: arguments, outputs, aliased and temporary GiB."""
+    import sfi_jax
+    from sfi_jax.runtime import programs
+
+    name, slots, max_len, mode = spec.split(":")
+    slots, max_len = int(slots), int(max_len)
+    model = sfi_jax.load_model(name)
+    eng = sfi_jax.Engine(model, max_slots=slots, max_len=max_len, mode=mode).start()
+    try:
+        lens = sorted({16, max_len // 2, max_len - 64})
+        handles = [eng.submit(sfi_jax.Request(prompt=[100 + i % 1000 for i in range(n)],
+                                              max_tokens=32)) for n in lens]
+        for h in handles:
+            h.result(timeout=1800)
+    finally:
+        eng.stop()
+    from sfi_jax.runtime.state import cache_dtype
+
+    itemsize = jnp.dtype(cache_dtype(model.dtype)).itemsize  # (float32 on a CPU)
+    cache = model.config.kv_cache_bytes(slots, max_len, itemsize) / GIB
+    rows = []
+    for key, prog in programs._PROGRAMS.items():
+        m = prog.memory_analysis()
+        statics = {k: v for k, v in dict(key[3]).items() if k not in ("cfg", "options")}
+        rows.append(dict(program=key[0], statics=str(statics)[:200],
+                         args_gib=m.argument_size_in_bytes / GIB,
+                         out_gib=m.output_size_in_bytes / GIB,
+                         alias_gib=m.alias_size_in_bytes / GIB,
+                         temp_gib=m.temp_size_in_bytes / GIB))
+    rows.sort(key=lambda r: -r["temp_gib"])
+    print(f"slots' KV cache: {cache:.2f} GiB")
+    print("| program | args | out | alias | temp | statics |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['program']} | {r['args_gib']:.2f} | {r['out_gib']:.2f} | "
+              f"{r['alias_gib']:.2f} | {r['temp_gib']:.2f} | {r['statics']} |")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(engine=spec, cache_gib=cache, programs=rows), f, indent=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="model:context:batch:arm (arm dense|sfi), ...")
     ap.add_argument("--fit", help="model:context:batch: split random weights, then allocate K, V")
     ap.add_argument("--split", choices=("host", "device"), default="host")
+    ap.add_argument("--engine", help="model:slots:max_len:mode: every program of an Engine")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args(argv)
     if args.fit:
         fit(args.fit, args.split, args.out)
+        return
+    if args.engine:
+        engine_programs(args.engine, args.out)
         return
     if not args.rows:
         ap.error("give --rows or --fit")
