@@ -87,9 +87,9 @@ class SFIConfig:
     successor_radius: int = 7
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
-    # With adaptive_draft each row drafts 0..draft_len tokens per round, the length that its
-    # running acceptance and the bytes model of a fast step against a verify say is fastest
-    # (0: a plain dense step), so drafts that miss cost next to nothing.
+    # With adaptive_draft the batch drafts 0..draft_len tokens per round, the length that the
+    # rows' running acceptance and the bytes model of a fast step against a verify say is
+    # fastest (0: a plain dense step), so drafts that miss cost next to nothing.
     draft_len: int = 3
     adaptive_draft: bool = True
 

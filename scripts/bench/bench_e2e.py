@@ -651,7 +651,7 @@ def main(argv=None):
     p.add_argument("--mode", choices=("sfi", "exact"), default="sfi",
                    help="exact: also time exact mode (SFI drafts, dense verify)")
     p.add_argument("--draft-len", default="3",
-                   help="exact mode's draft length (the most a row drafts); comma-separated "
+                   help="exact mode's draft length (the most a round drafts); comma-separated "
                    "for several")
     p.add_argument("--accept-rate", default="0.78",
                    help="exact mode: probability each draft token is accepted (random weights "
