@@ -394,3 +394,22 @@ def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
     s = runs["verify_refresh"].stats
     assert all(slow >= 0.6 * verify for slow, verify in zip(s["slow_steps"], s["verify_steps"]))
     assert sum(runs["sfi"].stats["slow_steps"]) <= sum(s["slow_steps"]) / 4
+
+
+def test_bench_generate_times_each_case_through_generate(tiny_qwen3, tmp_path):
+    """bench_generate on a tiny checkpoint: one row per case, SFI inside its budget reported
+    as the dense path, exact mode's tokens per verify at least 1, the report written."""
+    bench = load("bench/bench_generate.py")
+    out = str(tmp_path / "generate")
+    report = bench.main(["--model", tiny_qwen3.dir, "--context", "64", "--new-tokens", "8",
+                         "--cases", "dense,sfi,exact,exact@0.9", "--out", out])
+    rows = {r["case"]: r for r in report["rows"]}
+    assert list(rows) == ["dense", "sfi", "exact", "exact@0.9"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert rows["sfi"]["decode_path"] == "dense" and rows["dense"]["decode_path"] == "dense"
+    assert rows["exact"]["tokens_per_verify"] >= 1 and rows["exact@0.9"]["accept_rate"] == 0.9
+    md = open(out + ".md").read()
+    assert md.count("\n| exact") == 2 and json.load(open(out + ".json"))["rows"][0]["case"] \
+        == "dense"
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "sfi@0.5", "--out", out])
