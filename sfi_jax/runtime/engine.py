@@ -463,7 +463,9 @@ class Engine:
         return out
 
     def _prefill_chunk(self, a: Active) -> bool:
-        """One prefill chunk of request `a`; True when its prompt is done."""
+        """One prefill chunk of request `a`; True when its prompt is done: after the chunk that
+        holds its last token (a long prompt's cache is the slots' padded length, and chunks past
+        the prompt would only write padding that every reader masks)."""
         cfg, dtype = self.cfg, self.model.dtype
         if a.tokens is None:
             T = self.prefill_length(len(a.ids))
@@ -480,7 +482,7 @@ class Engine:
             jnp.int32(s), jnp.asarray([len(a.ids)], jnp.int32), a.carry, cfg=cfg,
             with_norms=self.sfi is not None, options=self.options)
         a.start += a.chunk
-        return a.start >= a.tokens.shape[1]
+        return a.start >= min(len(a.ids), a.tokens.shape[1])
 
     def _controls(self, r: Request) -> RowControls:
         seed = r.seed if r.seed is not None else int(self._seeds.integers(2 ** 63 - 1))

@@ -140,23 +140,34 @@ def test_new_lengths_budgets_and_sampling_compile_nothing(tiny_qwen3):
     assert compiles == []
 
 
-def test_prompts_longer_than_a_chunk_share_one_prefill_shape(tiny_qwen3):
+def test_prompts_longer_than_a_chunk_share_one_prefill_shape(tiny_qwen3, monkeypatch):
     """After one request of each `warmup_lengths()` length, prompts of new lengths longer than
-    a prefill chunk compile nothing (they prefill at the slots' padded length), and give
-    generate()'s tokens."""
+    a prefill chunk compile nothing (they prefill at the slots' padded length), run only the
+    chunks that hold prompt tokens (not the padding after them), and give generate()'s
+    tokens."""
+    from sfi_jax.runtime import prefill
+
     model = tiny_qwen3.model
-    compiles = []
+    compiles, chunks = [], []
 
     def listener(event, duration, **_):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
+    real = prefill.prefill_chunk
+
+    def counting(params, k, v, key_norms, tokens, start, lengths, carry, **kw):
+        chunks.append(int(np.asarray(lengths)[0]))
+        return real(params, k, v, key_norms, tokens, start, lengths, carry, **kw)
+
+    monkeypatch.setattr(prefill, "prefill_chunk", counting)
     prompts = _prompts([17, 45, 90, 120], seed=8)
     with sfi_jax.Engine(model, mode="sfi", prefill_chunk=16, **ENGINE) as engine:
         lengths = engine.warmup_lengths()
         assert {engine.prefill_length(n) for n in lengths} == {16, 128}, lengths
         for n in lengths:
             engine.submit(sfi_jax.Request(prompt=[1] * n, max_tokens=2)).result(TIMEOUT)
+        chunks.clear()
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
             results = [engine.submit(sfi_jax.Request(prompt=p, max_tokens=5)).result(TIMEOUT)
@@ -164,6 +175,8 @@ def test_prompts_longer_than_a_chunk_share_one_prefill_shape(tiny_qwen3):
         finally:
             jax.monitoring.clear_event_listeners()
     assert compiles == []
+    for p in prompts:  # a 128-position cache in chunks of 16: ceil(n / 16) chunks, not 8
+        assert chunks.count(len(p)) == -(-len(p) // 16), (len(p), chunks)
     for p, r in zip(prompts, results):
         ref = sfi_jax.generate(model, [p], max_new_tokens=5, mode="sfi", sfi=SMALL)
         assert r.token_ids == ref.tokens[0], len(p)
