@@ -41,7 +41,7 @@ import sfi_jax  # noqa: E402
 from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.models.config import PRESETS, ModelConfig  # noqa: E402
 from sfi_jax.models.modeling import split_layers  # noqa: E402
-from sfi_jax.runtime import decode, exact  # noqa: E402
+from sfi_jax.runtime import decode, exact, programs  # noqa: E402
 from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 from sfi_jax.selector import select  # noqa: E402
 from sfi_jax.options import EngineOptions, KernelTuning  # noqa: E402
@@ -286,22 +286,18 @@ def expected_tokens_per_round(a, d):
 def exact_points(params, cfg, B, S, ctx, sfi, options, args, n, chunks, bw):
     """exact_arm at every (--draft-len, --accept-rate) pair: one program per draft length (the
     rate is data)."""
-    points = []
-    for d in args.draft_lens:
-        programs = {}
-        for a in args.accept_rates:
-            points.append(exact_arm(params, cfg, B, S, ctx, sfi, options, d, a, n, chunks, bw,
-                                    programs))
-    return points
+    return [exact_arm(params, cfg, B, S, ctx, sfi, options, d, a, n, chunks, bw)
+            for d in args.draft_lens for a in args.accept_rates]
 
 
-def exact_arm(params, cfg, B, S, ctx, sfi, options, d, accept_rate, n, chunks, bw, programs):
+def exact_arm(params, cfg, B, S, ctx, sfi, options, d, accept_rate, n, chunks, bw):
     """Exact mode's rounds (up to d fast steps + one dense verify of d + 1 queries; rows
     whose acceptance does not pay draft less or run plain dense steps) with acceptance drawn
     at accept_rate per draft token (random weights accept nothing useful); tokens/s counts
     the tokens the rounds emit. Beside it the bytes model: a round reads the weights and the
     sparse KV d times, then the weights and the whole KV once (plus the refreshed rows'
-    logits). programs: this draft length's compiled program, filled by the first call."""
+    logits). The program comes from the runtime's program cache: compiled once per draft
+    length."""
     esfi = dataclasses.replace(sfi, draft_len=d)
     rounds = max(1, n // (d + 1))
     trig = np.zeros((cfg.vocab_size,), bool)
@@ -311,10 +307,7 @@ def exact_arm(params, cfg, B, S, ctx, sfi, options, d, accept_rate, n, chunks, b
     counts = exact.initial_counts(B, np.full((B,), S - ctx - 2 * (d + 1), np.int32))
     rate = jnp.float32(accept_rate)
     kw = dict(cfg=cfg, sfi=esfi, sampling=SamplingConfig(), n_rounds=rounds, options=options)
-    if "fn" not in programs:
-        programs["fn"] = exact.exact_chunk.lower(params, state, counts, eos, trig, rate,
-                                                 **kw).compile()
-    fn = programs["fn"]
+    fn, _ = programs.compiled(exact.exact_chunk, (params, state, counts, eos, trig, rate), kw)
     times, emitted, taken_rounds = [], [], []
     for c in range(chunks + 1):
         t = time.perf_counter()

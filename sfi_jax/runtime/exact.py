@@ -258,11 +258,11 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     width = n_rounds * T
     out = jnp.full((B, width), -1, jnp.int32)
 
-    def targets(state, counts, live):
-        """The draft length of every row this round (one for the batch)."""
+    def round_length(state, counts, live):
+        """This round's draft length, one for the batch (a scalar)."""
         if not sfi.adaptive_draft:
-            return jnp.full((B,), k_len, jnp.int32)
-        return jnp.full((B,), length_for(counts.acceptance, state.lengths, live), jnp.int32)
+            return jnp.int32(k_len)
+        return length_for(counts.acceptance, state.lengths, live)
 
     def wants_draft(counts, live, target):
         """Rows that would draft this round: a round runs when some row does."""
@@ -315,7 +315,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
     def some_row_drafts(carry):
         state, counts = carry[0], carry[1]
         live = ~state.done
-        return jnp.any(wants_draft(counts, live, targets(state, counts, live)))
+        return jnp.any(wants_draft(counts, live, round_length(state, counts, live)))
 
     def dense_rounds(carry):
         """Plain dense steps while no row drafts (a loop, not a condition: no buffer copies)."""
@@ -329,7 +329,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         st, live, len0 = state.sfi, ~state.done, state.lengths
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
-        target = targets(state, counts, live)
+        target = round_length(state, counts, live)
 
         def draft_step(c):
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
@@ -423,7 +423,6 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
                                                     acc_ema),
                              trials_ema=jnp.where(seen, trials_ema + ACCEPT_STEP
                                                   * (trials - trials_ema), trials_ema))
-        counts = _drift(counts, live & (target == 0))
         state = DecodeState(k=kc, v=vc, lengths=jnp.where(live, len0 + n + 1, len0),
                             token=jnp.where(live, nxt, state.token), done=done,
                             step=state.step + 1, key=key, sfi=st, diag=None, q_hist=None,
