@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 # as the benchmark runs: JAX may take most of the device
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
@@ -48,11 +49,13 @@ from sfi_jax.runtime.sampling import SamplingConfig  # noqa: E402
 GIB = 1 << 30
 
 
-def largest_temps(dump_dir: str, n: int = 10):
+def largest_temps(dump_dir: str, n: int = 10, path: str | None = None):
     """The n largest values living in non-argument allocations (temporaries, outputs) of the
-    newest decode_chunk buffer assignment, one per shape: (GiB, line)."""
-    files = sorted(glob.glob(os.path.join(dump_dir, "*decode_chunk*buffer-assignment.txt")),
-                   key=os.path.getmtime)  # the newest: this row's compile
+    newest decode_chunk buffer assignment (or of the file `path`), one per shape:
+    (GiB, line)."""
+    files = [path] if path else sorted(
+        glob.glob(os.path.join(dump_dir, "*decode_chunk*buffer-assignment.txt")),
+        key=os.path.getmtime)  # the newest: this row's compile
     if not files:
         return []
     best, in_arg = {}, False
@@ -97,9 +100,12 @@ def fit(spec: str, split: str, out: str | None):
 
 def engine_programs(spec: str, out: str | None):
     """An Engine as the server builds it; every program it compiled while serving a short,
-    a middle and a longest prompt: arguments, outputs, aliased and temporary GiB."""
+    a middle and a longest prompt: arguments, outputs, aliased and temporary GiB, and the
+    largest temporaries of each module's buffer assignment."""
     import sfi_jax
     from sfi_jax.runtime import programs
+
+    dump = _dump_buffer_assignments()
 
     name, slots, max_len, mode = spec.split(":")
     slots, max_len = int(slots), int(max_len)
@@ -107,10 +113,12 @@ def engine_programs(spec: str, out: str | None):
     eng = sfi_jax.Engine(model, max_slots=slots, max_len=max_len, mode=mode).start()
     try:
         lens = sorted({16, max_len // 2, max_len - 64})
-        handles = [eng.submit(sfi_jax.Request(prompt=[100 + i % 1000 for i in range(n)],
-                                              max_tokens=32)) for n in lens]
-        for h in handles:
-            h.result(timeout=1800)
+        for n in lens + lens[-1:]:  # the longest twice: its second run is compiled already
+            t = time.perf_counter()
+            eng.submit(sfi_jax.Request(prompt=[100 + i % 1000 for i in range(n)],
+                                       max_tokens=32)).result(timeout=1800)
+            print(f"prompt {n} + 32 new tokens alone: {time.perf_counter() - t:.2f} s",
+                  flush=True)
     finally:
         eng.stop()
     from sfi_jax.runtime.state import cache_dtype
@@ -132,9 +140,30 @@ def engine_programs(spec: str, out: str | None):
     for r in rows:
         print(f"| {r['program']} | {r['args_gib']:.2f} | {r['out_gib']:.2f} | "
               f"{r['alias_gib']:.2f} | {r['temp_gib']:.2f} | {r['statics']} |")
+    # the largest temporaries of every compiled module that holds over 0.5 GiB of them
+    temps = {}
+    for path in sorted(glob.glob(os.path.join(dump, "*buffer-assignment.txt"))):
+        top = largest_temps(dump, 6, path)
+        if top and top[0][0] > 0.5:
+            temps[os.path.basename(path)] = top
+            print(os.path.basename(path))
+            for gib, line in top:
+                print(f"  {gib:8.2f} GiB  {line}")
     if out:
         with open(out, "w") as f:
-            json.dump(dict(engine=spec, cache_gib=cache, programs=rows), f, indent=1)
+            json.dump(dict(engine=spec, cache_gib=cache, programs=rows, largest_temps=temps),
+                      f, indent=1)
+
+
+def _dump_buffer_assignments() -> str:
+    """A directory where XLA dumps every compiled module (its buffer assignment included)."""
+    dump = tempfile.mkdtemp()  # read when the backend starts: set before any device work
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump} --xla_dump_hlo_as_text")
+    # the buffer assignment is dumped by a compile: a program read from a persistent
+    # compilation cache (JAX_COMPILATION_CACHE_DIR) would leave none
+    jax.config.update("jax_enable_compilation_cache", False)
+    return dump
 
 
 def main(argv=None):
@@ -153,12 +182,7 @@ def main(argv=None):
         return
     if not args.rows:
         ap.error("give --rows or --fit")
-    dump = tempfile.mkdtemp()  # read when the backend starts: set before any device work
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_dump_to={dump} --xla_dump_hlo_as_text")
-    # the buffer assignment is dumped by a compile: a program read from a persistent
-    # compilation cache (JAX_COMPILATION_CACHE_DIR) would leave none
-    jax.config.update("jax_enable_compilation_cache", False)
+    dump = _dump_buffer_assignments()
     results = []
     for spec in args.rows.split(","):
         name, ctx, B, arm = spec.split(":")

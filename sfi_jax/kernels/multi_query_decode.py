@@ -28,6 +28,15 @@ def resolve_impl(impl) -> str:
     return impl
 
 
+def one_query_logits(logits, logits_query):
+    """logits [B, Hq, T, S] -> [B, Hq, S] at query logits_query[b] (-inf outside [0, T))."""
+    t = logits.shape[2]
+    pick = jnp.clip(logits_query, 0, t - 1)[:, None, None, None]
+    one = jnp.take_along_axis(logits, pick, axis=2)[:, :, 0]
+    ok = (logits_query >= 0) & (logits_query < t)
+    return jnp.where(ok[:, None, None], one, -jnp.inf)
+
+
 def _check(q, k, v, q_start, kv_len, layer):
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}; expected [B, T, Hq, D]")
@@ -57,7 +66,7 @@ def _check(q, k, v, q_start, kv_len, layer):
 
 
 def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=False,
-                       impl="auto"):
+                       logits_query=None, impl="auto"):
     """Attention of q [B, T, Hq, D]: query t of row b sits at position q_start[b] + t and reads
     the keys at positions j <= q_start[b] + t and j < kv_len[b] of k, v [B, Hkv, S, D] (or
     stacked [L, B, Hkv, S, D], read in place at `layer`, which may be traced).
@@ -67,6 +76,10 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
     Returns out [B, T, Hq, D] in q's dtype, or with return_logits (out, logits f32
     [B, Hq, T, S] of scaled q.k, -inf where masked, lse f32 [B, Hq, T]). The logits keep the
     head major and T inner, so [B, Hkv, G * T, S] is a free view for the selector.
+    logits_query (with return_logits): int32 [B], the one query per row whose logits come
+    back, as logits [B, Hq, S]; rows with logits_query[b] outside [0, T) get unspecified
+    logits (the GPU kernel writes none: a verify that refreshes a few rows' selections writes
+    only theirs, not T * B rows of S floats per layer).
     """
     q_start, kv_len = jnp.asarray(q_start), jnp.asarray(kv_len)
     _check(q, k, v, q_start, kv_len, layer)
@@ -74,11 +87,27 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
     q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32).reshape(())
+    if logits_query is not None:
+        logits_query = jnp.asarray(logits_query)
+        if not return_logits:
+            raise ValueError("logits_query needs return_logits=True")
+        if logits_query.shape != (q.shape[0],) or \
+                not jnp.issubdtype(logits_query.dtype, jnp.integer):
+            raise ValueError(f"logits_query is {logits_query.dtype}{list(logits_query.shape)}; "
+                             f"expected an integer [{q.shape[0]}]")
+        logits_query = logits_query.astype(jnp.int32)
+        if impl in ("mosaic_gpu", "pallas_tpu"):  # all T queries' logits, then one per row
+            out, logits, lse = multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
+                                                  return_logits=True, impl=impl)
+            return out, one_query_logits(logits, logits_query), lse
     if impl == "xla":
         from sfi_jax.kernels import multi_query_decode_reference as ref
 
-        return ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
-                                      return_logits=return_logits)
+        out = ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
+                                     return_logits=return_logits)
+        if logits_query is None:
+            return out
+        return out[0], one_query_logits(out[1], logits_query), out[2]
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import multi_query_decode_mgpu as mgpu
 
@@ -91,7 +120,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
         from sfi_jax.kernels import multi_query_decode_gpu as gpu
 
         return gpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
-                                      return_logits=return_logits,
+                                      return_logits=return_logits, logits_query=logits_query,
                                       interpret=interpret_for("pallas_gpu"))
     from sfi_jax.kernels import multi_query_decode_tpu as tpu
 

@@ -63,8 +63,9 @@ def row_end(q_start, kv_len, n_queries):
     return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
 
 
-def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *logit_ref,
-            n_q, hq, group, rows, split, s_len, d, dp, bk, scale, precision):
+def _kernel(layer_ref, qs_ref, len_ref, lq_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+            *logit_ref, n_q, hq, group, rows, group_rows, split, s_len, d, dp, bk, scale,
+            precision, one_query):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     gt = group * n_q
@@ -86,11 +87,27 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
                           other=0.0).astype(k_ref.dtype)
     idx = jnp.arange(bk)
     out_rows = pl.ds(h * gt, rows)
+    if one_query:
+        # only query lq's logits: its G heads' rows of q, scored by one more small dot per
+        # block (the block's keys are loaded already) and written as rows h * G + g
+        lq = lq_ref[b]
+        has = (lq >= 0) & (lq < n_q)
+        g = jnp.arange(group_rows)
+        writes = (g < group) & has
+        pos1 = qs + lq
+        limit1 = jnp.where(has & (pos1 < kvl), pos1 + 1, 0)
+        q1row = jnp.where(writes, jnp.clip(lq, 0, n_q - 1) * hq + h * group + g, 0)
+        q1mask = writes[:, None] if dmask is None else writes[:, None] & dmask[None, :]
+        q1 = plgpu_triton.load(q_ref.at[b, q1row[:, None], jnp.arange(dp)[None, :]],
+                               mask=q1mask, other=0.0).astype(k_ref.dtype)
+        logit_rows, logit_live = pl.ds(h * group, group_rows), writes
+    else:
+        logit_rows, logit_live = out_rows, live
 
     def store_logits(blk, s):
         cmask = (blk + idx) < end
-        plgpu_triton.store(logit_ref[0].at[b, out_rows, pl.ds(blk, bk)], s,
-                           mask=live[:, None] & cmask[None, :])
+        plgpu_triton.store(logit_ref[0].at[b, logit_rows, pl.ds(blk, bk)], s,
+                           mask=logit_live[:, None] & cmask[None, :])
 
     def body(n, carry):
         acc, m, l = carry
@@ -102,7 +119,10 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         kb = plgpu_triton.load(k_ref.at[at], mask=lmask, other=0.0)
         s = plgpu_triton.dot(q, kb, trans_b=True, precision=precision) * scale
         s = jnp.where(cols[None, :] < limit[:, None], s, -jnp.inf)
-        if logit_ref:
+        if logit_ref and one_query:
+            s1 = plgpu_triton.dot(q1, kb, trans_b=True, precision=precision) * scale
+            store_logits(blk, jnp.where(cols[None, :] < limit1, s1, -jnp.inf))
+        elif logit_ref:
             store_logits(blk, s)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -120,7 +140,7 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
     if logit_ref:
         # the split's blocks past the row's end: -inf, without reading K
         done = start + n_blocks * bk
-        neg = jnp.full((rows, bk), -jnp.inf, jnp.float32)
+        neg = jnp.full((group_rows if one_query else rows, bk), -jnp.inf, jnp.float32)
 
         def fill(n, c):
             store_logits(done + n * bk, neg)
@@ -155,10 +175,12 @@ def _combine_kernel(qs_ref, len_ref, o_ref, m_ref, l_ref, out_ref, lse_ref, *, n
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
 def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=False,
-                       interpret=False, config=None):
+                       logits_query=None, interpret=False, config=None):
     """Multi-query decode attention (see kernels.multi_query_decode); one pass over K and V.
 
     q [B, T, Hq, D]; k, v [B, Hkv, S, D] or stacked [L, B, Hkv, S, D] read at `layer`.
+    logits_query: int32 [B] (with return_logits): logits [B, Hq, S] of that query alone, none
+    written for rows whose value is outside [0, T).
     config: a Config (None: default_config for the padded row count).
     """
     k, v, layer_arr = as_layer_stacks(layer, k, v)
@@ -176,20 +198,25 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     q_start = q_start.astype(jnp.int32)
     kv_len = kv_len.astype(jnp.int32)
     kernel = functools.partial(
-        _kernel, n_q=n_q, hq=hq, group=group, rows=rows, split=split, s_len=s_len, d=d, dp=dp,
-        bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype))
+        _kernel, n_q=n_q, hq=hq, group=group, rows=rows, group_rows=max(_MIN_ROWS, pow2(group)),
+        split=split, s_len=s_len, d=d, dp=dp,
+        bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype),
+        one_query=logits_query is not None)
     n_out = hq * n_q
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_splits, n_out, d), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, n_out), jnp.float32),
                  jax.ShapeDtypeStruct((n_rows, n_splits, n_out), jnp.float32)]
     if return_logits:
-        out_shape.append(jax.ShapeDtypeStruct((n_rows, n_out, s_len), jnp.float32))
+        n_logits = hq if logits_query is not None else n_out
+        out_shape.append(jax.ShapeDtypeStruct((n_rows, n_logits, s_len), jnp.float32))
+    lq = (jnp.full((n_rows,), -1, jnp.int32) if logits_query is None
+          else logits_query.astype(jnp.int32))
     res = pl.pallas_call(
         kernel, grid=(n_rows, hkv, n_splits), out_shape=out_shape,
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_multi_query_decode",
-    )(layer_arr, q_start, kv_len, q.reshape(n_rows, n_q * hq, d), k, v)
+    )(layer_arr, q_start, kv_len, lq, q.reshape(n_rows, n_q * hq, d), k, v)
     nsp = max(2, pow2(n_splits))
     combine = functools.partial(_combine_kernel, n_q=n_q, hq=hq, split=split,
                                 n_splits=n_splits, nsp=nsp, s_len=s_len, d=d, dp=dp)
@@ -203,5 +230,6 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     )(q_start, kv_len, res[0], res[1], res[2])
     out = out.reshape(n_rows, n_q, hq, d)
     if return_logits:
-        return out, res[3].reshape(n_rows, hq, n_q, s_len), lse.reshape(n_rows, hq, n_q)
+        logits = res[3] if logits_query is not None else res[3].reshape(n_rows, hq, n_q, s_len)
+        return out, logits, lse.reshape(n_rows, hq, n_q)
     return out

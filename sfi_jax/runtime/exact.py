@@ -10,8 +10,8 @@ are distributed as dense sampling's), and one more token comes from the verify's
 row rolls back by its length alone (K/V past it are stale and overwritten later).
 
 The verify step is also SFI's slow step: rows whose refresh is due select from the verify's
-attention logits at their last accepted query. A trigger token, EOS or t_max ends a row's
-draft early; its later draft slots are not verified.
+attention logits at their draft's last query (`select_query`). A trigger token, EOS or t_max
+ends a row's draft early; its later draft slots are not verified.
 """
 
 from __future__ import annotations
@@ -141,17 +141,21 @@ def _one_step(params, k, v, st, token, pos, *, cfg, layout, sfi, variant, option
     return output_logits(params, cfg, out.x[:, 0]), out.k, out.v, out.sfi
 
 
-def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg, layout,
-            options):
+def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, select_query, buf, *, cfg,
+            layout, options):
     """The dense verify step: tokens [B, T] at positions q_start + [0, T) through every layer,
     their K/V (and key norms) written, attention by `multi_query_decode` over kv_len. The
-    refresh slots' attention logits go to buf [L, n_slots, Hq, T, S]. Returns logits
-    [B, T, V], k, v, key_norms, buf."""
+    refresh slots' attention logits at their query select_query[b] go to buf
+    [L, n_slots, Hq, S]. Returns logits [B, T, V], k, v, key_norms, buf."""
     B, T = tokens.shape
     S = k.shape[3]
     wpos = jnp.minimum(q_start[:, None] + jnp.arange(T, dtype=jnp.int32), S - 1)
     rows = jnp.arange(B)[:, None]
-    safe = jnp.minimum(slots, B - 1) if slots is not None else None
+    if slots is not None:
+        safe = jnp.minimum(slots, B - 1)
+        # the one query per refreshed row whose logits the kernel writes (-1: none)
+        logits_query = jnp.full((B,), -1, jnp.int32).at[slots].set(select_query[safe],
+                                                                   mode="drop")
 
     def layer(carry, xs):
         x, k, v, norms, buf = carry
@@ -170,7 +174,7 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
                 attn = attend()
             else:
                 def with_logits(buf):
-                    out, logits, _ = attend(return_logits=True)
+                    out, logits, _ = attend(return_logits=True, logits_query=logits_query)
                     return buf.at[l].set(logits[safe]), out
 
                 buf, attn = jax.lax.cond(jnp.any(slots < B), with_logits,
@@ -186,6 +190,16 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, buf, *, cfg
     (x, k, v, key_norms, buf), _ = run_layers(layer, (x, k, v, key_norms, buf), params["layers"],
                                               layout, cfg.num_layers, options.unroll)
     return output_logits(params, cfg, x), k, v, key_norms, buf
+
+
+def select_query(m):
+    """The verify query whose attention a refreshed row's new selection comes from: the
+    draft's last (m, the row's draft length), the row's last accepted query whenever the
+    verify accepts the whole draft. Chosen before the verify knows how many drafts it
+    accepts, so the kernel writes one query's logits per head instead of draft_len + 1 (at
+    128K, batch 6, draft_len 7: 0.6 instead of 29 GB per verify that refreshes rows);
+    acceptance on SmolLM2 stayed within its intervals (benchmarks/acceptance.md)."""
+    return m
 
 
 def _leading(ok):
@@ -377,7 +391,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         tokens_v = jnp.concatenate([state.token[:, None], drafts], axis=1)
         kv_len = jnp.where(live, len0 + m + 1, len0)
         logits_v, kc, vc, norms, buf = verify(kc, vc, st.key_norms, tokens_v, len0, kv_len,
-                                              slots, buf)
+                                              slots, select_query(m), buf)
         st = st._replace(key_norms=norms)
         n, nxt = _accept(logits_v, drafts, q_logits, m, k_acc, sampling, accept_rate)
 
@@ -392,11 +406,8 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
 
         refreshed, advanced, want = jnp.zeros((B,), bool), 0, False
         if sfi.refreshes:
-            # select from the verify's logits at each refreshed row's last accepted query
-            safe = jnp.minimum(slots, B - 1)
-            pick = n[safe][None, :, None, None, None]  # [1, n_slots, 1, 1, 1]
-            sel = jnp.take_along_axis(buf, pick, axis=3)[:, :, :, 0]  # [L, n_slots, Hq, S]
-            sel = sel.reshape(L, n_slots, cfg.num_kv_heads, -1, S)
+            # select from the verify's logits at each refreshed row's chosen query
+            sel = buf.reshape(L, n_slots, cfg.num_kv_heads, -1, S)
             st = jax.lax.cond(
                 jnp.any(slots < B),
                 functools.partial(select_all_layers, sfi=sfi, options=options),
@@ -433,9 +444,9 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         """Some row is live, and the budget has room for a step of this cost."""
         return ~jnp.all(carry[0].done) & (carry[2] + cost <= width)
 
-    # the refresh slots' verify logits [L, n_slots, Hq, T, S]: written whole by every verify
+    # the refresh slots' verify logits [L, n_slots, Hq, S]: written whole by every verify
     # that refreshes a row, read only then
-    buf = jnp.zeros((L, n_slots, cfg.num_q_heads, T, S), jnp.float32) if sfi.refreshes else None
+    buf = jnp.zeros((L, n_slots, cfg.num_q_heads, S), jnp.float32) if sfi.refreshes else None
     # [dense steps] then (verify round, [dense steps]) while rounds remain and some row drafts
     carry = dense_rounds((state, counts, jnp.int32(0), out, jnp.zeros((B,), jnp.int32), buf,
                           jnp.int32(0)))

@@ -174,6 +174,44 @@ def test_one_query_equals_dense_decode(impl):
     assert_close_logits(lse[:, :, 0], d_lse, 1e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_query_logits(impl):
+    """logits_query: each row's logits at its chosen query alone, [B, Hq, S], equal to that
+    query's slice of the float64 oracle; the outputs as without it. Rows: a query inside the
+    causal span, the first and last query, a padding query (its logits all -inf), and rows
+    with no logits query, which the GPU kernel leaves unwritten (not compared)."""
+    t, hq, hkv, d, s = 4, 8, 2, 64, 200
+    dtype = jnp.bfloat16 if impl == "mosaic_gpu" else jnp.float32
+    q, k, v = _case(21, 6, t, hq, hkv, d, s, dtype, layers=2)
+    qs = jnp.asarray([100, 196, 30, 60, 0, 150], jnp.int32)
+    kl = jnp.asarray([104, 200, 34, 62, 4, 154], jnp.int32)
+    lq = jnp.asarray([2, 3, 0, 3, -1, 4], jnp.int32)  # row 3's query 3 is padding
+    if impl == "pallas_gpu":  # test-sized blocks and splits
+        out, lg, lse = _run(impl, q, k, v, qs, kl, layer=jnp.int32(1), return_logits=True,
+                            logits_query=lq)
+    else:  # the others gather from all queries' logits in the entry point
+        out, lg, lse = multi_query_decode(q, k, v, qs, kl, layer=1, return_logits=True,
+                                          logits_query=lq, impl=impl)
+    o_out, o_lg, o_lse = _oracle(q, k[1], v[1], np.asarray(qs), np.asarray(kl))
+    assert lg.shape == (6, hq, s) and lg.dtype == jnp.float32
+    assert rel_err(out, o_out) <= TOL[dtype]
+    assert_close_logits(lse, o_lse, 1e-5)
+    for r, i in enumerate(np.asarray(lq)):
+        if 0 <= i < t:
+            assert_close_logits(lg[r], o_lg[r, :, i], 1e-5)
+    assert np.isneginf(np.asarray(lg[3])).all()
+
+
+def test_logits_query_needs_logits_and_a_row_each():
+    q, k = jnp.zeros((2, 3, 4, 8)), jnp.zeros((2, 2, 16, 8))
+    n = jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="needs return_logits"):
+        multi_query_decode(q, k, k, n, n, logits_query=n)
+    with pytest.raises(ValueError, match=r"logits_query is int32\[3\]"):
+        multi_query_decode(q, k, k, n, n, return_logits=True,
+                           logits_query=jnp.zeros((3,), jnp.int32))
+
+
 @pytest.mark.parametrize("impl", [GPU_IMPL, MGPU_IMPL, "pallas_tpu"])
 def test_dispatcher_runs_kernel_on_cpu(impl):
     """The public entry point with the kernel's own default tuning."""
@@ -239,9 +277,10 @@ def _specs(t, hq, hkv, d, s, dtype):
 @pytest.mark.parametrize("shape", EXPORT_SHAPES)
 def test_gpu_kernel_exports_for_cuda(shape, verify_triton):
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for logits in (False, True):
+    for logits in (False, True, "one"):
         def f(q, k, v, qs, kl, layer, logits=logits):
-            return mq_gpu.multi_query_decode(q, k, v, qs, kl, layer, return_logits=logits)
+            return mq_gpu.multi_query_decode(q, k, v, qs, kl, layer, return_logits=bool(logits),
+                                             logits_query=qs if logits == "one" else None)
 
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
             *_specs(*shape))

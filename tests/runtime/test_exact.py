@@ -4,11 +4,14 @@ follow dense sampling's distribution, and the acceptance bookkeeping adds up."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 import sfi_jax
-from conftest import TINY_EOS, assert_same_greedy, make_hf_checkpoint, near_tie
+from conftest import (TINY_EOS, assert_close_logits, assert_same_greedy, make_hf_checkpoint,
+                      near_tie)
 from sfi_jax.runtime.exact import sampling_logits
 from sfi_jax.runtime.sampling import SamplingConfig, sample
 
@@ -338,3 +341,48 @@ def test_rows_past_their_refresh_draft_again_when_acceptance_returns(tiny_qwen3,
                            stop_at_eos=False, trigger_ids=[], accept_rate=1.0)
     drafted, verify = np.array(res.stats["drafted"]), np.array(res.stats["verify_steps"])
     assert (drafted >= 16).all(), (drafted, verify)
+
+
+def test_verify_keeps_each_refreshed_rows_logits_at_its_draft_end(tiny_qwen3, xla_fast_compile):
+    """The verify writes the refresh slots' logits at each row's draft end (select_query) into
+    the slot that refreshes it: every slot of a batch verify equals that row verified alone
+    (batch 1, where no slot mapping can go wrong). An empty slot's logits are never read."""
+    import jax
+    import jax.numpy as jnp
+
+    from sfi_jax.models.modeling import WeightLayout
+    from sfi_jax.options import EngineOptions
+    from sfi_jax.runtime import exact
+
+    model, cfg = tiny_qwen3.model, tiny_qwen3.model.config
+    params = model.params
+    L, Hkv, D, Hq, S, B, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, \
+        cfg.num_q_heads, 64, 3, 4
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.normal(size=(L, B, Hkv, S, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(L, B, Hkv, S, D)), jnp.float32)
+    norms = jnp.zeros((L, B, Hkv, S), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, TINY_EOS, (B, T)), jnp.int32)
+    q_start = jnp.asarray([20, 33, 9], jnp.int32)
+    m = jnp.asarray([2, 0, 3], jnp.int32)  # each row's draft length
+    kv_len = q_start + m + 1
+    kw = dict(cfg=cfg, layout=WeightLayout.of(params["layers"]),
+              options=EngineOptions().resolved())
+    verify = jax.jit(functools.partial(exact._verify, params, **kw))
+
+    def run(rows, slots, buf):
+        r = jnp.asarray(rows)
+        return verify(k[:, r], v[:, r], norms[:, r], tokens[r], q_start[r], kv_len[r],
+                      jnp.asarray(slots, jnp.int32), exact.select_query(m[r]), buf)[-1]
+
+    empty = jnp.full((L, 2, Hq, S), 7.0, jnp.float32)
+    buf = run([0, 1, 2], [2, B], empty)  # row 2 in slot 0, slot 1 empty
+    alone = run([2], [0], jnp.zeros((L, 1, Hq, S), jnp.float32))
+    assert_close_logits(buf[:, 0], alone[:, 0], 1e-5)
+    buf = run([0, 1, 2], [0, 1], empty)  # rows 0 and 1
+    for j in (0, 1):
+        alone = run([j], [0], jnp.zeros((L, 1, Hq, S), jnp.float32))
+        assert_close_logits(buf[:, j], alone[:, 0], 1e-5)
+    # the draft end's query sees its own key: row 0's logits are finite up to q_start + m
+    finite = np.isfinite(np.asarray(buf[0, 0, 0]))
+    assert finite[:22].all() and not finite[23:].any()
