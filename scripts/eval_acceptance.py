@@ -206,7 +206,7 @@ def write_markdown(res, path):
              "draft tokens, with a 95 % bootstrap interval over rows; mean accepted length = "
              "accepted drafts per verify step; tokens per verify adds the verify's own token. "
              "verify_refresh: SFI with t_max = draft_len + 1, so every verify step refreshes the "
-             "selection from its own attention at the row's last accepted position. `equal` "
+             "selection from its own attention at the row's draft end (its last query). `equal` "
              "counts rows whose tokens equal dense decoding's. The speedups over dense decoding "
              "come from the bytes model of qwen3-4b, batch 6, 128K on the H200 (fast step "
              "3.7 ms, verify = dense step 29.3 ms): `i.i.d. model x` from the acceptance rate "
