@@ -85,6 +85,12 @@ class SFIConfig:
     # selected position's successors are kept too — what copying text (a pass key, a quoted
     # name) reads next. The default is the retrieval suite's choice (SFI_METHOD.md §8).
     successor_radius: int = 7
+    # An extension (off by default, as in the paper: 0): a row's first `warmup_steps` decode
+    # steps refresh every `warmup_t_max` steps instead of every t_max, so the selection
+    # follows an answer as it is written. It finds the hops of a chain of assignments but
+    # loses values of a multi-value needle (SFI_METHOD.md §8), so it is not a default.
+    warmup_steps: int = 0
+    warmup_t_max: int = 4
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
     # With adaptive_draft the batch drafts 0..draft_len tokens per round, the length that the
@@ -102,6 +108,8 @@ class SFIConfig:
         _int_field(self, "prefill_window", 1)
         _int_field(self, "evidence_window", 1)
         _int_field(self, "successor_radius", 0)
+        _int_field(self, "warmup_steps", 0)
+        _int_field(self, "warmup_t_max", 1)
         _int_field(self, "draft_len", 1)
         if not isinstance(self.adaptive_draft, bool):
             raise ValueError(f"SFIConfig.adaptive_draft must be True or False, got "

@@ -24,6 +24,7 @@ def test_paper_preset_is_the_method_as_specified():
     defaults differ from it in successor_radius only (the retrieval suite's choice)."""
     paper, default = SFIConfig.paper(), SFIConfig()
     assert paper.successor_radius == 0 and paper.evidence_window == 1
+    assert paper.warmup_steps == default.warmup_steps == 0 and default.warmup_t_max == 4
     diff = {f.name for f in dataclasses.fields(SFIConfig)
             if getattr(paper, f.name) != getattr(default, f.name)}
     assert diff == {"successor_radius"} and default.successor_radius == 7
@@ -56,6 +57,7 @@ def test_good_values_accepted():
     "field, value",
     [
         ("n_sink", -1), ("n_recent", -5), ("k_select", 0), ("k_select", -3), ("t_max", 0),
+        ("warmup_steps", -1), ("warmup_t_max", 0), ("warmup_steps", 1.5),
         ("k_select", 2.5), ("n_recent", True), ("n_sink", "4"),
         ("power_alpha", 0.0), ("power_alpha", 1.5), ("power_alpha", -0.5), ("power_alpha", float("nan")),
         ("lam_clip", -0.1), ("lam_clip", 1.01), ("alpha_soft", -1.0), ("alpha_cross", -0.01),

@@ -2,7 +2,8 @@
 
 `scripts/eval_quality.py --suite retrieval` calls `run_suite` and `write_report`. Arms: dense;
 exact mode (a check: its tokens must be dense decoding's); SFI with the paper's values and with
-each extension (successor radius 3 / 7 / 15, evidence window 16) and both; the streaming,
+each extension (successor radius 3 / 7 / 15, evidence window 16, the warm-up refreshes) and
+combinations; t_max 4 throughout; the streaming,
 prefill-only (SnapKV-like) and oracle baselines. Each batch's prefill is computed once and
 shared by all arms (`prefill_cache.shared_prefill`), so an arm costs its decode steps only.
 """
@@ -29,7 +30,9 @@ ARMS = {
     "sfi+succ7": ("sfi", {**_PAPER, "successor_radius": 7}),
     "sfi+succ15": ("sfi", {**_PAPER, "successor_radius": 15}),
     "sfi+ew16": ("sfi", {**_PAPER, "evidence_window": 16}),
-    "sfi+succ7+ew16": ("sfi", {"successor_radius": 7, "evidence_window": 16}),
+    "sfi+succ7+ew16": ("sfi", {**_PAPER, "successor_radius": 7, "evidence_window": 16}),
+    "sfi+succ7+t4": ("sfi", {**_PAPER, "successor_radius": 7, "t_max": 4}),
+    "sfi+succ7+warm32": ("sfi", {**_PAPER, "successor_radius": 7, "warmup_steps": 32}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
@@ -41,6 +44,9 @@ ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
               "sfi+succ15": "SFI + successor_radius=15",
               "sfi+ew16": "SFI + evidence_window=16",
               "sfi+succ7+ew16": "SFI + successor_radius=7 + evidence_window=16",
+              "sfi+succ7+t4": "SFI + successor_radius=7, t_max=4 throughout",
+              "sfi+succ7+warm32": "SFI + successor_radius=7 + warm-up (every 4th of the first "
+                                  "32 steps slow)",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
               "oracle": "oracle (dense top-k every step)", "dense": "dense",
@@ -274,7 +280,8 @@ def write_plot(res: dict, path: str):
     import matplotlib.pyplot as plt
 
     colors = {"paper": "C3", "sfi+succ3": "C9", "sfi+succ7": "C1", "sfi+succ15": "C8",
-              "sfi+ew16": "C5", "sfi+succ7+ew16": "C4",
+              "sfi+ew16": "C5", "sfi+succ7+ew16": "C4", "sfi+succ7+t4": "C6",
+              "sfi+succ7+warm32": "C0",
               "streaming": "C7", "prefill_only": "C2", "oracle": "k"}
     rets = _retentions(res)
     ctxs = sorted(res["results"], key=int)

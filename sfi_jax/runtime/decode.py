@@ -40,7 +40,7 @@ from sfi_jax.runtime.diagnostics import attention_diagnostics
 from sfi_jax.runtime.sampling import SamplingConfig, sample, sample_rows
 from sfi_jax.runtime.selection import allowed_range, select_all_layers, select_compact
 from sfi_jax.runtime.slots import refresh_slots
-from sfi_jax.runtime.state import DecodeState, SFIState, count_step
+from sfi_jax.runtime.state import DecodeState, SFIState, count_step, refresh_interval
 
 VARIANTS = ("dense", "fixed", "oracle", "deferred")
 
@@ -432,7 +432,7 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
             triggered = trigger_mask[token] if sfi.uses_triggers else False
             sfi_state = count_step(sfi_state, refreshed=inputs.refreshed, live=live, advanced=1,
                                    restart=1, wants=triggered, fast=~inputs.refreshed & live,
-                                   t_max=sfi.t_max)
+                                   t_max=refresh_interval(state.sfi, sfi))
         if variant == "deferred" and inputs.slots is not None:
             with jax.named_scope("select"):  # the refreshed rows' selections, all layers
                 sfi_state = _apply_selections(select_all, sfi_state, out, inputs, token)

@@ -35,7 +35,7 @@ from sfi_jax.runtime.decode import (LayerCarry, attend_layer, attention_variant,
 from sfi_jax.runtime.sampling import SamplingConfig
 from sfi_jax.runtime.selection import select_all_layers
 from sfi_jax.runtime.slots import refresh_slots
-from sfi_jax.runtime.state import DecodeState, count_step
+from sfi_jax.runtime.state import DecodeState, count_step, refresh_interval
 
 
 class ExactCounts(NamedTuple):
@@ -287,7 +287,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         older than t_max); the round's verify refreshes it."""
         active = wants_draft(counts, live, target)
         if sfi.refreshes:
-            active = active & (state.sfi.since_slow + 1 < sfi.t_max)
+            active = active & (state.sfi.since_slow + 1 < refresh_interval(state.sfi, sfi))
         return active
 
     def dense_round(carry):
@@ -312,7 +312,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             nonfinite = nonfinite | (live & ~jnp.all(jnp.isfinite(logits), axis=-1))
             done = done | nonfinite
         if sfi.refreshes:  # no row refreshes: the next verify does
-            want = (st.since_slow + live + 1 >= sfi.t_max) | \
+            want = (st.since_slow + live + 1 >= refresh_interval(st, sfi)) | \
                 ((pos <= sfi.budget) & (pos + 1 >= sfi.budget))
             if sfi.uses_triggers:
                 want = want | trigger_mask[state.token]
@@ -344,6 +344,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         key, k_draft, k_acc = jax.random.split(state.key, 3)
         draft_keys = jax.random.split(k_draft, k_len)
         target = round_length(state, counts, live)
+        t_max = refresh_interval(st, sfi) if sfi.refreshes else None  # at the round's start
 
         def draft_step(c):
             kc, vc, st, tok, drafts, q_logits, active, m, j = c
@@ -362,7 +363,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             if sfi.uses_triggers:
                 stop = stop | trigger_mask[d]
             if sfi.refreshes:
-                stop = stop | (st.since_slow + m + 1 >= sfi.t_max)
+                stop = stop | (st.since_slow + m + 1 >= t_max)
             return kc, vc, st, d, drafts, q_logits, active & ~stop, m, j + 1
 
         V = cfg.vocab_size
@@ -379,7 +380,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         # the rows whose selection this verify refreshes (decided before it, from everything
         # the verify may accept, so only their logits are kept)
         if sfi.refreshes:
-            want = st.pending | (st.since_slow + m + 1 >= sfi.t_max) | \
+            want = st.pending | (st.since_slow + m + 1 >= t_max) | \
                 ((len0 <= sfi.budget) & (len0 + m + 1 >= sfi.budget))
             if sfi.uses_triggers:
                 fed = jnp.concatenate([state.token[:, None], drafts], axis=1)

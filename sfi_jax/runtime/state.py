@@ -26,13 +26,22 @@ class SFIState(NamedTuple):
     fast_steps: jax.Array  # [B] int32
 
 
+def refresh_interval(st: SFIState, sfi):
+    """Each row's t_max now: SFIConfig.warmup_t_max during its first warmup_steps decode steps,
+    t_max after (int32 [B], or the int t_max when there is no warm-up)."""
+    if not sfi.warmup_steps or sfi.warmup_t_max >= sfi.t_max:
+        return sfi.t_max
+    return jnp.where(st.slow_steps + st.fast_steps < sfi.warmup_steps, sfi.warmup_t_max,
+                     sfi.t_max).astype(jnp.int32)
+
+
 def count_step(st: SFIState, *, refreshed, live, advanced, wants, fast, restart=0,
-               t_max: int | None = None) -> SFIState:
+               t_max=None) -> SFIState:
     """The refresh bookkeeping after a decode step (or an exact-mode round) in which each row
     moved `advanced` positions on: a row in `refreshed` took its slow step (its count restarts
     at `restart`, its pending refresh is done), `wants` [B] joins the pending refreshes, and
-    with `t_max` so does every row t_max steps past its slow step; live rows count their slow
-    step and `fast` [B] fast steps."""
+    with `t_max` (an int or per row, `refresh_interval`) so does every row t_max steps past
+    its slow step; live rows count their slow step and `fast` [B] fast steps."""
     since = jnp.where(refreshed, restart, st.since_slow + advanced)
     pending = (st.pending & ~refreshed) | wants
     if t_max is not None:

@@ -284,9 +284,11 @@ def test_adaptive_drafts_shrink_when_rejected_and_grow_when_accepted(tiny_qwen3,
                                                                       short, xla_fast_compile):
     """Rejected drafts make rows stop drafting (a plain dense step per round, with a rare
     probe), accepted ones make them draft the whole draft_len. (Four rows of ~400 positions:
-    a fast step reads about a third of a verify's bytes, so drafting pays at the prior.)"""
+    a fast step reads about a third of a verify's bytes, so drafting pays at the prior; no
+    warm-up, whose refreshes every 4 steps would cut the drafts, whatever the default.)"""
     model, prompts = tiny_qwen3.model, _prompts([380, 400, 390, 410], seed=5)
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=4)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=4, n_recent=4, t_max=64, draft_len=4,
+                            warmup_steps=0)
     res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, max_new_tokens=40,
                            stop_at_eos=False, trigger_ids=[], accept_rate=accept_rate)
     drafted, verify = np.array(res.stats["drafted"]), np.array(res.stats["verify_steps"])

@@ -20,13 +20,17 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
                 "Once upon a time, in a small village,"]
 
 
-def expected_timeline(fed, triggers, t_max, use_triggers=True):
-    """Slow flags per decode step from SFI_METHOD.md §3. fed[s] is the token decode step s
-    feeds (the token generated at the previous step; fed[0] comes from the prefill)."""
+def expected_timeline(fed, triggers, t_max, use_triggers=True, warmup_steps=0,
+                      warmup_t_max=None):
+    """Slow flags per decode step from SFI_METHOD.md §3 (and §8's warm-up: the interval that
+    step s - 1 ends with is warmup_t_max while s - 1 < warmup_steps). fed[s] is the token
+    decode step s feeds (the token generated at the previous step; fed[0] comes from the
+    prefill)."""
     out, last = np.zeros(len(fed), bool), None
     for s, tok in enumerate(fed):
+        interval = warmup_t_max if s - 1 < warmup_steps else t_max
         out[s] = (s == 0 or (use_triggers and int(tok) in triggers)
-                  or s - last >= t_max)
+                  or s - last >= min(interval, t_max))
         if out[s]:
             last = s
     return out
@@ -52,7 +56,8 @@ LONG = [60, 66, 72]
 
 # the per-row runs' policies; tmax runs with a single refresh slot per step (see
 # test_tmax_one_refresh_slot); t_max = 1 makes every step slow
-POLICY_RUNS = {"sfi": SMALL, "t_max=1": dataclasses.replace(SMALL, t_max=1)}
+POLICY_RUNS = {"sfi": SMALL, "t_max=1": dataclasses.replace(SMALL, t_max=1),
+               "warmup": dataclasses.replace(SMALL, warmup_steps=6, warmup_t_max=2)}
 POLICY_RUNS.update({policy: dataclasses.replace(SMALL, policy=policy,
                                                 refresh_rows=1 if policy == "tmax" else None)
                     for policy in ("tmax", "streaming", "prefill_only", "oracle")})
@@ -116,7 +121,8 @@ def test_smollm2_full_budget_rows_equal_dense_and_long_row_is_sparse(smol_model,
     timeline = sfi.stats["slow_timeline"]
     assert timeline.shape == (4, 23)
     for b in range(4):
-        want = expected_timeline(sfi.tokens[b][:23], triggers, cfg.t_max)
+        want = expected_timeline(sfi.tokens[b][:23], triggers, cfg.t_max,
+                                 warmup_steps=cfg.warmup_steps, warmup_t_max=cfg.warmup_t_max)
         np.testing.assert_array_equal(timeline[b], want, err_msg=f"row {b}")
     assert sfi.stats["slow_steps"] == timeline.sum(1).tolist()
     assert [s + f for s, f in zip(sfi.stats["slow_steps"], sfi.stats["fast_steps"])] == [23] * 4
@@ -178,6 +184,13 @@ def test_per_row_timeline_follows_the_rules(per_row_runs):
     assert len({tuple(t) for t in timeline.tolist()}) == 3
     assert res.stats["slow_steps"] == timeline.sum(1).tolist()
     assert res.stats["fast_steps"] == (NEW - 1 - timeline.sum(1)).tolist()
+    # the warm-up: every other step slow during a row's first 6 steps, then t_max = 8
+    warm = runs["warmup"].stats["slow_timeline"]
+    for b in range(3):
+        want = expected_timeline(forced[b, :NEW - 1], {TRIGGER}, SMALL.t_max, warmup_steps=6,
+                                 warmup_t_max=2)
+        np.testing.assert_array_equal(warm[b], want, err_msg=f"warm-up, row {b}")
+        assert want[:7].sum() >= 4 and not np.array_equal(want, timeline[b])
 
 
 def test_per_row_equals_row_alone(tiny_qwen3, per_row_runs, xla_fast_compile):
