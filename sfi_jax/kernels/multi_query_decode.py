@@ -96,18 +96,15 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
             raise ValueError(f"logits_query is {logits_query.dtype}{list(logits_query.shape)}; "
                              f"expected an integer [{q.shape[0]}]")
         logits_query = logits_query.astype(jnp.int32)
-        if impl in ("mosaic_gpu", "pallas_tpu"):  # all T queries' logits, then one per row
+        if impl != "pallas_gpu":  # all T queries' logits, then one per row
             out, logits, lse = multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
                                                   return_logits=True, impl=impl)
             return out, one_query_logits(logits, logits_query), lse
     if impl == "xla":
         from sfi_jax.kernels import multi_query_decode_reference as ref
 
-        out = ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
-                                     return_logits=return_logits)
-        if logits_query is None:
-            return out
-        return out[0], one_query_logits(out[1], logits_query), out[2]
+        return ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
+                                      return_logits=return_logits)
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import multi_query_decode_mgpu as mgpu
 
