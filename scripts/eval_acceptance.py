@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[2048])
     p.add_argument("--samples", type=int, default=32, help="prompts (rows) per context and text")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per generate call (default: all samples; 8K needs <= 16 in 24 GB)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per row")
     p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=TEXTS)
     p.add_argument("--retention", type=float, nargs="+", default=[0.15])
@@ -119,24 +121,43 @@ def interval(drafted, accepted, n_boot: int, seed: int = 0):
     return [float(np.percentile(rates, 2.5)), float(np.percentile(rates, 97.5))]
 
 
+class _Joined:
+    """generate results of consecutive batches of rows, as one: tokens and per-row stats."""
+
+    def __init__(self, parts):
+        self.tokens = [t for p in parts for t in p.tokens]
+        self.stats = {k: [x for p in parts for x in p.stats[k]]
+                      for k in ("drafted", "accepted", "verify_steps", "slow_steps")
+                      if k in parts[0].stats}
+
+
 def run_batch(model, prompts, args, text, context, log, on_row):
-    """Every config on one batch of prompts, sharing its dense prefill; dense decoding last
-    (the reference tokens)."""
+    """Every config on the prompts, `args.batch` rows per call, each batch sharing its dense
+    prefill; dense decoding last (the reference tokens)."""
     import sfi_jax
     from sfi_jax.eval.prefill_cache import shared_prefill
 
     kw = dict(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    runs = []
-    with shared_prefill(max_entries=1) as shared:
-        kw["prefill_fn"] = shared.prefill_fn
-        for sweep, pol, r, cfg in configs(args, text, context):
-            t0 = time.perf_counter()
-            res = sfi_jax.generate(model, prompts, mode="exact", sfi=cfg, **kw)
-            runs.append((sweep, pol, r, cfg, res, time.perf_counter() - t0))
-            drafted = sum(res.stats["drafted"])
-            log(f"  ({context} {text} {sweep} {pol}: accepted {sum(res.stats['accepted'])} of "
-                f"{drafted} drafts, {runs[-1][-1]:.0f}s)")
-        dense = sfi_jax.generate(model, prompts, mode="dense", **kw)
+    size = args.batch or len(prompts)
+    cfgs = list(configs(args, text, context))
+    parts, walls, dense_parts, counts = [[] for _ in cfgs], [0.0] * len(cfgs), [], {}
+    for lo in range(0, len(prompts), size):
+        batch = prompts[lo:lo + size]
+        with shared_prefill(max_entries=1) as shared:
+            kw["prefill_fn"] = shared.prefill_fn
+            for c, (sweep, pol, r, cfg) in enumerate(cfgs):
+                t0 = time.perf_counter()
+                res = sfi_jax.generate(model, batch, mode="exact", sfi=cfg, **kw)
+                parts[c].append(res)
+                walls[c] += time.perf_counter() - t0
+                log(f"  ({context} {text} {sweep} {pol}, rows {lo}..{lo + len(batch) - 1}: "
+                    f"accepted {sum(res.stats['accepted'])} of {sum(res.stats['drafted'])} "
+                    f"drafts, {time.perf_counter() - t0:.0f}s)")
+            dense_parts.append(sfi_jax.generate(model, batch, mode="dense", **kw))
+        for k, n in shared.counts.items():
+            counts[k] = counts.get(k, 0) + n
+    runs = [(*cfg, _Joined(p), w) for cfg, p, w in zip(cfgs, parts, walls)]
+    dense = _Joined(dense_parts)
     for sweep, pol, r, cfg, res, wall in runs:
         s = res.stats
         drafted, accepted, verify = (sum(s[k]) for k in ("drafted", "accepted", "verify_steps"))
@@ -158,7 +179,7 @@ def run_batch(model, prompts, args, text, context, log, on_row):
             f"slow {row['slow_steps']}/{verify} verify, equal {same}/{len(prompts)} "
             f"({wall:.0f}s)")
         on_row(row)
-    return shared.counts
+    return counts
 
 
 def speedup_model(a, d, cost_fast=3.7 / 29.3, cost_verify=1.0):

@@ -91,6 +91,12 @@ class SFIConfig:
     # loses values of a multi-value needle (SFI_METHOD.md §8), so it is not a default.
     warmup_steps: int = 0
     warmup_t_max: int = 4
+    # An extension (off by default: None; the paper has none): a refresh remembers what the
+    # last selection saw. Each held position keeps the score it was selected with, less
+    # `selection_memory` (nats) per refresh since; a refresh ranks J by the larger of that and
+    # its own score, so positions an earlier query wanted (a multi-value needle's values) stay
+    # unless the new query's evidence outbids them. Single device only.
+    selection_memory: float | None = None
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
     # With adaptive_draft the batch drafts 0..draft_len tokens per round, the length that the
@@ -131,6 +137,8 @@ class SFIConfig:
             raise ValueError(f"SFIConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.refresh_rows is not None:
             _int_field(self, "refresh_rows", 1)
+        if self.selection_memory is not None:
+            _float_field(self, "selection_memory", 0.0)
 
     @classmethod
     def paper(cls, **overrides) -> "SFIConfig":
@@ -142,6 +150,12 @@ class SFIConfig:
         """Rows refresh their selection during decode ("sfi", "tmax"): the refreshed rows'
         logits are kept for one step and selected from at the next step's start."""
         return self.policy in ("sfi", "tmax")
+
+    @property
+    def remembers(self) -> bool:
+        """Refreshes weigh the held positions' remembered scores (selection_memory is set and
+        the policy refreshes)."""
+        return self.selection_memory is not None and self.refreshes
 
     @property
     def uses_triggers(self) -> bool:

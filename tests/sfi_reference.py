@@ -108,10 +108,17 @@ class Selection:
     sets: list
 
 
-def reference_select(logits, key_norms, lo, hi, cfg) -> Selection:
-    """§4 for one sequence: logits [Hkv, R, S], key_norms [Hkv, S], J = [lo, hi)."""
+def reference_select(logits, key_norms, lo, hi, cfg, prev: Selection | None = None) -> Selection:
+    """§4 for one sequence: logits [Hkv, R, S], key_norms [Hkv, S], J = [lo, hi). With
+    cfg.selection_memory and the selection in force `prev`, each position prev holds inside J
+    scores at least what prev chose it with, less selection_memory (§8)."""
     hi = max(lo, hi)
     z = ref_scores(logits[None], key_norms[None], [lo], [hi], cfg)[0]
+    if getattr(cfg, "selection_memory", None) is not None and prev is not None:
+        for h, held in enumerate(prev.sets):
+            for j in held:
+                if lo <= j < hi:
+                    z[h, j] = max(z[h, j], prev.z[h, j] - cfg.selection_memory)
     return Selection(lo, hi, z, list(ref_topk_sets(z[None], cfg.k_select)[0]))
 
 
@@ -157,7 +164,8 @@ def sfi_reference(hf_model, seq, prompt_len, sfi, slow=None) -> Reference:
     layer's keys as transformers computed them (post-norm, post-RoPE); a slow step attends
     densely and its selection holds from the next position on; "oracle" selects at every
     position from its own dense logits and attends sparsely; "streaming" keeps the sink
-    only; "prefill_only" keeps the prefill's selection. A position whose context fits the
+    only; "prefill_only" keeps the prefill's selection; "sfi" / "tmax" refreshes remember the
+    selection in force when sfi.selection_memory is set. A position whose context fits the
     budget (i + 1 <= n_sink + k_select + n_recent) is dense. slow: bool [T - P] for the
     decode steps of "sfi" / "tmax" (which steps refreshed is checked elsewhere)."""
     import torch
@@ -181,11 +189,11 @@ def sfi_reference(hf_model, seq, prompt_len, sfi, slow=None) -> Reference:
         causal = np.tril(np.ones((T, T), bool))
         allowed = np.broadcast_to(causal, (Hkv, T, T)).copy()
 
-        def select_at(rows, length):
+        def select_at(rows, length, prev=None):
             """The selector on query rows `rows` for a cache of `length` positions."""
             lg = np.where(causal[rows][None, None], logits[:, :, rows], -np.inf)
             lg = lg.reshape(Hkv, G * len(rows), T)
-            return reference_select(lg, norms, sfi.n_sink, length - sfi.n_recent, sfi)
+            return reference_select(lg, norms, sfi.n_sink, length - sfi.n_recent, sfi, prev)
 
         current = None
         if policy != "streaming":
@@ -194,8 +202,8 @@ def sfi_reference(hf_model, seq, prompt_len, sfi, slow=None) -> Reference:
         for s, i in enumerate(range(P, T)):
             if policy == "oracle":
                 current = select_at(np.array([i]), i)
-            elif policy in ("sfi", "tmax") and slow[s]:
-                current = select_at(np.array([i]), i)  # used from the next position on
+            elif policy in ("sfi", "tmax") and slow[s]:  # used from the next position on
+                current = select_at(np.array([i]), i, prev=current)
                 continue  # a slow step is dense
             if i + 1 <= sfi.budget:  # the context fits the budget: dense
                 continue

@@ -64,7 +64,8 @@ def test_good_values_accepted():
         ("cross_temp", 0.0), ("cross_temp", -2.0), ("nms_radius", -1), ("nms_radius", 1.5),
         ("gamma", -0.5), ("beta", float("inf")), ("p", 0.0), ("eta", -0.1), ("eps", 0.0),
         ("prefill_window", 0), ("policy", "dense"), ("policy", None), ("refresh_rows", 0),
-        ("refresh_rows", -2), ("refresh_rows", 1.0),
+        ("refresh_rows", -2), ("refresh_rows", 1.0), ("selection_memory", -0.5),
+        ("selection_memory", float("nan")), ("selection_memory", "1"),
     ],
 )
 def test_bad_values_name_the_field(field, value):

@@ -82,6 +82,8 @@ def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: Ro
                          pending=st.pending.at[slot].set(True),
                          slow_steps=st.slow_steps.at[slot].set(0),
                          fast_steps=st.fast_steps.at[slot].set(0))
+        if st.scores is not None:
+            st = st._replace(scores=put(st.scores, sfi_row.scores))
     rows = state.rows if state.rows is None else \
         jax.tree.map(lambda a, b: a.at[slot].set(b[0]), state.rows, controls)
     q_hist = state.q_hist

@@ -26,35 +26,67 @@ def allowed_range(lengths, sfi: SFIConfig):
     return lo, jnp.maximum(lo, lengths - sfi.n_recent)
 
 
-def compact_positions(sel, lengths, sfi: SFIConfig):
+def compact_positions(sel, lengths, sfi: SFIConfig, sel_scores=None):
     """Sink + selected positions [..., B, Hkv, C], valid first (order kept), -1 padded, and the
-    valid counts. sel [..., B, Hkv, K] holds positions ascending with -1 padding."""
+    valid counts. sel [..., B, Hkv, K] holds positions ascending with -1 padding. With
+    sel_scores (sel's scores), also those scores in the same slots (-inf for sinks and padding)."""
     # The valid sinks are a prefix of [0, n_sink) and the valid selections a prefix of sel, so
     # the packed list is closed-form: slot j holds sink j, then sel[j - n_sinks] (no sort).
     n_sinks = jnp.minimum(lengths, sfi.n_sink).astype(jnp.int32)[..., None, None]
     n_sinks = jnp.broadcast_to(n_sinks, sel.shape[:-1] + (1,))
     n_sel = jnp.sum(sel >= 0, axis=-1, keepdims=True, dtype=jnp.int32)
     j = jnp.arange(sfi.n_sink + sel.shape[-1], dtype=jnp.int32)
-    from_sel = jnp.take_along_axis(sel, jnp.clip(j - n_sinks, 0, sel.shape[-1] - 1), axis=-1)
-    pos = jnp.where(j < n_sinks, j, jnp.where(j < n_sinks + n_sel, from_sel, -1))
-    return pos, (n_sinks + n_sel)[..., 0]
+    src = jnp.clip(j - n_sinks, 0, sel.shape[-1] - 1)
+    from_sel = (j >= n_sinks) & (j < n_sinks + n_sel)
+    pos = jnp.where(j < n_sinks, j, jnp.where(from_sel, jnp.take_along_axis(sel, src, axis=-1),
+                                              -1))
+    if sel_scores is None:
+        return pos, (n_sinks + n_sel)[..., 0]
+    scores = jnp.where(from_sel, jnp.take_along_axis(sel_scores, src, axis=-1), -jnp.inf)
+    return pos, (n_sinks + n_sel)[..., 0], scores
 
 
-def compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig):
-    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D]."""
-    pos, c_len = compact_positions(sel, lengths, sfi)
+def remembered_scores(z, held, held_scores, lo, hi, decay: float):
+    """z [..., S] raised, at each held position inside J = [lo, hi), to its remembered score
+    less `decay` (SFIConfig.selection_memory): held [..., C] positions (-1 = empty),
+    held_scores [..., C]; lo, hi broadcast against held."""
+    S = z.shape[-1]
+    at = jnp.where((held >= lo) & (held < hi), held, S)  # S: dropped
+
+    def one(zz, i, v):
+        return zz.at[i].max(v, mode="drop")
+
+    for _ in range(z.ndim - 1):
+        one = jax.vmap(one)
+    return one(z, at, held_scores - decay)
+
+
+def _top(z, sfi: SFIConfig, options):
+    """The top-k positions of z and, when the selection remembers, their scores."""
+    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)
+    if not sfi.remembers:
+        return sel, None
+    picked = jnp.take_along_axis(z, jnp.maximum(sel, 0), axis=-1)
+    return sel, jnp.where(sel >= 0, picked, -jnp.inf)
+
+
+def compact(k_layer, v_layer, sel, lengths, sfi: SFIConfig, sel_scores=None):
+    """Compact sink+selected buffers [B, Hkv, C, D] from one layer's cache [B, Hkv, S, D], their
+    counts and positions, and (with sel_scores) the held positions' scores."""
+    pos, c_len, *scores = compact_positions(sel, lengths, sfi, sel_scores)
     idx = jnp.maximum(pos, 0)[..., None]
     ck = jnp.take_along_axis(k_layer, idx, axis=2)
     cv = jnp.take_along_axis(v_layer, idx, axis=2)
-    return ck, cv, c_len, pos
+    return (ck, cv, c_len, pos, *scores)
 
 
 def select_compact(logits, key_norms, k_layer, v_layer, lo, hi, lengths, *, sfi, options,
                     head_axis=None):
+    """(ck, cv, c_len, positions), and the held scores when the selection remembers."""
     z = selector_scores(logits, key_norms, lo, hi, sfi, cross_head_reduce=head_axis,
                         impl=options.selector_scores, adjust=options.selector_adjust)
-    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)
-    return compact(k_layer, v_layer, sel, lengths, sfi)
+    sel, sel_scores = _top(z, sfi, options)
+    return compact(k_layer, v_layer, sel, lengths, sfi, sel_scores)
 
 
 def window_logits(window_q, k_layer, lengths):
@@ -91,11 +123,13 @@ def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfi
         logits = window_logits(window_q[l], k[l], lengths)
         args = (logits, st.key_norms[l], k[l], v[l], lo, hi, lengths)
         if plan is None:
-            ck, cv, c_len, pos = fn(*args)
+            ck, cv, c_len, pos, *scores = fn(*args)
         else:
             ck, cv, c_len, pos = mesh.select_and_compact(plan, fn, *args)
         st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
                          c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
+        if scores:
+            st = st._replace(scores=st.scores.at[l].set(scores[0]))
         return st, None
 
     state, _ = jax.lax.scan(layer, state, jnp.arange(window_q.shape[0], dtype=jnp.int32))
@@ -129,21 +163,30 @@ def select_all_layers(st, buf, k, v, pos, slots, *, sfi, options, head_axis=None
     conditions made XLA copy them). Shapes are local as in `decode`'s attention variants."""
     L, n_slots, Hkv, _, _ = buf.shape
     B = pos.shape[0]
-    positions = jnp.full((L, n_slots, Hkv, sfi.compact_size), -1, jnp.int32)
-    c_len = jnp.zeros((L, n_slots, Hkv), jnp.int32)
+    shape = (L, n_slots, Hkv, sfi.compact_size)
+    # (positions, counts, held scores or None) of every slot's selection
+    picked = (jnp.full(shape, -1, jnp.int32), jnp.zeros(shape[:3], jnp.int32),
+              jnp.full(shape, -jnp.inf, jnp.float32) if sfi.remembers else None)
     for j in range(n_slots):
-        positions, c_len = jax.lax.cond(
+        picked = jax.lax.cond(
             slots[j] < B, functools.partial(_select_slot, j=j, sfi=sfi, options=options,
                                             head_axis=head_axis),
-            lambda p, c, *_: (p, c), positions, c_len, buf, st.key_norms, pos, slots)
+            lambda picked, *_: picked, picked, buf, st.key_norms,
+            (st.positions, st.scores) if sfi.remembers else None, pos, slots)
+    positions, c_len, scores = picked
     ck, cv = repack(st.ck, st.cv, k, v, positions, slots, impl=options.repack)
     kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
-    return st._replace(ck=ck, cv=cv, c_len=st.c_len.at[:, slots].set(c_len, **kw),
-                       positions=st.positions.at[:, slots].set(positions, **kw))
+    st = st._replace(ck=ck, cv=cv, c_len=st.c_len.at[:, slots].set(c_len, **kw),
+                     positions=st.positions.at[:, slots].set(positions, **kw))
+    if scores is not None:
+        st = st._replace(scores=st.scores.at[:, slots].set(scores, **kw))
+    return st
 
 
-def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, options, head_axis):
-    """Slot j's (occupied) selection for all layers: packed positions and counts."""
+def _select_slot(picked, buf, key_norms, held, pos, slots, *, j, sfi, options, head_axis):
+    """Slot j's (occupied) selection for all layers: packed positions, counts and (when the
+    selection remembers) held scores; held: the state's (positions, scores) when it does."""
+    positions, c_len, scores = picked
     L = buf.shape[0]
     row = slots[j]
     lo, hi = allowed_range(jnp.full((L,), pos[row]), sfi)
@@ -151,6 +194,11 @@ def _select_slot(positions, c_len, buf, key_norms, pos, slots, *, j, sfi, option
     # in place (a sliced operand of a custom call is a copy)
     z = selector_scores_at(buf, j, key_norms, row, lo, hi, sfi, cross_head_reduce=head_axis,
                            impl=options.selector_scores, adjust=options.selector_adjust)
-    sel = topk_positions(z, sfi.k_select, impl=options.selector_topk)  # [L, Hkv, K]
-    p, c = compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi)
-    return positions.at[:, j].set(p), c_len.at[:, j].set(c)
+    if held is not None:  # [L, Hkv, S]: what the row's last selection saw, decayed
+        z = remembered_scores(z, held[0][:, row], held[1][:, row], lo[:, None, None],
+                              hi[:, None, None], sfi.selection_memory)
+    sel, sel_scores = _top(z, sfi, options)  # [L, Hkv, K]
+    p, c, *s = compact_positions(sel, jnp.full((L,), pos[row] + 1), sfi, sel_scores)
+    if s:
+        scores = scores.at[:, j].set(s[0])
+    return positions.at[:, j].set(p), c_len.at[:, j].set(c), scores

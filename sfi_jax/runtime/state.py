@@ -24,6 +24,10 @@ class SFIState(NamedTuple):
     pending: jax.Array  # [B] bool: the row wants a slow step
     slow_steps: jax.Array  # [B] int32
     fast_steps: jax.Array  # [B] int32
+    # [L, B, Hkv, C] float32: the score each held position was selected with, less the
+    # selection memory's decay since (-inf: a sink or an empty slot); None unless
+    # SFIConfig.remembers
+    scores: jax.Array | None = None
 
 
 def refresh_interval(st: SFIState, sfi):
@@ -112,7 +116,8 @@ def empty_sfi_state(cfg: ModelConfig, sfi: SFIConfig, batch: int, max_len: int, 
         positions=jnp.full((L, batch, Hkv, C), -1, jnp.int32),
         key_norms=jnp.zeros((L, batch, Hkv, max_len), jnp.float32),
         since_slow=jnp.zeros((batch,), jnp.int32), pending=jnp.ones((batch,), bool),
-        slow_steps=jnp.zeros((batch,), jnp.int32), fast_steps=jnp.zeros((batch,), jnp.int32))
+        slow_steps=jnp.zeros((batch,), jnp.int32), fast_steps=jnp.zeros((batch,), jnp.int32),
+        scores=jnp.full((L, batch, Hkv, C), -jnp.inf, jnp.float32) if sfi.remembers else None)
 
 
 def state_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype_bytes: int,

@@ -173,13 +173,14 @@ def check_generation(name, runs, split=True, fused=False):
         one = Model(cfg, params(name, 1)).split_layers(fuse_qkv=True, k_major=True)
         assert "wqkv" in one.params["layers"][0] and "wo_t" in one.params["layers"][0]
         compare(one, "sfi", f"{name} sfi {spec} fused q/k/v", mesh=mesh)
-        try:
-            sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
-                             sfi=dataclasses.replace(SFI, evidence_window=2))
-        except ValueError as e:
-            assert "evidence_window" in str(e)
-        else:
-            raise AssertionError("evidence_window > 1 on a mesh did not raise")
+        for field, value in (("evidence_window", 2), ("selection_memory", 0.5)):
+            try:
+                sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
+                                 sfi=dataclasses.replace(SFI, **{field: value}))
+            except ValueError as e:
+                assert field in str(e)
+            else:
+                raise AssertionError(f"{field}={value} on a mesh did not raise")
     return "largest relative logit errors: " + "; ".join(notes)
 
 

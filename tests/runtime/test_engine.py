@@ -27,15 +27,22 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, TINY_EOS, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("mode", ["dense", "sfi", pytest.param("exact", marks=pytest.mark.slow)])
-def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode):
+# the selection memory with a warm-up (its refreshes every 4 steps) exercises the held scores
+MEMORY = sfi_jax.SFIConfig(n_sink=2, k_select=8, n_recent=8, t_max=8, warmup_steps=8,
+                           selection_memory=0.5)
+
+
+@pytest.mark.parametrize("mode, sfi", [("dense", SMALL), ("sfi", SMALL), ("sfi", MEMORY),
+                                       pytest.param("exact", SMALL, marks=pytest.mark.slow)],
+                         ids=["dense", "sfi", "sfi-memory", "exact"])
+def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode, sfi):
     """Five requests of different lengths and budgets over two slots (slots reused), arriving
     at different times while others decode, give generate()'s greedy tokens for each prompt
     alone (EOS ends a request as it ends a generate row; exact mode's are dense decoding's)."""
     model = tiny_qwen3.model
     prompts = _prompts([5, 17, 40, 9, 33], seed=1)
     budgets = [16, 9, 16, 3, 12]
-    with sfi_jax.Engine(model, mode=mode, **ENGINE) as engine:
+    with sfi_jax.Engine(model, mode=mode, **{**ENGINE, "sfi": sfi}) as engine:
         handles = []
         for p, n in zip(prompts, budgets):
             handles.append(engine.submit(sfi_jax.Request(prompt=p, max_tokens=n)))
@@ -43,7 +50,7 @@ def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode):
         results = [h.result(timeout=TIMEOUT) for h in handles]
         assert engine.metrics()["requests_finished"] == 5
     for p, n, r in zip(prompts, budgets, results):
-        ref = sfi_jax.generate(model, [p], max_new_tokens=n, mode=mode, sfi=SMALL)
+        ref = sfi_jax.generate(model, [p], max_new_tokens=n, mode=mode, sfi=sfi)
         assert r.token_ids == ref.tokens[0], (mode, len(p))
         ended_on_eos = ref.tokens[0][-1] == TINY_EOS
         assert r.finish_reason == ("stop" if ended_on_eos else "length")

@@ -298,9 +298,11 @@ def test_adaptive_drafts_shrink_when_rejected_and_grow_when_accepted(tiny_qwen3,
         assert (drafted >= 3 * verify).all(), (drafted, verify)
 
 
-def test_adaptive_drafts_give_dense_tokens(tiny_qwen3, xla_fast_compile):
+@pytest.mark.parametrize("extra", [{}, {"selection_memory": 0.5, "warmup_steps": 8}],
+                         ids=["defaults", "memory"])
+def test_adaptive_drafts_give_dense_tokens(tiny_qwen3, extra, xla_fast_compile):
     prompts = _prompts([70, 33], seed=6)
-    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=6, n_recent=6, t_max=6, draft_len=3)
+    cfg = sfi_jax.SFIConfig(n_sink=2, k_select=6, n_recent=6, t_max=6, draft_len=3, **extra)
     kw = dict(max_new_tokens=16, stop_at_eos=False)
     ex = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg,
                           trigger_ids=[TRIGGER], **kw)

@@ -58,6 +58,8 @@ LONG = [60, 66, 72]
 # test_tmax_one_refresh_slot); t_max = 1 makes every step slow
 POLICY_RUNS = {"sfi": SMALL, "t_max=1": dataclasses.replace(SMALL, t_max=1),
                "warmup": dataclasses.replace(SMALL, warmup_steps=6, warmup_t_max=2)}
+# the warm-up's refreshes, remembering what the selection in force was chosen with
+POLICY_RUNS["memory"] = dataclasses.replace(POLICY_RUNS["warmup"], selection_memory=0.5)
 POLICY_RUNS.update({policy: dataclasses.replace(SMALL, policy=policy,
                                                 refresh_rows=1 if policy == "tmax" else None)
                     for policy in ("tmax", "streaming", "prefill_only", "oracle")})
@@ -258,6 +260,16 @@ def test_policy_matches_the_reference(tiny_qwen3, per_row_runs, name):
             assert rel_err(ref.logits, dense[b]) < 1e-4
         else:  # the attended sets matter
             assert rel_err(ref.logits[1:], dense[b, 1:]) > 1e-3
+
+
+def test_selection_memory_changes_what_refreshes_keep(per_row_runs):
+    """The same slow steps with and without the selection memory (test_policy_matches_the_
+    reference checks both selections against transformers), yet other positions held at the
+    end: the memory is what kept them."""
+    _, _, runs = per_row_runs
+    warm, memory = runs["warmup"].stats, runs["memory"].stats
+    np.testing.assert_array_equal(memory["slow_timeline"], warm["slow_timeline"])
+    assert np.any(memory["selected_positions"] != warm["selected_positions"])
 
 
 def test_policy_oracle_all_slow(per_row_runs):

@@ -419,3 +419,29 @@ def test_adjust_kernel_bounds_its_radius():
     with pytest.raises(ValueError, match="nms_radius"):
         selector_gpu.adjust_scores(z, np.array([0]), np.array([100]), params=score_params(big),
                                    interpret=True)
+
+
+def test_remembered_scores_raise_held_positions_inside_j_only():
+    """SFIConfig.selection_memory: a held position inside J = [lo, hi) scores the larger of its
+    new score and its remembered one less the decay; sinks, padding (-1) and positions outside
+    J keep their new score. Checked against a loop on fresh random scores."""
+    from sfi_jax.runtime.selection import remembered_scores
+
+    rng = np.random.default_rng(3)
+    L, H, S, C = 2, 3, 40, 9
+    lo, hi = np.array([2, 4]), np.array([30, 25])
+    z = rng.normal(size=(L, H, S)).astype(np.float32)
+    z[..., :2] = -np.inf
+    held = rng.integers(-1, S, (L, H, C)).astype(np.int32)
+    held[..., :2] = [0, 1]  # the sinks
+    held_scores = rng.normal(1.0, 2.0, (L, H, C)).astype(np.float32)
+    got = np.asarray(remembered_scores(jnp.asarray(z), jnp.asarray(held),
+                                       jnp.asarray(held_scores), lo[:, None, None],
+                                       hi[:, None, None], 0.75))
+    want = z.copy()
+    for l, h, c in np.ndindex(L, H, C):
+        j = held[l, h, c]
+        if lo[l] <= j < hi[l]:
+            want[l, h, j] = max(want[l, h, j], held_scores[l, h, c] - 0.75)
+    np.testing.assert_array_equal(got, want)
+    assert np.any(got != z)  # some held score won
