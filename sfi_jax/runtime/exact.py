@@ -296,6 +296,9 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
         verify."""
         state, counts, i, out, n_out, buf, rounds = carry
         st, live, pos = state.sfi, ~state.done, state.lengths
+        if sfi.refreshes:  # (+ a 0 XLA cannot fold: the cache writes wait for the last
+            # refresh's reads of the cache, else XLA copies the cache to keep them apart)
+            pos = pos + jnp.minimum(jnp.min(st.c_len), 0)
         key, sub = jax.random.split(state.key)
         logits, kc, vc, st = one_step(state.k, state.v, st, state.token, pos, sfi=sfi,
                                       variant="dense")

@@ -213,3 +213,34 @@ def test_kernel_tuning_reaches_the_kernels():
     _, fast = _loop_bodies(dataclasses.replace(tuned, tuning=KernelTuning(sparse_attention=one)))
     grids = _grids(fast, "sfi_sparse_decode")
     assert len(grids) == CFG.num_layers and {g[-1] for g in grids} == {1}
+
+
+def _exact_big_copies(sfi: SFIConfig):
+    """Copies of the cache or the compact buffers in the compiled exact-mode chunk."""
+    from sfi_jax.runtime import exact
+
+    params = random_params(CFG, "float32", 0)
+    shape = (CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)
+    state = DecodeState(k=jnp.zeros(shape, jnp.bfloat16), v=jnp.zeros(shape, jnp.bfloat16),
+                        lengths=jnp.full((B,), 300, jnp.int32), token=jnp.zeros((B,), jnp.int32),
+                        done=jnp.zeros((B,), bool), step=jnp.int32(0),
+                        key=jax.random.key(0), sfi=empty_sfi_state(CFG, sfi, B, S, jnp.bfloat16),
+                        nonfinite=jnp.zeros((B,), bool))
+    counts = exact.initial_counts(B, jnp.full((B,), 40, jnp.int32))
+    mask = jnp.zeros((CFG.vocab_size,), bool)
+    text = exact.exact_chunk.lower(params, state, counts, mask, mask, cfg=CFG, sfi=sfi,
+                                   sampling=SamplingConfig(), n_rounds=2,
+                                   options=EngineOptions().resolved()).compile().as_text()
+    wanted = ["bf16[" + ",".join(map(str, d)) + "]" for d in
+              (shape, (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size, CFG.head_dim))]
+    return [line.strip()[:120] for line in text.splitlines()
+            if re.search(r"= \S+ copy(-start)?\(", line) and any(w in line for w in wanted)]
+
+
+@pytest.mark.parametrize("draft_len", [3, 7])
+def test_exact_rounds_have_no_big_copies(draft_len):
+    """Exact mode's rounds (drafts, the verify, the refresh) update the cache and the compact
+    buffers in place."""
+    sfi = SFIConfig(n_sink=2, k_select=32, n_recent=16, t_max=4, refresh_rows=2,
+                    draft_len=draft_len)
+    assert _exact_big_copies(sfi) == []
