@@ -10,6 +10,7 @@ import sys
 import time
 
 from sfi_jax.runtime.mode import Mode
+from sfi_jax.sfi_flags import add_sfi_flags, sfi_from_flags
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -27,10 +28,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sfi_jax.config import POLICIES, SFIConfig
-
-    d = SFIConfig()
-
     p = argparse.ArgumentParser(
         prog="python -m sfi_jax.generate", formatter_class=_HelpFormatter,
         description="Generate text with Slow-Fast Inference (or dense decoding). With no "
@@ -79,24 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one strict JSON object (NaN written as null) with tokens, text "
                         "and stats instead of text (default: text)")
-    g = p.add_argument_group("SFI (defaults from the paper but --successor-radius, "
-                             "docs/SFI_METHOD.md §8)")
-    g.add_argument("--n-sink", type=int, default=4, help="sink tokens per head")
-    g.add_argument("--n-recent", type=int, default=256, help="recent-window tokens")
-    g.add_argument("--k-select", type=int, default=2048, help="selected tokens per KV head")
-    g.add_argument("--t-max", type=int, default=64, help="max steps between slow steps")
-    g.add_argument("--policy", choices=POLICIES, default="sfi",
-                   help="refresh policy (sfi; or a baseline: tmax, streaming, prefill_only, oracle)")
-    g.add_argument("--draft-len", type=int, default=3,
-                   help="exact mode: fast steps drafted per dense verify step (1..15)")
-    g.add_argument("--successor-radius", type=int, default=d.successor_radius,
-                   help="extension: also keep the next N positions after strong ones (keeps "
-                        "retrieval, e.g. pass keys; 0 = the method as the paper specifies it)")
-    g.add_argument("--evidence-window", type=int, default=d.evidence_window,
-                   help="extension: select from each layer's last W decode queries (1 = as "
-                        "specified)")
-    g.add_argument("--refresh-rows", type=int, default=None,
-                   help="rows refreshed per step at most (default: the whole batch)")
+    add_sfi_flags(p)
     c = p.add_argument_group("caches")
     c.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache: a second run skips compiling "
@@ -329,13 +309,8 @@ def _run(argv, t_start: float) -> int:
     options = engine_options(parser, args)
     check_values(args)
     prompts, chat = read_prompts(args)
-    from sfi_jax.config import SFIConfig
-
     try:
-        sfi = SFIConfig(n_sink=args.n_sink, n_recent=args.n_recent, k_select=args.k_select,
-                        t_max=args.t_max, policy=args.policy, refresh_rows=args.refresh_rows,
-                        successor_radius=args.successor_radius,
-                        evidence_window=args.evidence_window, draft_len=args.draft_len)
+        sfi = sfi_from_flags(args)
     except ValueError as e:
         _fail(e)
     _compile_cache(args)  # before anything is compiled

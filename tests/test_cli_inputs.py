@@ -224,6 +224,8 @@ def test_unreadable_prompt_files(no_model, tmp_path):
     (["--k-select", "-5"], "k_select"),
     (["--successor-radius", "-1"], "successor_radius"),
     (["--evidence-window", "0"], "evidence_window"),
+    (["--warmup-steps", "-1"], "warmup_steps"),
+    (["--selection-memory", "nan"], "selection_memory"),
 ])
 def test_bad_values_before_loading(no_model, argv, expected):
     assert expected in _error(argv + ["--no-compile-cache"])

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from sfi_jax.runtime.mode import Mode
+from sfi_jax.sfi_flags import add_sfi_flags, sfi_from_flags
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -55,11 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info logs every request)")
-    g = p.add_argument_group("SFI (defaults from the paper)")
-    g.add_argument("--n-sink", type=int, default=4, help="sink tokens per head")
-    g.add_argument("--n-recent", type=int, default=256, help="recent-window tokens")
-    g.add_argument("--k-select", type=int, default=2048, help="selected tokens per KV head")
-    g.add_argument("--t-max", type=int, default=64, help="max steps between slow steps")
+    add_sfi_flags(p)
     c = p.add_argument_group("caches")
     c.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache (default as in "
@@ -72,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser, args):
     """Every flag checked before anything loads; returns the SFIConfig. A bad one is the
     parser's error (one line, exit status 2)."""
-    from sfi_jax.config import SFIConfig
-
     for name, lo in (("max_slots", 1), ("max_len", 2), ("max_queue", 1), ("chunk_steps", 1)):
         value = getattr(args, name)
         if value is not None and value < lo:
@@ -85,8 +80,7 @@ def check_args(parser, args):
     if args.compile_cache and args.compile_cache_off:
         parser.error("--compile-cache and --no-compile-cache contradict each other")
     try:
-        return SFIConfig(n_sink=args.n_sink, n_recent=args.n_recent, k_select=args.k_select,
-                         t_max=args.t_max)
+        return sfi_from_flags(args)
     except ValueError as e:
         parser.error(str(e))
 

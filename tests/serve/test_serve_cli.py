@@ -38,6 +38,8 @@ def _serve(*args):
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1"),
     (["--k-select", "0"], "k_select must be >= 1, got 0"),
     (["--t-max", "0"], "t_max must be >= 1, got 0"),
+    (["--successor-radius", "-1"], "successor_radius must be >= 0, got -1"),
+    (["--selection-memory", "-0.5"], "selection_memory must be a finite number in [0, inf)"),
     (["--mode", "fast"], "invalid choice: 'fast'"),
 ])
 def test_bad_flags_fail_before_loading(flags, says, capsys):
