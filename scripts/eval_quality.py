@@ -468,6 +468,8 @@ def write_markdown(res: dict, path: str):
           "The RULER-style retrieval suite (`--suite retrieval`: six tasks over several text "
           "sources, every SFI extension and baseline at equal budget, Wilson intervals) writes "
           "its own report: [retrieval.md](retrieval.md), [retrieval.png](retrieval.png).", ""]
+    if m.get("suite_summary"):  # the suite's headline, kept with this report's runs
+        L += [m["suite_summary"], ""]
     tg = res.get("targets", {})
     if tg:
         L += [f"## Targets at retention {tg['ref_retention']:.0%}", ""]
