@@ -35,6 +35,8 @@ ARMS = {
     "sfi+succ7+warm32": ("sfi", {**_PAPER, "successor_radius": 7, "warmup_steps": 32}),
     "sfi+succ7+warm32+mem": ("sfi", {**_PAPER, "successor_radius": 7, "warmup_steps": 32,
                                      "selection_memory": 0.5}),
+    "sfi+succ7+warm32+mem0": ("sfi", {**_PAPER, "successor_radius": 7, "warmup_steps": 32,
+                                      "selection_memory": 0.0}),
     "sfi+succ7+mem": ("sfi", {**_PAPER, "successor_radius": 7, "selection_memory": 0.5}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
@@ -52,6 +54,8 @@ ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
                                   "32 steps slow)",
               "sfi+succ7+warm32+mem": "SFI + successor_radius=7 + warm-up + selection_memory"
                                       "=0.5",
+              "sfi+succ7+warm32+mem0": "SFI + successor_radius=7 + warm-up + selection_memory"
+                                       "=0 (no decay)",
               "sfi+succ7+mem": "SFI + successor_radius=7 + selection_memory=0.5",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
@@ -288,7 +292,7 @@ def write_plot(res: dict, path: str):
     colors = {"paper": "C3", "sfi+succ3": "C9", "sfi+succ7": "C1", "sfi+succ15": "C8",
               "sfi+ew16": "C5", "sfi+succ7+ew16": "C4", "sfi+succ7+t4": "C6",
               "sfi+succ7+warm32": "C0", "sfi+succ7+warm32+mem": "m",
-              "sfi+succ7+mem": "y",
+              "sfi+succ7+warm32+mem0": "tab:pink", "sfi+succ7+mem": "y",
               "streaming": "C7", "prefill_only": "C2", "oracle": "k"}
     rets = _retentions(res)
     ctxs = sorted(res["results"], key=int)
