@@ -129,6 +129,8 @@ def state_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype_bytes: int,
         L, Hkv, D, C = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, sfi.compact_size
         out["sfi_compact"] = 2 * L * batch * Hkv * C * D * dtype_bytes
         out["sfi_positions"] = L * batch * Hkv * C * 4
+        if sfi.remembers:
+            out["sfi_held_scores"] = L * batch * Hkv * C * 4
         out["sfi_key_norms"] = L * batch * Hkv * max_len * 4
         if sfi.policy in ("sfi", "tmax"):  # the refreshed rows' logits, one step's worth
             slots = batch if sfi.refresh_rows is None else min(sfi.refresh_rows, batch)

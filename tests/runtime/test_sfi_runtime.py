@@ -516,3 +516,19 @@ def test_evidence_window(tiny_qwen3, per_row_runs, xla_fast_compile):
     assert rel_err(small.stats["logits"], runs["sfi"].stats["logits"]) > 1e-4
     with pytest.raises(ValueError, match="evidence_window"):
         sfi_jax.SFIConfig(evidence_window=0)
+
+
+def test_memory_check_counts_the_held_scores():
+    """The memory check's SFI state bytes include the selection memory's held scores, as big
+    as the array the state holds, and nothing for them when the memory is off."""
+    import jax.numpy as jnp
+
+    from sfi_jax.models.config import PRESETS
+    from sfi_jax.runtime.state import empty_sfi_state, state_bytes
+
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=2, num_kv_heads=2, head_dim=16)
+    on = dataclasses.replace(SMALL, selection_memory=0.5)
+    st = empty_sfi_state(cfg, on, 3, 64, jnp.float32)
+    assert state_bytes(cfg, 3, 64, 4, on)["sfi_held_scores"] == st.scores.nbytes
+    assert "sfi_held_scores" not in state_bytes(cfg, 3, 64, 4, SMALL)
+    assert empty_sfi_state(cfg, SMALL, 3, 64, jnp.float32).scores is None
