@@ -124,8 +124,8 @@ def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfi
         args = (logits, st.key_norms[l], k[l], v[l], lo, hi, lengths)
         if plan is None:
             ck, cv, c_len, pos, *scores = fn(*args)
-        else:
-            ck, cv, c_len, pos = mesh.select_and_compact(plan, fn, *args)
+        else:  # (the selection memory is single-device: no held scores on a mesh)
+            (ck, cv, c_len, pos), scores = mesh.select_and_compact(plan, fn, *args), []
         st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
                          c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
         if scores:
