@@ -55,6 +55,11 @@ def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions(), cfg=
         buf = decode.slow_logits_buffer(cfg, sfi, B, S)
         if buf is not None:
             dims.append(("f32", buf.shape))
+    return _copies_of(text, dims)
+
+
+def _copies_of(text, dims):
+    """The `copy` ops in compiled HLO text of arrays of the given (dtype, shape) pairs."""
     wanted = [f"{t}[" + ",".join(map(str, d)) + "]" for t, d in dims]
     return [line.strip()[:120] for line in text.splitlines()
             if re.search(r"= \S+ copy(-start)?\(", line) and any(w in line for w in wanted)]
@@ -231,10 +236,8 @@ def _exact_big_copies(sfi: SFIConfig):
     text = exact.exact_chunk.lower(params, state, counts, mask, mask, cfg=CFG, sfi=sfi,
                                    sampling=SamplingConfig(), n_rounds=2,
                                    options=EngineOptions().resolved()).compile().as_text()
-    wanted = ["bf16[" + ",".join(map(str, d)) + "]" for d in
-              (shape, (CFG.num_layers, B, CFG.num_kv_heads, sfi.compact_size, CFG.head_dim))]
-    return [line.strip()[:120] for line in text.splitlines()
-            if re.search(r"= \S+ copy(-start)?\(", line) and any(w in line for w in wanted)]
+    return _copies_of(text, [("bf16", shape), ("bf16", (CFG.num_layers, B, CFG.num_kv_heads,
+                                                        sfi.compact_size, CFG.head_dim))])
 
 
 @pytest.mark.parametrize("draft_len", [3, 7])
