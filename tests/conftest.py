@@ -69,6 +69,42 @@ def subprocess_compilation_cache():
             os.environ[k] = v
 
 
+def memory_map_count() -> int | None:
+    """This process's memory mappings (Linux), or None where /proc is not there."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def memory_map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After each test file, drop JAX's compiled programs once this process holds half the
+    kernel's limit of memory mappings. XLA's CPU backend maps about five regions per compiled
+    program and frees them only with the executable; one xdist worker compiles several
+    thousand programs over the suite, passed 64,000 mappings near its end (the limit,
+    vm.max_map_count, is 65,530), and the next compile's mmap failed: LLVM aborted the worker,
+    and xdist's controller then hung."""
+    yield
+    count = memory_map_count()
+    if count is not None and count > memory_map_limit() // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @contextlib.contextmanager
 def fast_compile():
     """XLA's slower backend optimisations off (jax_disable_most_optimizations) inside the
