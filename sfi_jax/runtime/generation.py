@@ -237,9 +237,6 @@ def _validate(model, prompts, *, max_new_tokens, mode, sfi, temperature, top_p, 
     if plan is not None and sfi is not None and sfi.evidence_window > 1:
         raise ValueError(f"SFIConfig.evidence_window={sfi.evidence_window} is supported on a "
                          "single device only; use evidence_window=1 on a mesh")
-    if plan is not None and sfi is not None and sfi.remembers:
-        raise ValueError(f"SFIConfig.selection_memory={sfi.selection_memory} is supported on a "
-                         "single device only; use selection_memory=None on a mesh")
     window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
     sizes, chunk = _fit_memory(cfg, model.dtype, B, S, T, max_chunk, sfi, window, plan)
     if forced_tokens is not None:
@@ -320,8 +317,9 @@ def _allocate(run: _Run, dtype):
     else:
         k, v = mesh_lib.place(lambda: empty_cache(cfg, B, S, cache_dtype(dtype)),
                               (mesh_lib.cache_sharding(plan),) * 2)
-        sfi_state = mesh_lib.place(lambda: empty_sfi_state(cfg, sfi, B, S, cache_dtype(dtype)),
-                                   mesh_lib.sfi_state_shardings(plan)) if sfi is not None else None
+        sfi_state = mesh_lib.place(
+            lambda: empty_sfi_state(cfg, sfi, B, S, cache_dtype(dtype)),
+            mesh_lib.sfi_state_shardings(plan, sfi.remembers)) if sfi is not None else None
     return k, v, sfi_state
 
 

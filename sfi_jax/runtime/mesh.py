@@ -76,14 +76,16 @@ def cache_sharding(plan: ShardPlan) -> NamedSharding:
     return plan.sharding(plan.per_head(5, lead=1))
 
 
-def sfi_state_shardings(plan: ShardPlan):
-    """SFIState of shardings: per-(row, head) arrays split, per-row counters replicated."""
+def sfi_state_shardings(plan: ShardPlan, remembers: bool = False):
+    """SFIState of shardings: per-(row, head) arrays split, per-row counters replicated;
+    remembers: the state holds the selection memory's scores (SFIConfig.remembers)."""
     rep = plan.replicated
+    per_slot = plan.sharding(plan.per_head(4, lead=1))
     return SFIState(ck=cache_sharding(plan), cv=cache_sharding(plan),
                     c_len=plan.sharding(plan.per_head(3, lead=1)),
-                    positions=plan.sharding(plan.per_head(4, lead=1)),
-                    key_norms=plan.sharding(plan.per_head(4, lead=1)),
-                    since_slow=rep, pending=rep, slow_steps=rep, fast_steps=rep)
+                    positions=per_slot, key_norms=plan.sharding(plan.per_head(4, lead=1)),
+                    since_slow=rep, pending=rep, slow_steps=rep, fast_steps=rep,
+                    scores=per_slot if remembers else None)
 
 
 def decode_state_shardings(plan: ShardPlan, state):
@@ -93,7 +95,7 @@ def decode_state_shardings(plan: ShardPlan, state):
     out = {f: rep for f in state._fields}
     out.update(k=cache_sharding(plan), v=cache_sharding(plan))
     if state.sfi is not None:
-        out["sfi"] = sfi_state_shardings(plan)
+        out["sfi"] = sfi_state_shardings(plan, state.sfi.scores is not None)
     if getattr(state, "diag", None) is not None:
         out["diag"] = plan.sharding(plan.per_head(4, lead=1))
     return type(state)(**{f: (out[f] if getattr(state, f) is not None else None)
@@ -127,17 +129,28 @@ def _shard_map(plan: ShardPlan, fn, in_specs, out_specs):
 
 
 def _big(st):
-    return None if st is None else (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
+    """The state's per-(row, head) arrays, the selection memory's scores last where held."""
+    if st is None:
+        return None
+    big = (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
+    return big if st.scores is None else (*big, st.scores)
 
 
-def _big_specs(plan):
+def _big_specs(plan, big):
     """Specs of `_big`'s arrays: rows over the batch axis, KV heads over the head axis."""
     h = plan.per_head
-    return (h(5, lead=1), h(5, lead=1), h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    specs = (h(5, lead=1), h(5, lead=1), h(3, lead=1), h(4, lead=1), h(4, lead=1))
+    return specs + (h(4, lead=1),) * (len(big) - len(specs))
+
+
+def _local_state(big):
+    """A device's SFIState of `_big`'s arrays (no per-row counters: the callers need none)."""
+    return SFIState(*big[:5], None, None, None, None, scores=big[5] if len(big) > 5 else None)
 
 
 def _with_big(st, big):
-    return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4])
+    return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4],
+                       scores=big[5] if len(big) > 5 else None)
 
 
 def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots):
@@ -156,17 +169,17 @@ def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_ro
     heads3 = h(3)  # q, k_new, v_new [B, H, D]
     cache = h(5, lead=1)
     big = _big(st)
-    big_specs = _big_specs(plan)
+    big_specs = None if big is None else _big_specs(plan, big)
     mask = None if slots is None else jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(q, k_new, v_new, k, v, big, buf, l, pos, dense_rows, mask):
-        local_st = None if big is None else SFIState(*big, None, None, None, None)
+        local_st = None if big is None else _local_state(big)
         slots_here = local_slots(mask, n_slots) if mask is not None else None
         out = fn(q, k_new, v_new, k, v, local_st, buf, l, pos, dense_rows, slots_here,
                  head_axis=plan.head_axis)
         return out.attn, out.k, out.v, _big(out.sfi), out.slow_logits
 
-    big_spec = big_specs if big is not None else None
+    big_spec = big_specs
     buf_spec = None if buf is None else cache
     in_specs = (heads3, heads3, heads3, cache, cache, big_spec, buf_spec, P(), row,
                 None if dense_rows is None else row, None if mask is None else row)
@@ -185,11 +198,11 @@ def select_all_layers(plan: ShardPlan, fn, st, buf, k, v, pos, slots):
     n_slots = slots.shape[0]
     row, h = plan.rows, plan.per_head
     cache = h(5, lead=1)
-    big_specs = _big_specs(plan)
+    big_specs = _big_specs(plan, _big(st))
     mask = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(big, buf, k, v, pos, mask):
-        local = SFIState(*big, None, None, None, None)
+        local = _local_state(big)
         local = fn(local, buf, k, v, pos, local_slots(mask, n_slots), head_axis=plan.head_axis)
         return _big(local)
 
@@ -198,12 +211,14 @@ def select_all_layers(plan: ShardPlan, fn, st, buf, k, v, pos, slots):
     return _with_big(st, big)
 
 
-def select_and_compact(plan: ShardPlan, fn, logits, key_norms, k_layer, v_layer, lo, hi, lengths):
+def select_and_compact(plan: ShardPlan, fn, logits, key_norms, k_layer, v_layer, lo, hi, lengths,
+                       remembers: bool = False):
     """Run fn(logits, key_norms, k_layer, v_layer, lo, hi, lengths, head_axis=...) under
-    shard_map over rows and KV heads (the prefill selection of one layer)."""
+    shard_map over rows and KV heads (the prefill selection of one layer): (ck, cv, c_len,
+    positions), and the held scores when the selection remembers."""
     row, h = plan.rows, plan.per_head
     in_specs = (h(4), h(3), h(4), h(4), row, row, row)
-    out_specs = (h(4), h(4), h(2), h(3))
+    out_specs = (h(4), h(4), h(2), h(3)) + ((h(3),) if remembers else ())
 
     def body(*args):
         return fn(*args, head_axis=plan.head_axis)

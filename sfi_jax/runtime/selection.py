@@ -124,8 +124,9 @@ def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfi
         args = (logits, st.key_norms[l], k[l], v[l], lo, hi, lengths)
         if plan is None:
             ck, cv, c_len, pos, *scores = fn(*args)
-        else:  # (the selection memory is single-device: no held scores on a mesh)
-            (ck, cv, c_len, pos), scores = mesh.select_and_compact(plan, fn, *args), []
+        else:
+            ck, cv, c_len, pos, *scores = mesh.select_and_compact(plan, fn, *args,
+                                                                  remembers=sfi.remembers)
         st = st._replace(ck=st.ck.at[l].set(ck), cv=st.cv.at[l].set(cv),
                          c_len=st.c_len.at[l].set(c_len), positions=st.positions.at[l].set(pos))
         if scores:
@@ -134,7 +135,7 @@ def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfi
 
     state, _ = jax.lax.scan(layer, state, jnp.arange(window_q.shape[0], dtype=jnp.int32))
     if plan is not None:
-        state = mesh.constrain(state, mesh.sfi_state_shardings(plan))
+        state = mesh.constrain(state, mesh.sfi_state_shardings(plan, sfi.remembers))
     return state
 
 
@@ -151,7 +152,7 @@ def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi
     ck, cv, c_len, pos = jax.lax.map(one, jnp.arange(L))
     state = state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)
     if plan is not None:
-        state = mesh.constrain(state, mesh.sfi_state_shardings(plan))
+        state = mesh.constrain(state, mesh.sfi_state_shardings(plan, sfi.remembers))
     return state
 
 

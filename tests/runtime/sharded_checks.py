@@ -90,9 +90,9 @@ def note(what, err):
     return f"{what} {err:.1e}"
 
 
-def run_generate(model, mode, mesh=None, options=None, forced=None):
+def run_generate(model, mode, mesh=None, options=None, forced=None, sfi=SFI):
     """The checks' run; forced: the reference's tokens [BATCH, NEW_TOKENS] to feed."""
-    res = sfi_jax.generate(model, prompts(), max_new_tokens=NEW_TOKENS, mode=mode, sfi=SFI,
+    res = sfi_jax.generate(model, prompts(), max_new_tokens=NEW_TOKENS, mode=mode, sfi=sfi,
                            trigger_ids=TRIGGERS, return_logits=True, chunk_steps=16,
                            stop_at_eos=False, mesh=mesh, options=options,
                            forced_tokens=None if forced is None else np.asarray(forced))
@@ -173,14 +173,22 @@ def check_generation(name, runs, split=True, fused=False):
         one = Model(cfg, params(name, 1)).split_layers(fuse_qkv=True, k_major=True)
         assert "wqkv" in one.params["layers"][0] and "wo_t" in one.params["layers"][0]
         compare(one, "sfi", f"{name} sfi {spec} fused q/k/v", mesh=mesh)
-        for field, value in (("evidence_window", 2), ("selection_memory", 0.5)):
-            try:
-                sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
-                                 sfi=dataclasses.replace(SFI, **{field: value}))
-            except ValueError as e:
-                assert field in str(e)
-            else:
-                raise AssertionError(f"{field}={value} on a mesh did not raise")
+        # the selection memory's held scores split as the held positions are; the warm-up's
+        # frequent refreshes make the memory decide what they keep
+        memory = dataclasses.replace(SFI, selection_memory=0.0, warmup_steps=6, warmup_t_max=2)
+        ref = run_generate(Model(cfg, params(name, 1)), "sfi", sfi=memory)
+        heads = sharding.make_mesh("2x4")  # (rows and KV heads split)
+        got = run_generate(Model(cfg, params(name, 1, heads)), "sfi", forced=ref.tokens,
+                           sfi=memory)
+        notes.append(note(f"{name} sfi 2x4 selection memory",
+                          same_run(got, ref, "selection memory")))
+        try:
+            sfi_jax.generate(model, prompts(), max_new_tokens=4, mesh=mesh,
+                             sfi=dataclasses.replace(SFI, evidence_window=2))
+        except ValueError as e:
+            assert "evidence_window" in str(e)
+        else:
+            raise AssertionError("evidence_window=2 on a mesh did not raise")
     return "largest relative logit errors: " + "; ".join(notes)
 
 
