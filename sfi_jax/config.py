@@ -44,15 +44,17 @@ def _float_field(cfg, name, lo=None, hi=None, lo_open=False, hi_open=False):
     object.__setattr__(cfg, name, value)
 
 
-PAPER = {"successor_radius": 0, "evidence_window": 1}
+PAPER = {"successor_radius": 0, "evidence_window": 1, "warmup_steps": 0,
+         "selection_memory": None}
 """The fields whose default differs from the method paper's value, at the paper's value."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SFIConfig:
-    """Every SFI knob with its default from SFI_METHOD.md: the paper's values, except
-    successor_radius (an extension, on by default because the paper's selector loses needle
-    retrieval; SFI_METHOD.md §8). `SFIConfig.paper()` is the method exactly as specified.
+    """Every SFI knob with its default from SFI_METHOD.md: the paper's values, except three
+    extensions on by default because the paper's selector loses retrieval (SFI_METHOD.md §8):
+    successor_radius, the warm-up (warmup_steps) and the selection memory. `SFIConfig.paper()`
+    is the method exactly as specified.
 
     Frozen and hashable because it is passed to jit as a static argument.
     A budget larger than a row's context is allowed: that row is simply dense.
@@ -85,18 +87,18 @@ class SFIConfig:
     # selected position's successors are kept too — what copying text (a pass key, a quoted
     # name) reads next. The default is the retrieval suite's choice (SFI_METHOD.md §8).
     successor_radius: int = 7
-    # An extension (off by default, as in the paper: 0): a row's first `warmup_steps` decode
+    # An extension (on by default; the paper has none: 0): a row's first `warmup_steps` decode
     # steps refresh every `warmup_t_max` steps instead of every t_max, so the selection
-    # follows an answer as it is written. It finds the hops of a chain of assignments but
-    # loses values of a multi-value needle (SFI_METHOD.md §8), so it is not a default.
-    warmup_steps: int = 0
+    # follows an answer as it is written (the hops of a chain of assignments). Alone it loses
+    # values of a multi-value needle; with the selection memory it keeps them (§8).
+    warmup_steps: int = 32
     warmup_t_max: int = 4
-    # An extension (off by default: None; the paper has none): a refresh remembers what the
+    # An extension (on by default; the paper has none: None): a refresh remembers what the
     # last selection saw. Each held position keeps the score it was selected with, less
     # `selection_memory` (nats) per refresh since; a refresh ranks J by the larger of that and
     # its own score, so positions an earlier query wanted (a multi-value needle's values) stay
-    # unless the new query's evidence outbids them. Single device only.
-    selection_memory: float | None = None
+    # unless the new query's evidence outbids them. The default, 0, never decays.
+    selection_memory: float | None = 0.0
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
     # With adaptive_draft the batch drafts 0..draft_len tokens per round, the length that the

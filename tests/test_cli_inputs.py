@@ -18,7 +18,7 @@ import pytest
 
 import sfi_jax
 from sfi_jax import cli
-from sfi_jax.config import SFIConfig
+from sfi_jax.config import PAPER, SFIConfig
 from sfi_jax.runtime.generation import GenerateResult
 
 TEXTS = ["巴黎是哪个国家的首都？", "🔥🔥🔥🔥", "e\u0301 n\u0303o a\u0308\u0304", "naïve 東京 👩‍👩‍👧 ok",
@@ -123,13 +123,17 @@ def test_cli_streams_exactly_the_result_text(fake_run, tokenizer, capsys):
 
 @pytest.mark.parametrize("argv,want", [
     ([], SFIConfig()),
-    (["--successor-radius", "0"], SFIConfig.paper()),
+    (["--paper"], SFIConfig.paper()),
+    (["--successor-radius", "0", "--warmup-steps", "0", "--selection-memory", "off"],
+     SFIConfig.paper()),
+    (["--paper", "--warmup-steps", "8"], SFIConfig.paper(warmup_steps=8)),
+    (["--selection-memory", "0.5"], SFIConfig(selection_memory=0.5)),
     (["--successor-radius", "3", "--evidence-window", "4"],
      SFIConfig(successor_radius=3, evidence_window=4)),
 ])
 def test_sfi_flags_default_to_sfi_config(fake_run, tokenizer, argv, want):
-    """The CLI's SFI defaults are SFIConfig's (its successor_radius too); radius 0 is the
-    paper's method."""
+    """The CLI's SFI defaults are SFIConfig's (its extensions too); --paper, or each
+    extension's flag at its off value, is the paper's method; a flag given wins over --paper."""
     calls, plan = fake_run
     plan["tokens"] = tokenizer("ok", add_special_tokens=False)["input_ids"] + [2]
     assert cli.main(["--prompt", "hi", "--no-compile-cache", *argv]) == 0
@@ -284,7 +288,10 @@ def test_help_names_every_default():
         if action.default not in (None, False, []) and "default: " not in (action.help or ""):
             assert f"(default: {action.default})" in text, action.option_strings
         field = action.dest
-        if field in sfi_defaults and sfi_defaults[field] is not None:
+        if field in PAPER:  # an extension: None (its default, or the paper's under --paper)
+            assert action.default is None, field
+            assert f"default {sfi_defaults[field]:g}" in text, (field, text)
+        elif field in sfi_defaults and sfi_defaults[field] is not None:
             assert action.default == sfi_defaults[field], field
             assert f"(default: {sfi_defaults[field]})" in text, field
     sfi_group = next(g for g in parser._action_groups if g.title.startswith("SFI"))

@@ -21,15 +21,17 @@ def test_defaults_follow_the_method():
 
 def test_paper_preset_is_the_method_as_specified():
     """SFIConfig.paper(): the defaults with no extension (SFI_METHOD.md's values); the
-    defaults differ from it in successor_radius only (the retrieval suite's choice)."""
+    defaults differ from it in the three extensions the retrieval suite chose."""
     paper, default = SFIConfig.paper(), SFIConfig()
     assert paper.successor_radius == 0 and paper.evidence_window == 1
-    assert paper.warmup_steps == default.warmup_steps == 0 and default.warmup_t_max == 4
+    assert paper.warmup_steps == 0 and paper.selection_memory is None and not paper.remembers
     diff = {f.name for f in dataclasses.fields(SFIConfig)
             if getattr(paper, f.name) != getattr(default, f.name)}
-    assert diff == {"successor_radius"} and default.successor_radius == 7
+    assert diff == {"successor_radius", "warmup_steps", "selection_memory"}
+    assert (default.successor_radius, default.warmup_steps, default.warmup_t_max,
+            default.selection_memory) == (7, 32, 4, 0.0) and default.remembers
     assert SFIConfig.paper(k_select=8, policy="tmax") == SFIConfig(
-        k_select=8, policy="tmax", successor_radius=0)
+        k_select=8, policy="tmax", successor_radius=0, warmup_steps=0, selection_memory=None)
     assert SFIConfig.paper(successor_radius=3).successor_radius == 3
     with pytest.raises(ValueError, match=r"SFIConfig\.successor_radius\b"):
         SFIConfig.paper(successor_radius=-1)

@@ -252,15 +252,23 @@ def check_selector():
     for spec in ("2x4", "1x8"):
         plan = sharding.plan_for(CONFIGS["qwen3"], sharding.make_mesh(spec), B)
         assert plan.head_axis == "model"
-        got = jax.jit(lambda *a: sharding.select_and_compact(plan, fn, *a))(
+        got = jax.jit(lambda *a: sharding.select_and_compact(plan, fn, *a,
+                                                             remembers=cfg.remembers))(
             logits, norms, k, v, lo, hi, lengths)
+        assert len(got) == len(want) == 5  # (the default selection remembers its scores)
         for a, b, what in zip(got, want, ("ck", "cv", "c_len", "positions")):
             assert np.array_equal(np.asarray(a), np.asarray(b)), f"{spec}: {what} differs"
+        # the scores went through the cross-head sum, reduced in another order across devices
+        a, b = np.asarray(got[4]), np.asarray(want[4])
+        assert np.array_equal(np.isfinite(a), np.isfinite(b)), f"{spec}: held scores differ"
+        fin = np.isfinite(b)
+        np.testing.assert_allclose(a[fin], b[fin], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{spec}: held scores differ")
     # without the reduction each device would see only its own heads
     mesh = sharding.make_mesh("2x4")
     local = jax.shard_map(lambda *a: fn(*a), mesh=mesh, check_vma=False,
                           in_specs=(P("data", "model"),) * 4 + (P("data"),) * 3,
-                          out_specs=(P("data", "model"),) * 4)
+                          out_specs=(P("data", "model"),) * len(want))
     wrong = jax.jit(local)(logits, norms, k, v, lo, hi, lengths)
     assert not np.array_equal(np.asarray(wrong[3]), np.asarray(want[3])), \
         "the cross-head term made no difference: the check cannot see a missing reduction"

@@ -375,8 +375,10 @@ def test_eval_acceptance_intervals():
 def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
     """verify_refresh (t_max = draft_len + 1): a verify that ends a full draft selects from its
     own logits, so most of a row's verify steps refresh (a draft cut short by a trigger or a
-    rejection waits for the next); plain SFI (t_max 64) refreshes once here. Both give dense
-    decoding's tokens."""
+    rejection waits for the next); plain SFI (t_max 64, its warm-up off) refreshes once here.
+    Both give dense decoding's tokens."""
+    import dataclasses
+
     import numpy as np
 
     import sfi_jax
@@ -389,6 +391,8 @@ def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
     runs = {}
     for pol in ("verify_refresh", "sfi"):
         cfg = acc.policy_config(pol, 0.15, 512, 64, 3)
+        if pol == "sfi":  # (the default warm-up refreshes every 4 steps over the first 32)
+            cfg = dataclasses.replace(cfg, warmup_steps=0)
         runs[pol] = sfi_jax.generate(tiny_qwen3.model, prompts, mode="exact", sfi=cfg, **kw)
         assert runs[pol].tokens == dense.tokens
     s = runs["verify_refresh"].stats
