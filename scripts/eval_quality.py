@@ -120,7 +120,10 @@ def _overrides(args) -> dict:
     out = {}
     for item in args.set or []:
         key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        if value.lower() in ("none", "off"):  # an extension off, e.g. selection_memory=none
+            out[key] = None
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
     return out
 
 
