@@ -179,11 +179,10 @@ def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_ro
                  head_axis=plan.head_axis)
         return out.attn, out.k, out.v, _big(out.sfi), out.slow_logits
 
-    big_spec = big_specs
     buf_spec = None if buf is None else cache
-    in_specs = (heads3, heads3, heads3, cache, cache, big_spec, buf_spec, P(), row,
+    in_specs = (heads3, heads3, heads3, cache, cache, big_specs, buf_spec, P(), row,
                 None if dense_rows is None else row, None if mask is None else row)
-    out_specs = (heads3, cache, cache, big_spec, buf_spec)
+    out_specs = (heads3, cache, cache, big_specs, buf_spec)
     attn, k, v, big, buf = _shard_map(plan, body, in_specs, out_specs)(
         q, k_new, v_new, k, v, big, buf, l, pos, dense_rows, mask)
     if st is not None:
