@@ -128,29 +128,28 @@ def _shard_map(plan: ShardPlan, fn, in_specs, out_specs):
                          check_vma=False)
 
 
+_BIG = ("ck", "cv", "c_len", "positions", "key_norms", "scores")
+"""The SFIState fields split over rows and KV heads (scores None unless the selection
+remembers: an empty subtree to shard_map)."""
+
+
 def _big(st):
-    """The state's per-(row, head) arrays, the selection memory's scores last where held."""
-    if st is None:
-        return None
-    big = (st.ck, st.cv, st.c_len, st.positions, st.key_norms)
-    return big if st.scores is None else (*big, st.scores)
+    return None if st is None else tuple(getattr(st, f) for f in _BIG)
 
 
-def _big_specs(plan, big):
+def _big_specs(plan):
     """Specs of `_big`'s arrays: rows over the batch axis, KV heads over the head axis."""
     h = plan.per_head
-    specs = (h(5, lead=1), h(5, lead=1), h(3, lead=1), h(4, lead=1), h(4, lead=1))
-    return specs + (h(4, lead=1),) * (len(big) - len(specs))
+    return (h(5, lead=1), h(5, lead=1), h(3, lead=1), h(4, lead=1), h(4, lead=1), h(4, lead=1))
 
 
 def _local_state(big):
     """A device's SFIState of `_big`'s arrays (no per-row counters: the callers need none)."""
-    return SFIState(*big[:5], None, None, None, None, scores=big[5] if len(big) > 5 else None)
+    return SFIState(*big[:5], None, None, None, None, scores=big[5])
 
 
 def _with_big(st, big):
-    return st._replace(ck=big[0], cv=big[1], c_len=big[2], positions=big[3], key_norms=big[4],
-                       scores=big[5] if len(big) > 5 else None)
+    return st._replace(**dict(zip(_BIG, big)))
 
 
 def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_rows, slots):
@@ -169,7 +168,7 @@ def attend(plan: ShardPlan, fn, q, k_new, v_new, k, v, st, buf, l, pos, dense_ro
     heads3 = h(3)  # q, k_new, v_new [B, H, D]
     cache = h(5, lead=1)
     big = _big(st)
-    big_specs = None if big is None else _big_specs(plan, big)
+    big_specs = None if big is None else _big_specs(plan)
     mask = None if slots is None else jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(q, k_new, v_new, k, v, big, buf, l, pos, dense_rows, mask):
@@ -197,7 +196,7 @@ def select_all_layers(plan: ShardPlan, fn, st, buf, k, v, pos, slots):
     n_slots = slots.shape[0]
     row, h = plan.rows, plan.per_head
     cache = h(5, lead=1)
-    big_specs = _big_specs(plan, _big(st))
+    big_specs = _big_specs(plan)
     mask = jnp.zeros((B,), bool).at[slots].set(True, mode="drop")
 
     def body(big, buf, k, v, pos, mask):
