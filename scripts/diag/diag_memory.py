@@ -124,7 +124,7 @@ def engine_programs(spec: str, out: str | None):
     from sfi_jax.runtime.state import cache_dtype
 
     itemsize = jnp.dtype(cache_dtype(model.dtype)).itemsize  # (float32 on a CPU)
-    cache = model.config.kv_cache_bytes(slots, max_len, itemsize) / GIB
+    cache = model.config.kv_cache_bytes(slots, eng.cache_len, itemsize) / GIB
     rows = []
     for key, prog in programs._PROGRAMS.items():
         m = prog.memory_analysis()

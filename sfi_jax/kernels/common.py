@@ -40,6 +40,13 @@ def as_layer_stacks(layer, *xs):
     return (*stacks, as_layer_stack(xs[0], layer)[1])
 
 
+def cache_origin(layer, row):
+    """int32 [2]: the layer (an `as_layer_stacks` index) and the cache row of a kernel's first
+    batch row (None: 0), the scalars a kernel reads its cache at."""
+    row = jnp.zeros((1,), jnp.int32) if row is None else jnp.asarray(row, jnp.int32).reshape(1)
+    return jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1), row])
+
+
 def pow2(n):
     """The smallest power of two >= n (1 for n <= 1): the kernels' padded block sizes."""
     return 1 << max(int(n) - 1, 0).bit_length()

@@ -56,7 +56,7 @@ def _check_block(name, value, impl):
             raise ValueError(f"{name}={value}; the pallas_tpu kernel needs a multiple of {step}")
 
 
-def _check(q, k, v, q_start, kv_len, layer):
+def _check(q, k, v, q_start, kv_len, layer, row):
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}; expected [B, T, Hq, D]")
     want = 5 if layer is not None else 4
@@ -68,8 +68,10 @@ def _check(q, k, v, q_start, kv_len, layer):
         raise ValueError(f"k {k.shape} and v {v.shape} differ")
     b, t, hq, d = q.shape
     _, hkv, s_len, dk = k.shape[-4:]
-    if k.shape[-4] != b:
+    if row is None and k.shape[-4] != b:
         raise ValueError(f"q has batch {b} but the cache {k.shape} has batch {k.shape[-4]}")
+    if row is not None and k.shape[-4] < b:
+        raise ValueError(f"q has batch {b} but the cache {k.shape} has only {k.shape[-4]} rows")
     if dk != d:
         raise ValueError(f"head dim of q ({d}) and k ({dk}) differ")
     if hq % hkv:
@@ -84,16 +86,20 @@ def _check(q, k, v, q_start, kv_len, layer):
     for name, x in (("q_start", q_start), ("kv_len", kv_len)):
         if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} is {x.dtype}{list(x.shape)}; expected int32[{b}]")
-    if layer is not None and jnp.shape(layer) != ():
-        raise ValueError(f"layer has shape {jnp.shape(layer)}; expected a scalar")
+    for name, x in (("layer", layer), ("row", row)):
+        if x is not None and jnp.shape(x) != ():
+            raise ValueError(f"{name} has shape {jnp.shape(x)}; expected a scalar")
 
 
 def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, block_k=None,
-                      layer=None):
+                      layer=None, row=None):
     """Causal attention of a chunk of queries over a cache that already holds the chunk.
 
     q [B, T, Hq, D]: query t of row b sits at position q_start[b] + t. k, v [B, Hkv, S, D]
     (head-major; with `layer`, stacked [L, B, Hkv, S, D] and layer `layer` is read in place).
+    row: query row b reads cache row `row` + b (a traced scalar; the cache may hold more rows
+    than q: an Engine prefills one request into its slot's row in place); None: row 0 and the
+    cache's batch is q's.
     A query at position p sees keys j <= p with j < kv_len[b]. Queries at positions >= kv_len[b]
     are padding: their output is finite but unspecified. GQA: Hq = G * Hkv, query head
     h * G + g reads KV head h. Returns out [B, T, Hq, D] in q's dtype.
@@ -104,14 +110,15 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
     impl = resolve_impl(impl, q, k)
     q_start = jnp.asarray(q_start)
     kv_len = jnp.asarray(kv_len)
-    _check(q, k, v, q_start, kv_len, layer)
+    _check(q, k, v, q_start, kv_len, layer, row)
     _check_block("block_q", block_q, impl)
     _check_block("block_k", block_k, impl)
     q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
+    row = jnp.zeros((), jnp.int32) if row is None else jnp.asarray(row, jnp.int32)
     if impl == "xla":
-        return prefill_attention_xla(q, k, v, q_start, kv_len, layer,
+        return prefill_attention_xla(q, k, v, q_start, kv_len, layer, row,
                                      block_q=block_q or XLA_BLOCK_Q,
                                      block_k=block_k or XLA_BLOCK_K)
     if impl == "cudnn":
@@ -120,13 +127,13 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
         if platform() != "gpu" or not prefill_attention_cudnn.supported(q, k):
             raise ValueError(f"impl='cudnn' needs a GPU and bfloat16/float16 inputs with head dim "
                              f"<= 128 (got {platform()}, {q.dtype}, D={q.shape[-1]})")
-        return prefill_attention_cudnn.prefill_attention(q, k, v, q_start, kv_len, layer)
+        return prefill_attention_cudnn.prefill_attention(q, k, v, q_start, kv_len, layer, row)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import prefill_attention_gpu as mod
 
     else:
         from sfi_jax.kernels import prefill_attention_tpu as mod
-    return mod.prefill_attention(q, k, v, q_start, kv_len, layer, block_q=block_q,
+    return mod.prefill_attention(q, k, v, q_start, kv_len, layer, row, block_q=block_q,
                                  block_k=block_k, interpret=interpret_for(impl))
 
 
@@ -138,8 +145,8 @@ def _stack(x, layer):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k"))
-def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, *, block_q=XLA_BLOCK_Q,
-                          block_k=XLA_BLOCK_K):
+def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, row=0, *,
+                          block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K):
     """The "xla" implementation: a scan over query blocks, each a while loop over the key
     blocks it needs (up to its causal edge and max(kv_len)), so scores take
     O(block_q * block_k) memory per head and the unfilled cache is never read."""
@@ -169,8 +176,8 @@ def prefill_attention_xla(q, k, v, q_start, kv_len, layer=None, *, block_q=XLA_B
             acc, m, l = carry
             start = j * bk
             at = jnp.minimum(start, s_len - bk)  # a short last block re-reads; masked below
-            kb = lax.dynamic_slice(k, (layer, 0, 0, at, 0), (1, b, hkv, bk, d))[0]
-            vb = lax.dynamic_slice(v, (layer, 0, 0, at, 0), (1, b, hkv, bk, d))[0]
+            kb = lax.dynamic_slice(k, (layer, row, 0, at, 0), (1, b, hkv, bk, d))[0]
+            vb = lax.dynamic_slice(v, (layer, row, 0, at, 0), (1, b, hkv, bk, d))[0]
             keys = at + key_idx
             ok = ((keys >= start)[None, None, :] & (keys[None, None, :] <= pos[:, :, None])
                   & (keys[None, None, :] < kv_len[:, None, None]))  # [B, bq, bk]

@@ -41,13 +41,16 @@ def _attend(q, k_seq, v_seq, *, causal, kv_lens=None):
     return o, lse.astype(jnp.float32)
 
 
-def prefill_attention(q, k, v, q_start, kv_len, layer=None):
+def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None):
     """See `kernels.prefill_attention.prefill_attention` (the cache must have room for the
     whole chunk after q_start: q_start + T <= S)."""
     del kv_len  # valid queries never see keys at or past kv_len (causal); padding ones may
-    if layer is not None:
-        k, v = k[layer], v[layer]
     b, t, _, _ = q.shape
+    if layer is None:
+        k, v = k[None], v[None]
+    # cuDNN reads its operands whole: slice out the rows q reads (a copy of those rows only)
+    at = (0 if layer is None else layer, 0 if row is None else row, 0, 0, 0)
+    k, v = (lax.dynamic_slice(x, at, (1, b) + x.shape[2:])[0] for x in (k, v))
     s_len = k.shape[2]
     to_seq = lambda x: jnp.swapaxes(x, 1, 2)  # [B, Hkv, n, D] -> [B, n, Hkv, D]
     own = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, t, axis=1))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stacks, dot_precision, pow2
+from sfi_jax.kernels.common import as_layer_stacks, cache_origin, dot_precision, pow2
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
 _LOG2E = 1.4426950408889634
@@ -50,11 +50,11 @@ def default_config(d, dtype=jnp.bfloat16) -> Config:
     return cfg
 
 
-def _kernel(layer_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_len, nq, group,
+def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_len, nq, group,
             gp, bq, bk, d, dp, scale, precision):
     i = nq - 1 - pl.program_id(0)  # the last query blocks (most keys) first
     h, b = pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    layer, cache_row = at_ref[0], at_ref[1] + b
     kv = jnp.clip(kv_ref[b], 0, s_len)
     t0 = i * bq
     first = qs_ref[b] + t0  # position of the block's first query
@@ -75,7 +75,7 @@ def _kernel(layer_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_l
     def step(j, carry, masked):
         acc, m, l = carry
         start = j * bk
-        blk = (layer, b, h, pl.ds(start, bk), pl.ds(0, dp))
+        blk = (layer, cache_row, h, pl.ds(start, bk), pl.ds(0, dp))
         if masked:
             kmask = (start + idx) < kv
             lmask = kmask[:, None] if dmask is None else kmask[:, None] & dmask[None, :]
@@ -106,8 +106,8 @@ def _kernel(layer_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, *, t_len, s_l
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "config"))
-def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, block_k=None,
-                      interpret=False, config=None):
+def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None, *, block_q=None,
+                      block_k=None, interpret=False, config=None):
     """Flash prefill attention (see kernels.prefill_attention.prefill_attention).
 
     config: a Config (block_q / block_k, when given, override its rows and block_k).
@@ -130,4 +130,4 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
         compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages),
         interpret=interpret, name="sfi_prefill_attention",
-    )(layer, q_start.astype(jnp.int32), kv_len.astype(jnp.int32), q, k, v)
+    )(cache_origin(layer, row), q_start.astype(jnp.int32), kv_len.astype(jnp.int32), q, k, v)

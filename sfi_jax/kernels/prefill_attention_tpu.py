@@ -1,7 +1,7 @@
 """Flash prefill attention for TPU: Pallas with the Mosaic TPU lowering.
 
-Grid (row, KV head, query block, key block). q_start, kv_len and the layer are scalar
-prefetch, so the K/V index maps clamp to the last key block a query block needs (its causal
+Grid (row, KV head, query block, key block). q_start, kv_len, the layer and the first cache
+row are scalar prefetch, so the K/V index maps clamp to the last key block a query block needs (its causal
 edge or the row's filled length): past it the block index repeats, Pallas skips the copy,
 and `pl.when` skips the compute. Key blocks that every query of the block sees whole take
 an unmasked step. The query group's G heads share each K/V block; the online-softmax state
@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sfi_jax.kernels.common import as_layer_stacks
+from sfi_jax.kernels.common import as_layer_stacks, cache_origin
 
 BLOCK_Q = 128
 BLOCK_K = 512
@@ -36,9 +36,9 @@ def _reach(first, kv, bq, t_len, i, s_len):
     return jnp.clip(jnp.minimum(first + jnp.minimum(bq, t_len - i * bq), kv), 0, s_len)
 
 
-def _kernel(qs_ref, kv_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
+def _kernel(qs_ref, kv_ref, at_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
             t_len, s_len, scale, group):
-    del layer_ref
+    del at_ref
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bq, bk = q_ref.shape[1], k_ref.shape[0]
     kv = jnp.clip(kv_ref[b], 0, s_len)
@@ -91,8 +91,8 @@ def _kernel(qs_ref, kv_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, a
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
-def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, block_k=None,
-                      interpret=None):
+def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None, *, block_q=None,
+                      block_k=None, interpret=None):
     """Flash prefill attention (see kernels.prefill_attention.prefill_attention)."""
     b, t, hq, d = q.shape
     k, v, layer = as_layer_stacks(layer, k, v)
@@ -106,10 +106,10 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
     qg = jnp.pad(q, ((0, 0), (0, nq * bq - t), (0, 0), (0, 0)))
     qg = qg.reshape(b, nq * bq, hkv, group, d).transpose(0, 2, 3, 1, 4)
 
-    def kv_map(r, h, i, j, qs, kvl, lay):
+    def kv_map(r, h, i, j, qs, kvl, at):
         first = qs[r] + i * bq
         hi = _reach(first, jnp.clip(kvl[r], 0, s_len), bq, t, i, s_len)
-        return lay[0], r, h, jnp.minimum(j, jnp.maximum(pl.cdiv(hi, bk) - 1, 0)), 0
+        return at[0], at[1] + r, h, jnp.minimum(j, jnp.maximum(pl.cdiv(hi, bk) - 1, 0)), 0
 
     q_spec = pl.BlockSpec((None, None, group, bq, d), lambda r, h, i, j, *_: (r, h, 0, i, 0))
     kv_spec = pl.BlockSpec((None, None, None, bk, d), kv_map)
@@ -127,5 +127,5 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, *, block_q=None, blo
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="sfi_prefill_attention",
-    )(q_start.astype(jnp.int32), kv_len.astype(jnp.int32), layer, qg, k, v)
+    )(q_start.astype(jnp.int32), kv_len.astype(jnp.int32), cache_origin(layer, row), qg, k, v)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, nq * bq, hq, d)[:, :t]

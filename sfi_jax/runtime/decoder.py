@@ -45,23 +45,21 @@ class Active:
     # the Engine's prefill progress
     tokens: np.ndarray | None = None
     start: int = 0
-    k: jax.Array | None = None
-    v: jax.Array | None = None
-    key_norms: jax.Array | None = None
     carry: prefill.PrefillCarry | None = None
     chunk: int = 0
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "counts"))
-def _release(state: DecodeState, counts, free):
-    """Rows in `free` (bool [B]) end: done, back at length 0, no budget."""
+def _release(state: DecodeState, counts, free, length):
+    """Rows in `free` (bool [B]) end: done, at position `length` (where the decode steps of
+    the others write their idle key), no budget."""
     rows = state.rows
     if rows is not None:
         rows = rows._replace(remaining=jnp.where(free, 0, rows.remaining))
     if counts is not None:
         counts = counts._replace(remaining=jnp.where(free, 0, counts.remaining))
-    return state._replace(done=state.done | free, lengths=jnp.where(free, 0, state.lengths),
-                          rows=rows), counts
+    return state._replace(done=state.done | free,
+                          lengths=jnp.where(free, length, state.lengths), rows=rows), counts
 
 
 class SlotDecoder:
@@ -102,7 +100,7 @@ class SlotDecoder:
         self.on_chunk = on_chunk
         B = state.token.shape[0]
         self.slots: list[Active | None] = [None] * B
-        self.released = np.ones((B,), bool)  # the device row is idle (done, length 0)
+        self.released = np.ones((B,), bool)  # the device row is idle (done, no budget)
         self.tally = collections.Counter()
         self.rate = collections.deque(maxlen=32)  # (tokens, seconds) of recent decode calls
         self.steps = 0  # decode steps (exact mode: rounds) taken
@@ -139,9 +137,21 @@ class SlotDecoder:
             if a is not None and a.handle.cancelled:
                 self.finish(a, "cancelled")
             free[slot] = self.slots[slot] is None
-        if np.any(free & ~self.released):
-            self.state, self.counts = _release(self.state, self.counts, self.put(free))
+        free &= ~self.released
+        if np.any(free):
+            self.state, self.counts = _release(self.state, self.counts, self.put(free),
+                                               jnp.int32(0))
             self.released |= free
+
+    def park(self, slot: int, position: int):
+        """Slot `slot`'s row idles at `position` (done, no budget) while a request is
+        prefilled into the row: every decode step writes each row's key at its length, an
+        idle row's too, so the row must idle where the prompt's cache is not."""
+        free = np.zeros((self.batch,), bool)
+        free[slot] = True
+        self.state, self.counts = _release(self.state, self.counts, self.put(free),
+                                           jnp.int32(position))
+        self.released[slot] = True
 
     # ------------------------------------------------------------------ one chunk
 

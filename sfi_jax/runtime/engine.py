@@ -4,8 +4,9 @@ Each slot is one row of the KV cache, the SFI state and the per-row controls (`R
 sampling parameters, PRNG key, token budget), all allocated once. A scheduler thread admits
 waiting requests into free slots: a request's prompt is prefilled alone (batch 1, in chunks of
 up to `prefill_chunk` tokens, one chunk per scheduler iteration so that running streams wait at
-most one chunk), its initial selection made and its first token sampled, then its cache rows
-are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
+most one chunk) straight into its slot's row of the slots' cache (no cache of its own, so a
+slot of the full context costs its own memory once), its initial selection made and its first
+token sampled, then its SFI state and controls are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
 steps in one device call and streams each request's new tokens, freeing slots on EOS, a stop
 string or token id, the token budget or a cancel: `decoder.SlotDecoder`, the decode loop
 `generate` runs too. A request's prompt length, budget and sampling are data: programs depend
@@ -66,18 +67,16 @@ def _as_float(value, field, ok, what):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: RowControls,
-            done):
-    """Slot `slot` <- one prefilled request: its cache rows k, v [L, 1, Hkv, T, D] (T <= the
-    cache length), its SFI state (batch 1), length, first token and controls."""
-    at = (0, slot, 0, 0, 0)
+def _insert(state: DecodeState, slot, sfi_row, length, token, controls: RowControls, done):
+    """Slot `slot` <- one request prefilled into the slot's cache row (its keys and key norms
+    are there already): its SFI state (batch 1; its key norms unused), length, first token
+    and controls."""
     st = state.sfi
     if st is not None:
-        norms = jax.lax.dynamic_update_slice(st.key_norms, sfi_row.key_norms, (0, slot, 0, 0))
         put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, slot, axis=1)  # noqa
         st = st._replace(ck=put(st.ck, sfi_row.ck), cv=put(st.cv, sfi_row.cv),
                          c_len=put(st.c_len, sfi_row.c_len),
-                         positions=put(st.positions, sfi_row.positions), key_norms=norms,
+                         positions=put(st.positions, sfi_row.positions),
                          since_slow=st.since_slow.at[slot].set(0),
                          pending=st.pending.at[slot].set(True),
                          slow_steps=st.slow_steps.at[slot].set(0),
@@ -90,11 +89,16 @@ def _insert(state: DecodeState, slot, k, v, sfi_row, length, token, controls: Ro
     if q_hist is not None:
         q_hist = q_hist.at[:, slot].set(0)
     return state._replace(
-        k=jax.lax.dynamic_update_slice(state.k, k, at),
-        v=jax.lax.dynamic_update_slice(state.v, v, at),
         lengths=state.lengths.at[slot].set(length), token=state.token.at[slot].set(token),
         done=state.done.at[slot].set(done), sfi=st, rows=rows, q_hist=q_hist,
         nonfinite=state.nonfinite.at[slot].set(False))
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _row_norms(key_norms, slot, length):
+    """Slot `slot`'s key norms [L, 1, Hkv, length] (the prefill wrote them in place)."""
+    L, _, Hkv, _ = key_norms.shape
+    return jax.lax.dynamic_slice(key_norms, (0, slot, 0, 0), (L, 1, Hkv, length))
 
 
 @functools.partial(jax.jit, donate_argnames=("counts",))
@@ -113,7 +117,9 @@ def _first_token(logits, controls: RowControls):
 
 
 class Engine:
-    """Continuous batching over `max_slots` rows of a `max_len`-position cache.
+    """Continuous batching over `max_slots` rows of a `max_len`-position cache (allocated at
+    `cache_len` positions: max_len rounded up to the prefill's padded length, so that a
+    prompt's chunks fit the slot's row).
 
     mode: a `Mode` or its value, "sfi", "dense" or "exact" (exact: greedy requests only:
     dense decoding's tokens, drafted by SFI's fast steps and verified by a dense step; its
@@ -153,6 +159,7 @@ class Engine:
         self.model_name = model_name or getattr(model, "source", None) or "sfi_jax"
         self.window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
         self.max_len, self.max_slots = self._size(max_len, max_slots)
+        self.cache_len = prefill.bucket(self.max_len, self.max_chunk)
         self._masks(trigger_ids)
         self._prefilling: collections.deque[Active] = collections.deque()
         self._waiting: collections.deque[Active] = collections.deque()
@@ -183,28 +190,28 @@ class Engine:
         if self.sfi is not None:  # (k_select beyond the cache length selects nothing more)
             self.sfi = self.sfi.capped(max_len)
         db = cache_dtype(self.model.dtype).itemsize
-        per_slot = sum(state_bytes(cfg, 1, max_len, db, self.sfi).values())
+        cache_len = prefill.bucket(max_len, self.max_chunk)
+        per_slot = sum(state_bytes(cfg, 1, cache_len, db, self.sfi).values())
         from sfi_jax.runtime.generation import _available_device_bytes
 
         avail = _available_device_bytes(jax.local_devices()[0])
-        work = sum(prefill.activation_bytes(cfg, 1, min(self.max_chunk, max_len), max_len, db,
-                                            self.window).values()) + \
-            sum(state_bytes(cfg, 1, prefill.bucket(max_len, self.max_chunk), db,
-                            self.sfi).values())  # one request's prefill
+        # one request's prefill: its activations (it writes the slot's own cache row)
+        work = sum(prefill.activation_bytes(cfg, 1, min(self.max_chunk, cache_len), cache_len,
+                                            db, self.window).values())
         if max_slots is None:
             fit = 16 if avail is None else int((0.9 * avail - work) // per_slot)
             max_slots = min(CPU_MAX_SLOTS if on_cpu else MAX_SLOTS, fit)
             if max_slots < 1:
-                raise MemoryError(self._memory_message(1, max_len, per_slot, work, avail))
+                raise MemoryError(self._memory_message(1, cache_len, per_slot, work, avail))
         max_slots = _as_int(max_slots, "max_slots", 1, what="an integer >= 1")
         if avail is not None and max_slots * per_slot + work > avail:
-            raise MemoryError(self._memory_message(max_slots, max_len, per_slot, work, avail))
+            raise MemoryError(self._memory_message(max_slots, cache_len, per_slot, work, avail))
         return max_len, max_slots
 
     @staticmethod
-    def _memory_message(slots, max_len, per_slot, work, avail):
+    def _memory_message(slots, cache_len, per_slot, work, avail):
         gib = 2 ** 30
-        return (f"{slots} slots x {max_len} positions need {slots * per_slot / gib:.2f} GiB "
+        return (f"{slots} slots x {cache_len} positions need {slots * per_slot / gib:.2f} GiB "
                 f"(KV cache + SFI state, {per_slot / gib:.3f} GiB per slot) and a prefill "
                 f"{work / gib:.2f} GiB more, but the device has {avail / gib:.2f} GiB free; "
                 "lower max_slots or max_len")
@@ -227,7 +234,7 @@ class Engine:
         self._eos, self._trig = jnp.asarray(eos), jnp.asarray(trig)
 
     def _empty_state(self) -> DecodeState:
-        cfg, B, S, dtype = self.cfg, self.max_slots, self.max_len, self.model.dtype
+        cfg, B, S, dtype = self.cfg, self.max_slots, self.cache_len, self.model.dtype
         k, v = empty_cache(cfg, B, S, cache_dtype(dtype))
         sfi_state = empty_sfi_state(cfg, self.sfi, B, S, cache_dtype(dtype)) if self.sfi else None
         q_hist = None
@@ -465,24 +472,28 @@ class Engine:
         return out
 
     def _prefill_chunk(self, a: Active) -> bool:
-        """One prefill chunk of request `a`; True when its prompt is done: after the chunk that
-        holds its last token (a long prompt's cache is the slots' padded length, and chunks past
-        the prompt would only write padding that every reader masks)."""
-        cfg, dtype = self.cfg, self.model.dtype
+        """One prefill chunk of request `a`, written into its slot's row of the slots' cache;
+        True when its prompt is done: after the chunk that holds its last token (a long
+        prompt's padded length is the slots' cache length, and chunks past the prompt would
+        only write padding that every reader masks)."""
+        cfg, dtype, dec = self.cfg, self.model.dtype, self.decoder
         if a.tokens is None:
             T = self.prefill_length(len(a.ids))
             a.chunk = prefill.prefill_chunk_size(T, self.max_chunk)
             a.tokens = np.zeros((1, T), np.int32)
             a.tokens[0, :len(a.ids)] = a.ids
-            a.k, a.v = empty_cache(cfg, 1, T, cache_dtype(dtype))
-            a.key_norms = jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, T), jnp.float32) \
-                if self.sfi is not None else jnp.zeros((0,), jnp.float32)
             a.carry = prefill.empty_carry(cfg, 1, self.window, jnp.dtype(dtype))
-        s = a.start
-        a.k, a.v, a.key_norms, a.carry = prefill.prefill_chunk(
-            self.params, a.k, a.v, a.key_norms, jnp.asarray(a.tokens[:, s:s + a.chunk]),
+            # the slot's row idles where no request writes while decode steps run beside
+            # this prefill: its last position (a request's tokens end by max_len - 2)
+            dec.park(a.slot, self.cache_len - 1)
+        s, st = a.start, dec.state
+        norms = st.sfi.key_norms if st.sfi is not None else jnp.zeros((0,), jnp.float32)
+        k, v, norms, a.carry = prefill.prefill_chunk(
+            self.params, st.k, st.v, norms, jnp.asarray(a.tokens[:, s:s + a.chunk]),
             jnp.int32(s), jnp.asarray([len(a.ids)], jnp.int32), a.carry, cfg=cfg,
-            with_norms=self.sfi is not None, options=self.options)
+            with_norms=self.sfi is not None, options=self.options, row=jnp.int32(a.slot))
+        dec.state = st._replace(k=k, v=v, sfi=None if st.sfi is None else
+                                st.sfi._replace(key_norms=norms))
         a.start += a.chunk
         return a.start >= min(len(a.ids), a.tokens.shape[1])
 
@@ -495,20 +506,22 @@ class Engine:
                            remaining=jnp.asarray([r.max_tokens - 1], jnp.int32))
 
     def _enter_slot(self, a: Active):
-        """The prefilled request's selection and first token; then its rows go into its slot."""
-        cfg, sfi, n = self.cfg, self.sfi, len(a.ids)
+        """The prefilled request's selection (from its slot's cache row) and first token; then
+        its SFI state and controls go into its slot."""
+        cfg, sfi, n, dec = self.cfg, self.sfi, len(a.ids), self.decoder
         T = a.tokens.shape[1]
         lengths = jnp.asarray([n], jnp.int32)
         sfi_row = None
         if sfi is not None:
             st = empty_sfi_state(cfg, sfi, 1, T, cache_dtype(self.model.dtype))._replace(
-                key_norms=a.key_norms)
+                key_norms=_row_norms(dec.state.sfi.key_norms, jnp.int32(a.slot), T))
+            state, row = dec.state, jnp.int32(a.slot)
             if sfi.sink_only:
-                args = (st, a.k, a.v, lengths)
+                args = (st, state.k, state.v, lengths, row)
                 sfi_row = programs.compiled(selection.sink_only_selection, args,
                                             dict(cfg=cfg, sfi=sfi, plan=None))[0](*args)
             else:
-                args = (st, a.k, a.v, a.carry.window_q, lengths)
+                args = (st, state.k, state.v, a.carry.window_q, lengths, row)
                 sfi_row = programs.compiled(selection.prefill_selection, args,
                                             dict(sfi=sfi, options=self.options,
                                                  plan=None))[0](*args)
@@ -519,19 +532,13 @@ class Engine:
             self.decoder.finish(a, "error", f"request {a.handle.id}: the prefill's logits are not "
                          "finite (NaN/inf); check the checkpoint and dtype")
             return
-        S = self.max_len
-        keep = min(T, S)  # positions past the prompt are padding
-        if sfi_row is not None:
-            sfi_row = sfi_row._replace(key_norms=sfi_row.key_norms[..., :keep])
         max_tokens = a.handle.request.max_tokens
         ended = max_tokens <= 1 or token in self.eos_ids
-        dec = self.decoder
-        dec.state = _insert(dec.state, jnp.int32(a.slot), a.k[..., :keep, :],
-                            a.v[..., :keep, :], sfi_row, jnp.int32(n), jnp.int32(token),
-                            controls, jnp.bool_(ended))
+        dec.state = _insert(dec.state, jnp.int32(a.slot), sfi_row, jnp.int32(n),
+                            jnp.int32(token), controls, jnp.bool_(ended))
         if dec.counts is not None:
             dec.counts = _insert_counts(dec.counts, jnp.int32(a.slot),
                                         jnp.int32(0 if ended else max_tokens - 1))
-        a.k = a.v = a.key_norms = a.carry = a.tokens = None
+        a.carry = a.tokens = None
         dec.enter(a, token, device_done=ended)
 

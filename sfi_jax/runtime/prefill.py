@@ -107,19 +107,20 @@ def attention_impl(options: EngineOptions, dtype, head_dim: int) -> str:
     return impl
 
 
-def _write_rows(cache, layer, new, start):
-    """cache [L, B, Hkv, S, ...] <- new [B, T, Hkv, ...] at positions start + t of every row:
-    one in-place update of the chunk's slab (no copy of the layer)."""
+def _write_rows(cache, layer, new, start, row):
+    """cache [L, R, Hkv, S, ...] <- new [B, T, Hkv, ...] at positions start + t of rows
+    row .. row + B - 1: one in-place update of the chunk's slab (no copy of the layer)."""
     new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)[None]  # [1, B, Hkv, T, ...]
-    at = (layer, 0, 0, start) + (0,) * (cache.ndim - 4)
+    at = (layer, row, 0, start) + (0,) * (cache.ndim - 4)
     return jax.lax.dynamic_update_slice(cache, new, at)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "with_norms", "impl", "plan"),
                    donate_argnames=("k", "v", "key_norms"))
-def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, *,
+def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, row=None, *,
            cfg: ModelConfig, with_norms: bool, impl: str, plan=None):
     B, C = tokens.shape
+    at_row = jnp.int32(0) if row is None else row
     layout = WeightLayout.of(params["layers"])  # (the structure of a static argument)
     start = start.astype(jnp.int32)
     pos = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
@@ -134,11 +135,12 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
         x, k, v, kn, wq = c
         w, l = xs
         q, k_new, v_new = attention_inputs(w, cfg, x, pos, layout=layout)
-        k = _write_rows(k, l, k_new, start)
-        v = _write_rows(v, l, v_new, start)
+        k = _write_rows(k, l, k_new, start, at_row)
+        v = _write_rows(v, l, v_new, start, at_row)
         if with_norms:
-            kn = _write_rows(kn, l, jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1), start)
-        attn = prefill_attention(q, k, v, starts, kv_len, layer=l, impl=impl)
+            kn = _write_rows(kn, l, jnp.linalg.norm(k_new.astype(jnp.float32), axis=-1), start,
+                             at_row)
+        attn = prefill_attention(q, k, v, starts, kv_len, layer=l, row=row, impl=impl)
         if W:
             picked = jnp.take_along_axis(q, jnp.clip(rel, 0, C - 1)[:, :, None, None], axis=1)
             wq = wq.at[l].set(jnp.where(in_chunk[:, :, None, None], picked.astype(wq.dtype),
@@ -158,37 +160,43 @@ def _chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry,
     return k, v, key_norms, PrefillCarry(jnp.where(here[:, None], picked, carry.last_hidden), wq)
 
 
-def _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg, with_norms,
+def _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, row, cfg, with_norms,
                 options, plan):
     options = options or EngineOptions()
     if not options.is_resolved:  # (a request path passes them resolved)
         options = options.resolved(mesh=None if plan is None else plan.mesh)
     impl = attention_impl(options, k.dtype, cfg.head_dim)
-    args = (params, k, v, key_norms, tokens, start, lengths, carry)
+    if row is not None and plan is not None:
+        raise ValueError("row= (a slot's row of a larger cache) runs on one device, not a mesh")
+    args = (params, k, v, key_norms, tokens, start, lengths, carry, row)
     return args, dict(cfg=cfg, with_norms=with_norms, impl=impl, plan=plan)
 
 
 def compile_chunk(params, k, v, key_norms, tokens, start, lengths, carry, *, cfg: ModelConfig,
-                  with_norms: bool, options: EngineOptions | None = None, plan=None) -> float:
+                  with_norms: bool, options: EngineOptions | None = None, plan=None,
+                  row=None) -> float:
     """Compile the chunk program for these arguments ahead of time (nothing runs); returns
     the seconds spent compiling (0.0 when it was compiled before)."""
-    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg,
+    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, row, cfg,
                                 with_norms, options, plan)
     return programs.compiled(_chunk, args, statics)[1]
 
 
 def prefill_chunk(params, k, v, key_norms, tokens, start, lengths, carry: PrefillCarry, *,
                   cfg: ModelConfig, with_norms: bool, options: EngineOptions | None = None,
-                  plan=None):
+                  plan=None, row=None):
     """Run tokens [B, C] at positions start + [0, C) through all layers, writing the cache
     (k, v, key_norms are donated). start: an int32 device scalar (one program for every
-    chunk). Needs start + C <= the cache length.
+    chunk). Needs start + C <= the cache length. row (an int32 device scalar, one device):
+    the tokens' rows are rows row .. row + B - 1 of a cache with more rows (the Engine
+    prefills a request into its slot's row of the slots' cache, not into a cache of its own);
+    None: the cache has the tokens' B rows.
 
     Rows are right-padded: positions >= lengths[b] are written but never attended later
     (decode overwrites them). Returns k, v, key_norms and the next `PrefillCarry`.
     On a mesh (plan), the cache keeps its row/head split (GSPMD partitions the rest).
     """
-    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, cfg,
+    args, statics = _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, row, cfg,
                                 with_norms, options, plan)
     return programs.compiled(_chunk, args, statics)[0](*args)
 

@@ -107,21 +107,33 @@ def window_logits(window_q, k_layer, lengths):
     return s.reshape(B, Hkv, (Hq // Hkv) * W, S)
 
 
+def layer_rows(x, l, row, batch, length):
+    """Layer l of a stacked cache x [L, R, Hkv, S, ...]: rows row .. row + batch - 1 (row None:
+    all R rows) and their first `length` positions."""
+    if row is None:
+        return x[l, :, :, :length]
+    at = (l, row) + (0,) * (x.ndim - 2)
+    return jax.lax.dynamic_slice(x, at, (1, batch, x.shape[2], length) + x.shape[4:])[0]
+
+
 @functools.partial(jax.jit, static_argnames=("sfi", "options", "plan"),
                    donate_argnames=("state",))
-def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfig,
+def prefill_selection(state: SFIState, k, v, window_q, lengths, row=None, *, sfi: SFIConfig,
                       options: EngineOptions, plan=None) -> SFIState:
     """Initial selection (SFI_METHOD.md §5): per layer, select from the logits of the prefill's
     own queries at each row's last W prompt positions (window_q [L, B, W, Hq, D], kept by
     `prefill.prefill_chunk`) over the prompt; no pass through the layers. On a mesh, under
     shard_map with the cross-head term reduced over the devices holding the KV heads.
-    `options` must be resolved."""
+    `options` must be resolved. row (one device): state's B rows are rows row .. row + B - 1
+    of the cache k, v (an Engine's slot), read one layer at a time over state's positions."""
     lo, hi = allowed_range(lengths, sfi)
     fn = functools.partial(select_compact, sfi=sfi, options=options)
+    B, T = window_q.shape[1], state.key_norms.shape[-1]
 
     def layer(st, l):
-        logits = window_logits(window_q[l], k[l], lengths)
-        args = (logits, st.key_norms[l], k[l], v[l], lo, hi, lengths)
+        k_l, v_l = layer_rows(k, l, row, B, T), layer_rows(v, l, row, B, T)
+        logits = window_logits(window_q[l], k_l, lengths)
+        args = (logits, st.key_norms[l], k_l, v_l, lo, hi, lengths)
         if plan is None:
             ck, cv, c_len, pos, *scores = fn(*args)
         else:
@@ -140,14 +152,17 @@ def prefill_selection(state: SFIState, k, v, window_q, lengths, *, sfi: SFIConfi
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sfi", "plan"), donate_argnames=("state",))
-def sink_only_selection(state: SFIState, k, v, lengths, *, cfg: ModelConfig, sfi: SFIConfig,
-                        plan=None):
-    """Compact buffers holding the sink alone (the StreamingLLM baseline)."""
+def sink_only_selection(state: SFIState, k, v, lengths, row=None, *, cfg: ModelConfig,
+                        sfi: SFIConfig, plan=None):
+    """Compact buffers holding the sink alone (the StreamingLLM baseline); row as in
+    `prefill_selection`."""
     L, B, Hkv = state.c_len.shape
+    T = state.key_norms.shape[-1]
     empty = jnp.full((B, Hkv, sfi.k_select), -1, jnp.int32)
 
     def one(l):
-        return compact(k[l], v[l], empty, lengths, sfi)
+        return compact(layer_rows(k, l, row, B, T), layer_rows(v, l, row, B, T), empty,
+                       lengths, sfi)
 
     ck, cv, c_len, pos = jax.lax.map(one, jnp.arange(L))
     state = state._replace(ck=ck, cv=cv, c_len=c_len, positions=pos)

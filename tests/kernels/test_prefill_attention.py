@@ -97,6 +97,28 @@ def test_stacked_cache_traced_layer(impl):
 
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_row_offset_reads_the_given_cache_rows(impl):
+    """row= (traced): query row b reads cache row row + b of a cache with more rows than q (an
+    Engine's slot), in a stacked cache at a traced layer; the other rows are never read."""
+    t, s = 24, 200
+    q, k, v = _inputs(13, 2, t, 4, 2, s, 64, jnp.float32, layers=3)
+    q_start = jnp.array([150, 0], jnp.int32)
+    kv_len = jnp.array([150 + t, t - 5], jnp.int32)
+    rows = jnp.asarray(np.random.default_rng(14).standard_normal((3, 5, 2, s, 64)), jnp.float32)
+    fn = jax.jit(lambda q, k, v, qs, kl, layer, row: prefill_attention(
+        q, k, v, qs, kl, impl=impl, layer=layer, row=row))
+    for layer, row in ((1, 3), (2, 0)):
+        kc = rows.at[:, row:row + 2].set(k)
+        vc = rows.at[:, row:row + 2].set(v)
+        out = fn(q, kc, vc, q_start, kv_len, jnp.int32(layer), jnp.int32(row))
+        want = reference(q, k[layer], v[layer], q_start, kv_len)
+        _assert_close(out, want, q_start, kv_len, jnp.float32, f"{impl} layer {layer} row {row}")
+    with pytest.raises(ValueError, match="only 1 rows"):
+        prefill_attention(q, rows[:, :1], rows[:, :1], q_start, kv_len, impl=impl, layer=0,
+                          row=0)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_default_blocks_single_query(impl):
     """Default block sizes, and a chunk of one query at the end of a filled prefix."""
     q, k, v = _inputs(5, 2, 1, 8, 2, 300, 64, jnp.bfloat16)

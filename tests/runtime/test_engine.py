@@ -57,6 +57,27 @@ def test_requests_arriving_apart_equal_generate(tiny_qwen3, mode, sfi):
         assert r.prompt_tokens == len(p) and r.completion_tokens == len(ref.tokens[0])
 
 
+@pytest.mark.parametrize("mode", ["dense", "sfi", pytest.param("exact", marks=pytest.mark.slow)])
+def test_prefill_into_a_slot_row_while_others_decode(tiny_qwen3, mode):
+    """A prompt of five chunks is prefilled into its slot's row of the shared cache between
+    the decode chunks of a running request (whose steps write every row's key at the row's
+    length, an idle row's too), in a slot another request used before: both give
+    generate()'s greedy tokens."""
+    model = tiny_qwen3.model
+    long_run, short, chunked = _prompts([6, 11, 70], seed=21)
+    with sfi_jax.Engine(model, mode=mode, prefill_chunk=16, **{**ENGINE, "chunk_steps": 2}) \
+            as engine:
+        running = engine.submit(sfi_jax.Request(prompt=long_run, max_tokens=40))
+        engine.submit(sfi_jax.Request(prompt=short, max_tokens=3)).result(TIMEOUT)
+        late = engine.submit(sfi_jax.Request(prompt=chunked, max_tokens=12))
+        first, second = running.result(TIMEOUT), late.result(TIMEOUT)
+    assert engine.prefill_length(len(chunked)) == 128  # five chunks of 16, then the slot enters
+    for p, n, r in ((long_run, 40, first), (chunked, 12, second)):
+        ref = sfi_jax.generate(model, [p], max_new_tokens=n, mode=mode, sfi=SMALL)
+        assert r.token_ids == ref.tokens[0], (mode, len(p))
+    assert len(first.token_ids) > 12  # (it decoded beside the prefill, not after it)
+
+
 def test_streamed_events_and_stop_token(tiny_qwen3):
     """Events carry every token once, in order; a stop token id ends the request before it."""
     model = tiny_qwen3.model
