@@ -434,6 +434,7 @@ class Engine:
             try:
                 if a.handle.cancelled:
                     self._prefilling.popleft()
+                    self._unpark(a)
                     self.decoder.finish(a, "cancelled")
                 elif self._prefill_chunk(a):
                     self._prefilling.popleft()
@@ -443,10 +444,18 @@ class Engine:
                     self._prefilling.popleft()
                 if not self._state_intact():
                     raise
+                self._unpark(a)
                 self.decoder.finish(a, "error", f"{type(e).__name__}: {e}")
         self.decoder.release_ended()
         if self.decoder.active():
             self.decoder.step()
+
+    def _unpark(self, a: Active):
+        """A request that ends before its slot's row holds it: the row idles at length 0
+        again (a parked row would cost a dense step its whole length)."""
+        if a.tokens is not None and self.decoder.slots[a.slot] is None:
+            self.decoder.park(a.slot, 0)
+            a.carry = a.tokens = None
 
     def _state_intact(self) -> bool:
         """Whether the slots' state survived a failed call (a donated buffer may not have)."""

@@ -78,6 +78,34 @@ def test_prefill_into_a_slot_row_while_others_decode(tiny_qwen3, mode):
     assert len(first.token_ids) > 12  # (it decoded beside the prefill, not after it)
 
 
+def test_a_request_cancelled_while_it_prefills_leaves_its_slot_idle(tiny_qwen3, monkeypatch):
+    """A cancel between prefill chunks ends the request; its slot's row, parked at its last
+    position while it prefilled, idles at length 0 again, and the slot serves the next
+    request as generate() does."""
+    from sfi_jax.runtime import prefill
+
+    model = tiny_qwen3.model
+    long_prompt, short = _prompts([70, 9], seed=23)
+    handles, real = [], prefill.prefill_chunk
+
+    def cancelling(*args, **kw):
+        out = real(*args, **kw)
+        if handles:
+            engine.cancel(handles[0])
+        return out
+
+    monkeypatch.setattr(prefill, "prefill_chunk", cancelling)
+    with sfi_jax.Engine(model, mode="dense", prefill_chunk=16,
+                        **{**ENGINE, "max_slots": 1}) as engine:
+        handles.append(engine.submit(sfi_jax.Request(prompt=long_prompt, max_tokens=5)))
+        assert handles[0].result(TIMEOUT).finish_reason == "cancelled"
+        assert int(engine.decoder.state.lengths[0]) == 0
+        handles.clear()
+        after = engine.submit(sfi_jax.Request(prompt=short, max_tokens=6)).result(TIMEOUT)
+    assert after.token_ids == sfi_jax.generate(model, [short], max_new_tokens=6,
+                                               mode="dense").tokens[0]
+
+
 def test_streamed_events_and_stop_token(tiny_qwen3):
     """Events carry every token once, in order; a stop token id ends the request before it."""
     model = tiny_qwen3.model
