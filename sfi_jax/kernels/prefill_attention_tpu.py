@@ -1,11 +1,11 @@
 """Flash prefill attention for TPU: Pallas with the Mosaic TPU lowering.
 
 Grid (row, KV head, query block, key block). q_start, kv_len, the layer and the first cache
-row are scalar prefetch, so the K/V index maps clamp to the last key block a query block needs (its causal
-edge or the row's filled length): past it the block index repeats, Pallas skips the copy,
-and `pl.when` skips the compute. Key blocks that every query of the block sees whole take
-an unmasked step. The query group's G heads share each K/V block; the online-softmax state
-lives in VMEM scratch.
+row are scalar prefetch, so the K/V index maps clamp to the last key block a query block
+needs (its causal edge or the row's filled length): past it the block index repeats, Pallas
+skips the copy, and `pl.when` skips the compute. Key blocks that every query of the block
+sees whole take an unmasked step. The query group's G heads share each K/V block; the
+online-softmax state lives in VMEM scratch.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ sampling parameters, PRNG key, token budget), all allocated once. A scheduler th
 waiting requests into free slots: a request's prompt is prefilled alone (batch 1, in chunks of
 up to `prefill_chunk` tokens, one chunk per scheduler iteration so that running streams wait at
 most one chunk) straight into its slot's row of the slots' cache (no cache of its own, so a
-slot of the full context costs its own memory once), its initial selection made and its first
-token sampled, then its SFI state and controls are inserted into the slot. Every iteration runs all active slots for `chunk_steps` decode
-steps in one device call and streams each request's new tokens, freeing slots on EOS, a stop
-string or token id, the token budget or a cancel: `decoder.SlotDecoder`, the decode loop
-`generate` runs too. A request's prompt length, budget and sampling are data: programs depend
-only on the slots, the cache length and the prompt's length bucket.
+request of the full context costs one slot's memory), its initial selection made and its first
+token sampled, then its SFI state and controls are inserted into the slot. Every iteration
+runs all active slots for `chunk_steps` decode steps in one device call and streams each
+request's new tokens, freeing slots on EOS, a stop string or token id, the token budget or a
+cancel: `decoder.SlotDecoder`, the decode loop `generate` runs too. A request's prompt
+length, budget and sampling are data: programs depend only on the slots, the cache length
+and the prompt's length bucket.
 """
 
 from __future__ import annotations
@@ -158,8 +159,7 @@ class Engine:
         self.max_queue = _as_int(max_queue, "max_queue", 1, what="an integer >= 1")
         self.model_name = model_name or getattr(model, "source", None) or "sfi_jax"
         self.window = sfi.prefill_window if sfi is not None and not sfi.sink_only else 0
-        self.max_len, self.max_slots = self._size(max_len, max_slots)
-        self.cache_len = prefill.bucket(self.max_len, self.max_chunk)
+        self.max_len, self.cache_len, self.max_slots = self._size(max_len, max_slots)
         self._masks(trigger_ids)
         self._prefilling: collections.deque[Active] = collections.deque()
         self._waiting: collections.deque[Active] = collections.deque()
@@ -206,7 +206,7 @@ class Engine:
         max_slots = _as_int(max_slots, "max_slots", 1, what="an integer >= 1")
         if avail is not None and max_slots * per_slot + work > avail:
             raise MemoryError(self._memory_message(max_slots, cache_len, per_slot, work, avail))
-        return max_len, max_slots
+        return max_len, cache_len, max_slots
 
     @staticmethod
     def _memory_message(slots, cache_len, per_slot, work, avail):
@@ -538,6 +538,7 @@ class Engine:
         token, finite, controls = _first_token(logits, self._controls(a.handle.request))
         token = int(token[0])
         if not bool(finite):
+            self._unpark(a)
             self.decoder.finish(a, "error", f"request {a.handle.id}: the prefill's logits are not "
                          "finite (NaN/inf); check the checkpoint and dtype")
             return
