@@ -51,8 +51,8 @@ class Active:
 
 @functools.partial(jax.jit, donate_argnames=("state", "counts"))
 def _release(state: DecodeState, counts, free, length):
-    """Rows in `free` (bool [B]) end: done, at position `length` (where the decode steps of
-    the others write their idle key), no budget."""
+    """Rows in `free` (bool [B]) end: done, no budget, at length `length` (each decode step
+    writes an idle row's key there: 0, or a parked row's last position)."""
     rows = state.rows
     if rows is not None:
         rows = rows._replace(remaining=jnp.where(free, 0, rows.remaining))
