@@ -37,6 +37,9 @@ ARMS = {
                                      "selection_memory": 0.5}),
     "sfi+succ7+warm32+mem0": ("sfi", {**_PAPER, "successor_radius": 7, "warmup_steps": 32,
                                       "selection_memory": 0.0}),
+    "sfi+succ7+warm32+mem0+nms025": ("sfi", {**_PAPER, "successor_radius": 7,
+                                             "warmup_steps": 32, "selection_memory": 0.0,
+                                             "alpha_soft": 0.25}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
@@ -55,6 +58,8 @@ ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
                                       "=0.5",
               "sfi+succ7+warm32+mem0": "SFI + successor_radius=7 + warm-up + selection_memory"
                                        "=0 (no decay)",
+              "sfi+succ7+warm32+mem0+nms025": "the defaults with a softer soft-NMS "
+                                              "(alpha_soft=0.25)",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
               "oracle": "oracle (dense top-k every step)", "dense": "dense",
@@ -290,7 +295,7 @@ def write_plot(res: dict, path: str):
     colors = {"paper": "C3", "sfi+succ3": "C9", "sfi+succ7": "C1", "sfi+succ15": "C8",
               "sfi+ew16": "C5", "sfi+succ7+ew16": "C4", "sfi+succ7+t4": "C6",
               "sfi+succ7+warm32": "C0", "sfi+succ7+warm32+mem": "m",
-              "sfi+succ7+warm32+mem0": "tab:pink",
+              "sfi+succ7+warm32+mem0": "tab:pink", "sfi+succ7+warm32+mem0+nms025": "tab:olive",
               "streaming": "C7", "prefill_only": "C2", "oracle": "k"}
     rets = _retentions(res)
     ctxs = sorted(res["results"], key=int)
