@@ -190,12 +190,16 @@ def kernel_tuning(args) -> KernelTuning:
 
 
 def sfi_fields(pairs):
-    """`--sfi FIELD=VALUE` pairs as SFIConfig keyword arguments (ints where they parse)."""
+    """`--sfi FIELD=VALUE` pairs as SFIConfig keyword arguments (ints where they parse, None
+    for "none")."""
     out = {}
     for pair in pairs:
         field, sep, value = pair.partition("=")
         if not sep or field not in SFIConfig.__dataclass_fields__:
             raise SystemExit(f"--sfi {pair!r}: expected FIELD=VALUE with an SFIConfig field")
+        if value.lower() == "none":  # e.g. selection_memory=none (off)
+            out[field] = None
+            continue
         try:
             out[field] = int(value)
         except ValueError:

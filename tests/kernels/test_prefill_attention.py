@@ -118,6 +118,25 @@ def test_row_offset_reads_the_given_cache_rows(impl):
                           row=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(platform() != "gpu", reason="cuDNN runs on a GPU only")
+def test_cudnn_row_offset_reads_the_given_cache_rows():
+    """The cuDNN path's row= and layer= (bfloat16, the dtype it takes): query row b reads row
+    row + b of a stacked cache with more rows than q, as the Triton and TPU kernels do."""
+    t, s = 40, 256
+    q, k, v = _inputs(15, 2, t, 8, 2, s, 64, jnp.bfloat16, layers=2)
+    q_start = jnp.array([180, 0], jnp.int32)
+    kv_len = jnp.array([180 + t, t - 7], jnp.int32)
+    rows = jnp.asarray(np.random.default_rng(16).standard_normal((2, 4, 2, s, 64)), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v, qs, kl, layer, row: prefill_attention(
+        q, k, v, qs, kl, impl="cudnn", layer=layer, row=row))
+    for layer, row in ((1, 2), (0, 1)):
+        kc, vc = rows.at[:, row:row + 2].set(k), rows.at[:, row:row + 2].set(v)
+        out = fn(q, kc, vc, q_start, kv_len, jnp.int32(layer), jnp.int32(row))
+        want = reference(q, k[layer], v[layer], q_start, kv_len)
+        _assert_close(out, want, q_start, kv_len, jnp.bfloat16, f"cudnn layer {layer} row {row}")
+
+
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_default_blocks_single_query(impl):
     """Default block sizes, and a chunk of one query at the end of a filled prefix."""

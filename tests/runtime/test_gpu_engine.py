@@ -105,3 +105,28 @@ def test_moe_kernels_in_generate(run):
     """Qwen3-MoE through the expert kernels (the default grouping by tokens) against
     lax.ragged_dot."""
     _assert_same(run("qwen3-moe", "dense", GPU), run("qwen3-moe", "dense", XLA), "moe")
+
+
+@pytest.mark.parametrize("mode", ["dense", "sfi"])
+def test_engine_prefills_into_a_slot_row_with_gpu_kernels(tmp_path, mode):
+    """The Engine with the compiled kernels: a prompt of several chunks prefilled by the Triton
+    prefill kernel into its slot's row of the shared cache (row= a traced offset) while another
+    request decodes beside it; both give the XLA engine's greedy tokens for each prompt alone."""
+    kind, kw = MODELS["qwen3-g3"]
+    _, d = make_hf_checkpoint(tmp_path, kind, seed=5, eos_token_id=TINY_EOS, **kw)
+    model = sfi_jax.load_model(d, dtype="float32")
+    rng = np.random.default_rng(31)
+    running, late = (rng.integers(0, TINY_EOS, n).tolist() for n in (40, 150))
+    options = dataclasses.replace(GPU, prefill_attention="pallas_gpu")
+    with jax.default_matmul_precision("highest"), fast_compile():
+        with sfi_jax.Engine(model, mode=mode, sfi=SFI, max_slots=2, max_len=256, chunk_steps=2,
+                            prefill_chunk=32, options=options) as engine:
+            first = engine.submit(sfi_jax.Request(prompt=running, max_tokens=40))
+            second = engine.submit(sfi_jax.Request(prompt=late, max_tokens=16))
+            got = [first.result(600).token_ids, second.result(600).token_ids]
+    for prompt, n, g in ((running, 40, got[0]), (late, 16, got[1])):
+        with jax.default_matmul_precision("highest"), fast_compile():
+            ref = sfi_jax.generate(model, [prompt], mode=mode, sfi=SFI, options=XLA,
+                                   max_new_tokens=n, return_logits=True)
+        assert_same_greedy(g, ref.tokens[0], ref.stats["logits"][0],
+                           what=f"engine {mode} prompt {len(prompt)}")
