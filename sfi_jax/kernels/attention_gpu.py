@@ -36,6 +36,9 @@ class Config:
     num_stages: int = 3
     programs: int = 8 * _NUM_SMS
     per_row: bool = False  # programs aimed for per query row instead of per call
+    # dense: a row's splits share its own length, not the cache's (a row shorter than the
+    # cache, e.g. an Engine slot's, then keeps every program busy); off only to compare
+    by_length: bool = True
 
 
 # Chosen by the sweep of scripts/bench/bench_kernels.py; neighbouring configurations were
@@ -57,6 +60,12 @@ def _splits(total, pairs, cfg):
     split = max(bk, -(-max(total, 1) // want))
     split = -(-split // bk) * bk
     return split, max(1, -(-max(total, 1) // split))
+
+
+def _row_split(length, n_splits, bk):
+    """Keys per split when a row's n_splits splits share its own length (whole blocks; 0 for
+    an empty row)."""
+    return pl.cdiv(pl.cdiv(length, bk), n_splits) * bk
 
 
 def _attend(q, k_ref, v_ref, at, lo, hi, carry, *, bk, dp, dmask, scale, precision, logits=None):
@@ -113,12 +122,14 @@ def _store_partial(o_ref, m_ref, l_ref, r, h, j, group, dp, carry, gmask, omask,
     plgpu_triton.store(l_ref.at[r, j, rows], l, mask=gmask & keep)
 
 
-def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, s_len,
-                  d, dp, bk, scale, precision, logits, into, gather_q, with_rows, signal):
+def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, n_splits,
+                  by_length, s_len, d, dp, bk, scale, precision, logits, into, gather_q,
+                  with_rows, signal):
     """logits: also store the scaled scores; into: they go to layer `layer` of an aliased
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
-    program r reads cache row r: no index array to build per call)."""
+    program r reads cache row r: no index array to build per call). by_length: the splits
+    share the row's length (`_row_split`), else the cache's (`split` keys each)."""
     if with_rows:  # inputs ([logits_into,] rows), then the outputs
         rows_ref = refs[int(into)]
         refs = refs[:int(into)] + refs[int(into) + 1:]
@@ -131,9 +142,12 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     layer, row = layer_ref[0], rows_ref[r] if with_rows else r
     dmask = None if dp == d else jnp.arange(dp) < d
     q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
+    length = jnp.clip(len_ref[r], 0, s_len)
+    if by_length:
+        split = _row_split(length, n_splits, bk)
     start = j * split
     end = jnp.minimum(start + split, s_len)
-    hi = jnp.minimum(end, jnp.clip(len_ref[r], 0, s_len))
+    hi = jnp.minimum(end, length)
     idx = jnp.arange(bk)
     at, limit = ((layer, r), hi) if into else ((r,), end)
 
@@ -355,8 +369,11 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     bk = min(cfg.block_k, max(16, pow2(s_len)))
     pairs = hkv if cfg.per_row else n_rows * hkv
     split, n_splits = _splits(s_len, pairs, dataclasses.replace(cfg, block_k=bk))
+    # (return_logits fills each split's positions past the length with -inf: cache-sized)
+    by_length = cfg.by_length and n_splits > 1 and (into or not return_logits)
     kernel = functools.partial(
-        _dense_kernel, group=group, split=split, s_len=s_len, d=d, dp=dp, bk=bk,
+        _dense_kernel, group=group, split=split, n_splits=n_splits, by_length=by_length,
+        s_len=s_len, d=d, dp=dp, bk=bk,
         scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype),
         logits=return_logits or into, into=into, gather_q=gather_q, with_rows=rows is not None,
         signal=signal)
@@ -376,7 +393,9 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         input_output_aliases={5: 3} if into else {},
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
-    valid = -(-jnp.clip(lengths, 0, s_len) // split)
+    clipped = jnp.clip(lengths, 0, s_len)
+    per = _row_split(clipped, n_splits, bk) if by_length else split
+    valid = -(-clipped // jnp.maximum(per, 1))
     out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows,
                         pallas=pallas_combine, signal=signal)
     if return_logits or into:
