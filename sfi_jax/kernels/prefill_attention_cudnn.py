@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sfi_jax.kernels.common import as_layer_stacks
+
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -46,10 +48,9 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None):
     whole chunk after q_start: q_start + T <= S)."""
     del kv_len  # valid queries never see keys at or past kv_len (causal); padding ones may
     b, t, _, _ = q.shape
-    if layer is None:
-        k, v = k[None], v[None]
+    k, v, layer = as_layer_stacks(layer, k, v)
     # cuDNN reads its operands whole: slice out the rows q reads (a copy of those rows only)
-    at = (0 if layer is None else layer, 0 if row is None else row, 0, 0, 0)
+    at = (layer[0], 0 if row is None else row, 0, 0, 0)
     k, v = (lax.dynamic_slice(x, at, (1, b) + x.shape[2:])[0] for x in (k, v))
     s_len = k.shape[2]
     to_seq = lambda x: jnp.swapaxes(x, 1, 2)  # [B, Hkv, n, D] -> [B, n, Hkv, D]
