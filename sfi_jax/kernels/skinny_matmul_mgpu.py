@@ -1,0 +1,263 @@
+"""Weight-streaming matmul for a few rows (a decode step's 1-64 tokens) on NVIDIA Hopper GPUs:
+Pallas with the Mosaic GPU lowering.
+
+The Mosaic GPU twin of `skinny_matmul_gpu.skinny_matmul_partials` (Triton): the same split-K
+grid and float32 partials, so the caller's next elementwise fusion adds the splits up. Why a
+twin: at decode batch sizes a projection's time is its weight's bytes over the bandwidth, and on
+Hopper the bulk tensor copy engine (TMA) streams a weight tile into shared memory with one
+instruction and no registers, an mbarrier saying when it landed; and Triton's Pallas lowering is
+deprecated from jax 0.11 on, Mosaic GPU being JAX's supported GPU backend for Pallas.
+
+Layout: program (j, s) (one warpgroup) owns column block j (block_n columns) over K split s
+(`steps` blocks of block_k). It copies its split of the rows once, as `steps` [rows8, block_k]
+blocks (rows8: the rows rounded up to 8, a whole swizzle atom) stacked in shared memory, and
+streams the split's weight blocks [block_k, block_n] through `stages` shared-memory slots, each
+slot refilled as soon as its wgmma has read it, accumulating in float32 registers. wgmma's A
+operand is 64 rows: step i's tile is the 64 rows from row block i on, so its rows past rows8
+are the next blocks' rows (or never-written memory), which feed only accumulator rows that are
+never stored; the row blocks thus take rows8 / 64 of the shared memory of padded tiles. The
+split length keeps each CTA within its share of an SM's shared memory, so the grid's
+`programs` CTAs run in one wave (`plan`). The accumulators go out through shared memory with
+TMA, the real rows only (the same memory, reused).
+
+`supported`: half-precision weights with K and N multiples of 64 (the 128-byte swizzled tiles
+of wgmma's operands): a block that does not divide K or N is halved down to 64. Off a GPU the
+kernel runs in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, interpret_params
+
+_M = 64  # wgmma's M per warpgroup: the rows are computed as 64
+_NUM_SMS = 132
+SM_SMEM_BYTES = 228 * 1024  # one Hopper SM's shared memory, shared by its resident CTAs
+MAX_ROWS = _M
+_GRAIN = 64  # K and N tile: 64 half-precision elements make a 128-byte swizzled row
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """block_n: columns per program (a multiple of 64; halved until it divides N); block_k:
+    K per pipeline step (a multiple of 64; halved until it divides K); stages: weight blocks
+    in flight (fewer when shared memory is short); programs: the grid size aimed for (splits
+    = programs / column blocks, more when a split's rows would not fit shared memory)."""
+
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    programs: int = 2 * _NUM_SMS
+
+
+DEFAULT = Config()
+
+
+def supported(x, w) -> bool:
+    """Whether the kernel takes x [M, K] times w [K, N]: half-precision weights, 1 to 64 rows,
+    K and N multiples of 64."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        return False
+    m, k = x.shape
+    n = w.shape[1]
+    return (jnp.dtype(w.dtype) in HALF and 1 <= m <= MAX_ROWS and k % _GRAIN == 0
+            and n % _GRAIN == 0)
+
+
+def _divisor_block(block, dim):
+    """block halved (down to 64) until it divides dim."""
+    while block > _GRAIN and dim % block:
+        block //= 2
+    return block
+
+
+def _swizzled(shape, dtype):
+    """A shared-memory tile wgmma reads: (8, 64) tiles, 128-byte swizzle (half precision)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // itemsize)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def rows8_of(m):
+    """The rows as TMA copies them: a whole number of (8, 64) tiles."""
+    return -(-m // 8) * 8
+
+
+def x_rows(steps, rows8):
+    """Rows of the shared-memory buffer that holds a split's `steps` row blocks: block i at rows
+    [i * rows8, +rows8), and wgmma's 64-row tile for block i starting there, so the tiles
+    overlap; the last one's rows past the data are allocated, never written."""
+    return steps * rows8 + _M - rows8
+
+
+def smem_bytes(rows8, steps, bn, bk, stages, n_w, itemsize=2):
+    """One CTA's shared memory: the split's row blocks and the weight slots in the main loop,
+    then (the same memory, reused) the float32 partials on their way out."""
+    main = x_rows(steps, rows8) * bk * itemsize + stages * n_w * bk * bn * itemsize
+    return max(main, n_w * _M * bn * 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    bn: int
+    bk: int
+    stages: int
+    steps: int  # K blocks per split (the last split may have fewer)
+    n_splits: int
+    n_blocks: int  # column blocks
+
+
+def smem_budget(programs) -> int:
+    """Shared memory one CTA may take so that `programs` CTAs are resident at once (one wave:
+    programs / SMs CTAs per SM, 1 KiB of each reserved by the driver, a little more for
+    barriers and alignment), within the most one CTA may take."""
+    per_sm = max(1, round(programs / _NUM_SMS))
+    return min(SMEM_BYTES, SM_SMEM_BYTES // per_sm - 2048)
+
+
+def plan(m, k, n, n_w, config=None, itemsize=2) -> Plan:
+    """The blocks, stages and split-K plan for x [m, k] times n_w weights [k, n]: at most
+    config.programs programs where the K blocks allow (the splits rounded down), each split's
+    row blocks and `stages` weight slots in `smem_budget(programs)`, so that they all run in
+    one wave: fewer stages (down to 2), then shorter splits (more programs) where they don't."""
+    cfg = config or DEFAULT
+    if cfg.block_n % _GRAIN or cfg.block_k % _GRAIN or cfg.stages < 1 or cfg.programs < 1:
+        raise ValueError(f"mosaic_gpu skinny_matmul config {cfg}: block_n and block_k must be "
+                         f"multiples of {_GRAIN}, stages and programs positive")
+    bn, bk = _divisor_block(cfg.block_n, n), _divisor_block(cfg.block_k, k)
+    n_blocks, n_kb = n // bn, k // bk
+    want = max(1, min(n_kb, cfg.programs // n_blocks))
+    steps = -(-n_kb // want)
+    stages, r8 = cfg.stages, rows8_of(m)
+    budget = smem_budget(cfg.programs)
+
+    def size():
+        return smem_bytes(r8, steps, bn, bk, stages, n_w, itemsize)
+
+    while stages > 2 and size() > budget:
+        stages -= 1
+    while steps > 1 and size() > budget:
+        steps -= 1
+    if size() > SMEM_BYTES:
+        raise ValueError(f"mosaic_gpu skinny_matmul: blocks {bk} x {bn} with {n_w} weights do "
+                         f"not fit {SMEM_BYTES} B of shared memory")
+    return Plan(bn=bn, bk=bk, stages=min(stages, steps), steps=steps,
+                n_splits=-(-n_kb // steps), n_blocks=n_blocks)
+
+
+def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
+    """Program (j, s): columns [j * bn, +bn) over K blocks [s * steps, +steps) (fewer in the
+    last split). refs: the weights [K, N], then the partials [n_splits, m, N]."""
+    w_refs, o_refs = refs[:n_w], refs[n_w:]
+    bn, bk, stages, steps = p.bn, p.bk, p.stages, p.steps
+    j, s = lax.axis_index("j"), lax.axis_index("s")
+    first = s * steps
+    n = jnp.minimum(steps, n_kb - first)  # this split's K blocks (>= 1)
+    col = pl.multiple_of(j * bn, bn)
+    dtype = w_refs[0].dtype
+
+    def main_loop(x_smem, w_smem, x_bar, w_bar):
+        def fetch_x(i):
+            k0 = pl.multiple_of((first + i) * bk, bk)
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)],
+                                    x_smem.at[pl.ds(i * rows8, rows8)],
+                                    x_bar.at[i])
+
+        def fetch_w(i, slot):
+            k0 = pl.multiple_of((first + i) * bk, bk)
+            for w_ref, w_slot in zip(w_refs, w_smem):
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(col, bn)],
+                                        w_slot.at[slot], w_bar.at[slot])
+
+        # the first blocks' rows and weights, then the rest of the split's rows
+        for i in range(stages):
+            @pl.when(i < n)
+            def _first():
+                fetch_x(i)
+                fetch_w(i, i)
+
+        @pl.loop(stages, n)
+        def _rest(i):
+            fetch_x(i)
+
+        def accumulate(*acc_refs):  # (registers: a scope of their own)
+            @pl.loop(0, n)
+            def _step(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(x_bar.at[i])
+                plgpu.barrier_wait(w_bar.at[slot])
+                x_tile = x_smem.at[pl.ds(i * rows8, _M)]
+                for acc_ref, w_slot in zip(acc_refs, w_smem):
+                    plgpu.wgmma(acc_ref, x_tile, w_slot.at[slot])
+                plgpu.wgmma_wait(0)  # the slot is read: refill it
+
+                @pl.when(i + stages < n)
+                def _refill():
+                    fetch_w(i + stages, slot)
+
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        return pl.run_scoped(accumulate, *[plgpu.ACC((_M, bn), jnp.float32) for _ in range(n_w)])
+
+    accs = pl.run_scoped(
+        main_loop,
+        _swizzled((x_rows(steps, rows8), bk), dtype),
+        [_swizzled((stages, bk, bn), dtype) for _ in range(n_w)],
+        plgpu.Barrier(num_barriers=steps),
+        plgpu.Barrier(num_arrivals=n_w, num_barriers=stages),
+    )
+
+    def store(o_smem):
+        for acc, o_ref, o_buf in zip(accs, o_refs, o_smem):
+            o_buf[...] = acc
+        plgpu.commit_smem()
+        for o_ref, o_buf in zip(o_refs, o_smem):
+            plgpu.copy_smem_to_gmem(o_buf.at[pl.ds(0, m)], o_ref.at[s, :, pl.ds(col, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, [plgpu.SMEM((_M, bn), jnp.float32) for _ in range(n_w)])
+
+
+def _check(x, weights):
+    if len(weights) not in (1, 2) or any(w.shape != weights[0].shape or w.dtype != weights[0].dtype
+                                         for w in weights):
+        raise ValueError(f"expected one or two weights of one shape and dtype, got "
+                         f"{[(w.shape, w.dtype) for w in weights]}")
+    if not supported(x, weights[0]):
+        raise ValueError(f"mosaic_gpu skinny_matmul takes x [M <= {MAX_ROWS}, K] times "
+                         f"bf16/f16 weights [K, N], K and N multiples of {_GRAIN}; got x "
+                         f"{x.shape} and weights {weights[0].shape} {weights[0].dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def skinny_matmul_partials(x, weights, *, interpret=False, config=None):
+    """Float32 partial sums of x [M, K] (M <= 64) times each weight [K, N] (one or two of one
+    shape, half precision; x is cast to their dtype): a tuple of [n_splits, M, N], one per
+    weight, whose sums over axis 0 are the products. config: a Config (None: DEFAULT)."""
+    weights = tuple(weights)
+    _check(x, weights)
+    m, k = x.shape
+    n = weights[0].shape[1]
+    dtype = weights[0].dtype
+    p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
+    rows8 = rows8_of(m)
+    xp = x.astype(dtype)
+    if rows8 != m:
+        xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
+    kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p)
+    out = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((p.n_splits, m, n), jnp.float32)] * len(weights),
+        grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(xp, *weights)
+    return tuple(out)

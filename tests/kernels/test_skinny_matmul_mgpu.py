@@ -1,0 +1,133 @@
+"""The Mosaic GPU weight-streaming matmul (`skinny_matmul_mgpu`; compiled on a GPU, the tests
+marked `gpu`, Mosaic GPU's interpret mode elsewhere) against a float64 numpy reference on fresh
+random inputs: several column blocks and K splits, a last split shorter than the others, one
+and two weights, 1 to 64 rows; its plan for the Qwen3 decode shapes and their lowering for
+CUDA from any machine; what it refuses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sfi_jax.kernels import skinny_matmul_mgpu as mgpu
+from sfi_jax.kernels.attention_mgpu import SMEM_BYTES
+
+from conftest import gpu_interpret, host_rng, rel_err
+
+# bf16 inputs, products exact in float32, float32 sums: against float64 sums of the same
+# rounded inputs only the order of the additions differs (a dropped 64-wide K block of a few
+# hundred is an error of 10% or more)
+TOL = 1e-3
+
+# rows, K, N, weights, config: small blocks and few programs so that a few hundred columns and
+# K span several column blocks and splits
+_CASES = {
+    # K 256, N 384 (qwen3-0.6b's 1024 -> 4096 scaled down): 3 column blocks x 2 splits
+    "1row": (1, 256, 384, 1, mgpu.Config(block_n=128, block_k=64, stages=2, programs=6)),
+    "6rows-pair": (6, 256, 384, 2, mgpu.Config(block_n=128, block_k=64, stages=2, programs=6)),
+    # 5 K blocks in splits of 3 and 2 (a last split shorter than `stages`); block_n 128 halved
+    # to 64 to divide N = 192
+    "16rows-ragged": (16, 320, 192, 1, mgpu.Config(block_n=128, block_k=64, stages=3,
+                                                   programs=6)),
+    # 64 rows (wgmma's whole tile), 128-wide K blocks, one K block per split
+    "64rows-pair-bk128": (64, 384, 256, 2, mgpu.Config(block_n=128, block_k=128, stages=2,
+                                                       programs=6)),
+}
+
+# (proj, K, N, weights) of the decode step
+QWEN3_4B = [("qkv", 2560, 6144, 1), ("o", 4096, 2560, 1), ("gate_up", 2560, 9728, 2),
+            ("down", 9728, 2560, 1)]
+QWEN3_06B = [("qkv", 1024, 4096, 1), ("o", 2048, 1024, 1), ("gate_up", 1024, 3072, 2),
+             ("down", 3072, 1024, 1)]
+DECODE_SHAPES = [(f"4b-{p}", k, n, w) for p, k, n, w in QWEN3_4B] + \
+    [(f"0.6b-{p}", k, n, w) for p, k, n, w in QWEN3_06B]
+
+
+def _inputs(seed, rows, k, n, n_w):
+    rng = host_rng(seed)
+    x = jnp.asarray(3 * rng.standard_normal((rows, k), dtype=np.float32), jnp.bfloat16)
+    ws = tuple(jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k),
+                           jnp.bfloat16) for _ in range(n_w))
+    return x, ws
+
+
+def _reference(x, ws):
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    return [x64 @ np.asarray(w.astype(jnp.float32), np.float64) for w in ws]
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_partials_match_numpy(case):
+    rows, k, n, n_w, cfg = _CASES[case]
+    x, ws = _inputs(sum(map(ord, case)), rows, k, n, n_w)
+    parts = mgpu.skinny_matmul_partials(x, ws, interpret=gpu_interpret(), config=cfg)
+    p = mgpu.plan(rows, k, n, n_w, cfg)
+    assert p.n_splits > 1 and len(parts) == n_w
+    for part, ref in zip(parts, _reference(x, ws)):
+        assert part.shape == (p.n_splits, rows, n) and part.dtype == jnp.float32
+        assert rel_err(np.asarray(part).sum(axis=0), ref) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_default_config_on_a_decode_shape():
+    """The default config (its many programs: one K block per split here) on qwen3-0.6b's
+    down projection with K cut to 512 (interpret mode's time)."""
+    x, ws = _inputs(3, 6, 512, 1024, 1)
+    parts = mgpu.skinny_matmul_partials(x, ws, interpret=gpu_interpret())
+    assert rel_err(np.asarray(parts[0]).sum(axis=0), _reference(x, ws)[0]) <= TOL
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16, 64])
+@pytest.mark.parametrize("name, k, n, n_w", DECODE_SHAPES)
+def test_plan_covers_decode_shapes(name, k, n, n_w, rows):
+    """The decode shapes are supported with the default config: every K block in exactly one
+    split; at most the programs asked for, each in its share of an SM's shared memory (so they
+    run in one wave), unless a longer split's rows would not fit that share."""
+    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    assert mgpu.supported(x, w)
+    p = mgpu.plan(rows, k, n, n_w)
+    n_kb = k // p.bk
+    assert n % p.bn == 0 and k % p.bk == 0 and p.n_blocks == n // p.bn
+    assert (p.n_splits - 1) * p.steps < n_kb <= p.n_splits * p.steps
+    assert 1 <= p.stages <= p.steps
+    r8, programs = mgpu.rows8_of(rows), mgpu.DEFAULT.programs
+    budget = mgpu.smem_budget(programs)
+    assert budget <= SMEM_BYTES
+    assert mgpu.smem_bytes(r8, p.steps, p.bn, p.bk, p.stages, n_w) <= budget
+    assert (p.n_blocks * p.n_splits <= programs
+            or mgpu.smem_bytes(r8, p.steps + 1, p.bn, p.bk, 2, n_w) > budget)
+
+
+@pytest.mark.parametrize("name, k, n, n_w", DECODE_SHAPES)
+def test_kernel_lowers_for_cuda(name, k, n, n_w):
+    """Interpret mode does not prove the kernel compiles: its Mosaic GPU lowering (TMA
+    slices of the swizzled tiles, wgmma operands, barriers) runs here, for CUDA, at the decode
+    shapes with 1 and 16 rows."""
+    for rows in (1, 16):
+        x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+        ws = tuple(jax.ShapeDtypeStruct((k, n), jnp.bfloat16) for _ in range(n_w))
+        text = jax.jit(lambda x, ws: mgpu.skinny_matmul_partials(x, ws)).trace(x, ws).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+def test_refuses_what_it_cannot_tile():
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    assert not mgpu.supported(sds((65, 256), bf), sds((256, 128), bf))  # > 64 rows
+    assert not mgpu.supported(sds((4, 200), bf), sds((200, 128), bf))  # K % 64
+    assert not mgpu.supported(sds((4, 256), bf), sds((256, 100), bf))  # N % 64
+    assert not mgpu.supported(sds((4, 256), bf), sds((256, 128), jnp.float32))  # TF32
+    x = jnp.zeros((4, 256), bf)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        mgpu.skinny_matmul_partials(x, (jnp.zeros((256, 100), bf),), interpret=True)
+    with pytest.raises(ValueError, match="one or two weights"):
+        mgpu.skinny_matmul_partials(x, (jnp.zeros((256, 128), bf),) * 3, interpret=True)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        mgpu.plan(4, 256, 128, 1, mgpu.Config(block_n=96))
