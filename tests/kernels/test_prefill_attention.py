@@ -96,15 +96,19 @@ def test_stacked_cache_traced_layer(impl):
         _assert_close(out, want, q_start, kv_len, jnp.float32, f"{impl} layer {layer}")
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("impl", IMPL_PARAMS + [pytest.param("cudnn", marks=pytest.mark.gpu)])
 def test_row_offset_reads_the_given_cache_rows(impl):
     """row= (traced): query row b reads cache row row + b of a cache with more rows than q (an
-    Engine's slot), in a stacked cache at a traced layer; the other rows are never read."""
+    Engine's slot), in a stacked cache at a traced layer; the other rows are never read.
+    cuDNN (a GPU only) in bfloat16, the dtype it takes."""
+    if impl == "cudnn" and platform() != "gpu":
+        pytest.skip("cuDNN runs on a GPU only")
+    dtype = jnp.bfloat16 if impl == "cudnn" else jnp.float32
     t, s = 24, 200
-    q, k, v = _inputs(13, 2, t, 4, 2, s, 64, jnp.float32, layers=3)
+    q, k, v = _inputs(13, 2, t, 4, 2, s, 64, dtype, layers=3)
     q_start = jnp.array([150, 0], jnp.int32)
     kv_len = jnp.array([150 + t, t - 5], jnp.int32)
-    rows = jnp.asarray(np.random.default_rng(14).standard_normal((3, 5, 2, s, 64)), jnp.float32)
+    rows = jnp.asarray(np.random.default_rng(14).standard_normal((3, 5, 2, s, 64)), dtype)
     fn = jax.jit(lambda q, k, v, qs, kl, layer, row: prefill_attention(
         q, k, v, qs, kl, impl=impl, layer=layer, row=row))
     for layer, row in ((1, 3), (2, 0)):
@@ -112,29 +116,10 @@ def test_row_offset_reads_the_given_cache_rows(impl):
         vc = rows.at[:, row:row + 2].set(v)
         out = fn(q, kc, vc, q_start, kv_len, jnp.int32(layer), jnp.int32(row))
         want = reference(q, k[layer], v[layer], q_start, kv_len)
-        _assert_close(out, want, q_start, kv_len, jnp.float32, f"{impl} layer {layer} row {row}")
+        _assert_close(out, want, q_start, kv_len, dtype, f"{impl} layer {layer} row {row}")
     with pytest.raises(ValueError, match="only 1 rows"):
         prefill_attention(q, rows[:, :1], rows[:, :1], q_start, kv_len, impl=impl, layer=0,
                           row=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(platform() != "gpu", reason="cuDNN runs on a GPU only")
-def test_cudnn_row_offset_reads_the_given_cache_rows():
-    """The cuDNN path's row= and layer= (bfloat16, the dtype it takes): query row b reads row
-    row + b of a stacked cache with more rows than q, as the Triton and TPU kernels do."""
-    t, s = 40, 256
-    q, k, v = _inputs(15, 2, t, 8, 2, s, 64, jnp.bfloat16, layers=2)
-    q_start = jnp.array([180, 0], jnp.int32)
-    kv_len = jnp.array([180 + t, t - 7], jnp.int32)
-    rows = jnp.asarray(np.random.default_rng(16).standard_normal((2, 4, 2, s, 64)), jnp.bfloat16)
-    fn = jax.jit(lambda q, k, v, qs, kl, layer, row: prefill_attention(
-        q, k, v, qs, kl, impl="cudnn", layer=layer, row=row))
-    for layer, row in ((1, 2), (0, 1)):
-        kc, vc = rows.at[:, row:row + 2].set(k), rows.at[:, row:row + 2].set(v)
-        out = fn(q, kc, vc, q_start, kv_len, jnp.int32(layer), jnp.int32(row))
-        want = reference(q, k[layer], v[layer], q_start, kv_len)
-        _assert_close(out, want, q_start, kv_len, jnp.bfloat16, f"cudnn layer {layer} row {row}")
 
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
