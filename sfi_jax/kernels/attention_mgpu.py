@@ -41,6 +41,7 @@ class Config:
     block_k: int = 128
     stages: int = 2
     programs: int = 2 * _NUM_SMS
+    by_length: bool = True  # dense: a row's splits share its own length (attention_gpu's)
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
@@ -210,8 +211,10 @@ def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
 
 
 def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                  *rest, group, split, s_len, bk, stages, scale, logits, interpret):
-    """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h.
+                  *rest, group, split, n_splits, by_length, s_len, bk, stages, scale, logits,
+                  interpret):
+    """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h
+    (by_length: split = the row's length over n_splits, in whole blocks).
     Partials: o [R, n, Hq, D] (the group's rows), m, l [R, n, Hkv, 64] (padded rows too).
     logits: also the scaled scores [R, Hq, S], -inf from the row's length on."""
     if logits:
@@ -222,6 +225,8 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer, row = layer_ref[0], rows_ref[r]
     length = jnp.clip(len_ref[r], 0, s_len)
+    if by_length:
+        split = lax.div(lax.div(length + (bk - 1), bk) + (n_splits - 1), n_splits) * bk
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, length)
@@ -410,8 +415,11 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     bk = cfg.block_k
     split, n_splits = _splits(s_len, n_rows * hkv, cfg)
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    # (the logits fill each split's positions past the length with -inf: cache-sized splits)
+    by_length = cfg.by_length and n_splits > 1 and not return_logits
     kernel = functools.partial(
-        _dense_kernel, group=group, split=split, s_len=s_len, bk=bk, stages=cfg.stages,
+        _dense_kernel, group=group, split=split, n_splits=n_splits, by_length=by_length,
+        s_len=s_len, bk=bk, stages=cfg.stages,
         scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
     s_lg = logits_length(s_len, bk)
     extra_out, extra_scratch = (), ()
