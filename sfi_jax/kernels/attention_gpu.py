@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stacks, dot_precision, merge_splits, pow2
+from sfi_jax.kernels.common import (as_layer_stacks, decode_splits, dot_precision,
+                                    merge_splits, pow2, row_split)
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 from sfi_jax.kernels.triton_lowering import dependents_mask, signals_dependents
 
@@ -51,21 +52,6 @@ REFRESH = Config(block_k=128, num_warps=4, num_stages=2, programs=2 * _NUM_SMS, 
 SPARSE_SMALL = Config(block_k=32, num_warps=4, num_stages=2, programs=4 * _NUM_SMS)
 SPARSE = Config(block_k=64, num_warps=4, num_stages=3, programs=2 * _NUM_SMS)
 SMALL_KEYS = 1536  # keys per (row, head) up to which the sparse kernel uses SPARSE_SMALL
-
-
-def _splits(total, pairs, cfg):
-    """Split length (multiple of block_k) and count covering `total` keys per (row, head)."""
-    bk = cfg.block_k
-    want = max(1, -(-cfg.programs // max(pairs, 1)))
-    split = max(bk, -(-max(total, 1) // want))
-    split = -(-split // bk) * bk
-    return split, max(1, -(-max(total, 1) // split))
-
-
-def _row_split(length, n_splits, bk):
-    """Keys per split when a row's n_splits splits share its own length (whole blocks; 0 for
-    an empty row)."""
-    return pl.cdiv(pl.cdiv(length, bk), n_splits) * bk
 
 
 def _attend(q, k_ref, v_ref, at, lo, hi, carry, *, bk, dp, dmask, scale, precision, logits=None):
@@ -129,7 +115,7 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     [L, rows, Hq, S] buffer, positions past the row's length left as they were (no -inf
     fill: the reader masks them). with_rows: the last input is the rows' cache indices (else
     program r reads cache row r: no index array to build per call). by_length: the splits
-    share the row's length (`_row_split`), else the cache's (`split` keys each)."""
+    share the row's length (`common.row_split`), else the cache's (`split` keys each)."""
     if with_rows:  # inputs ([logits_into,] rows), then the outputs
         rows_ref = refs[int(into)]
         refs = refs[:int(into)] + refs[int(into) + 1:]
@@ -144,7 +130,7 @@ def _dense_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, group, split, 
     q, gmask, omask = _load_q(q_ref, row if gather_q else r, h, group, dp, dmask, k_ref.dtype)
     length = jnp.clip(len_ref[r], 0, s_len)
     if by_length:
-        split = _row_split(length, n_splits, bk)
+        split = row_split(length, n_splits, bk)
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, length)
@@ -368,7 +354,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     dp = pow2(d)
     bk = min(cfg.block_k, max(16, pow2(s_len)))
     pairs = hkv if cfg.per_row else n_rows * hkv
-    split, n_splits = _splits(s_len, pairs, dataclasses.replace(cfg, block_k=bk))
+    split, n_splits = decode_splits(s_len, pairs, bk, cfg.programs)
     # (return_logits fills each split's positions past the length with -inf: cache-sized)
     by_length = cfg.by_length and n_splits > 1 and (into or not return_logits)
     kernel = functools.partial(
@@ -394,7 +380,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         compiler_params=_params(cfg), interpret=interpret, name="sfi_dense_decode",
     )(*args)
     clipped = jnp.clip(lengths, 0, s_len)
-    per = _row_split(clipped, n_splits, bk) if by_length else split
+    per = row_split(clipped, n_splits, bk) if by_length else split
     valid = -(-clipped // jnp.maximum(per, 1))
     out, lse = _combine(res[0], res[1], res[2], valid, q.dtype, interpret, out_into, out_rows,
                         pallas=pallas_combine, signal=signal)
@@ -431,7 +417,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     est = c_size + (s_len if window is None else min(window, s_len))
     cfg = config or (SPARSE_SMALL if est <= SMALL_KEYS else SPARSE)
     bk = min(cfg.block_k, max(16, pow2(est)))
-    _, n_splits = _splits(est, n_rows * hkv, dataclasses.replace(cfg, block_k=bk))
+    _, n_splits = decode_splits(est, n_rows * hkv, bk, cfg.programs)
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, d=d, dp=dp,
         bk=bk, scale=1.0 / math.sqrt(d), precision=dot_precision(k.dtype), write_kv=write_kv,

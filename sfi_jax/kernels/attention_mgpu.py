@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.common import as_layer_stacks
+from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split
 
 _M = 64  # wgmma's M per warpgroup: a query group is padded to this
 M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
@@ -100,15 +100,6 @@ def fit(cfg, d, logits=False):
         else:
             break
     return cfg
-
-
-def _splits(total, pairs, cfg):
-    """Split length (a multiple of block_k) and count covering `total` keys per (row, head)."""
-    bk = cfg.block_k
-    want = max(1, -(-cfg.programs // max(pairs, 1)))
-    split = max(bk, -(-max(total, 1) // want))
-    split = -(-split // bk) * bk
-    return split, max(1, -(-max(total, 1) // split))
 
 
 def _layout(x, layout, interpret):
@@ -226,7 +217,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     layer, row = layer_ref[0], rows_ref[r]
     length = jnp.clip(len_ref[r], 0, s_len)
     if by_length:
-        split = lax.div(lax.div(length + (bk - 1), bk) + (n_splits - 1), n_splits) * bk
+        split = row_split(length, n_splits, bk)
     start = j * split
     end = jnp.minimum(start + split, s_len)
     hi = jnp.minimum(end, length)
@@ -413,7 +404,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     _check_inputs("dense_decode", q, k)
     _check_config(cfg, d, return_logits)
     bk = cfg.block_k
-    split, n_splits = _splits(s_len, n_rows * hkv, cfg)
+    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs)
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     # (the logits fill each split's positions past the length with -inf: cache-sized splits)
     by_length = cfg.by_length and n_splits > 1 and not return_logits
@@ -455,7 +446,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _check_config(cfg, d)
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
-    _, n_splits = _splits(keys, n_rows * hkv, cfg)
+    _, n_splits = decode_splits(keys, n_rows * hkv, cfg.block_k, cfg.programs)
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,

@@ -52,6 +52,23 @@ def pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def decode_splits(total, pairs, block_k, programs):
+    """Split-K flash decoding's static plan: (keys per split, a multiple of block_k; the split
+    count) covering `total` keys per (row, KV head), about `programs` programs for `pairs`
+    (row, KV head) pairs."""
+    want = max(1, -(-programs // max(pairs, 1)))
+    split = max(block_k, -(-max(total, 1) // want))
+    split = -(-split // block_k) * block_k
+    return split, max(1, -(-max(total, 1) // split))
+
+
+def row_split(length, n_splits, block_k):
+    """Keys per split when a row's n_splits splits share its own length (traced; whole
+    blocks, 0 for an empty row): inside a kernel, the plan of a row shorter than the cache."""
+    blocks = lax.div(length + (block_k - 1), block_k)
+    return lax.div(blocks + (n_splits - 1), n_splits) * block_k
+
+
 def merge_splits(m, l, o, jmask):
     """Exact merge of one query row's split partials m, l [nsp], o [nsp, dp] (splits outside
     jmask ignored): (out [dp], max m, the rescaled l sum, whether any key was seen)."""

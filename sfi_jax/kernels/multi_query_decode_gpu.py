@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import as_layer_stacks, dot_precision, merge_splits, pow2
+from sfi_jax.kernels.common import (as_layer_stacks, decode_splits, dot_precision, merge_splits,
+                                    pow2)
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
@@ -46,14 +47,6 @@ def default_config(rows: int, logits: bool) -> Config:
     if rows <= 32:
         return Config(128, 8, 2, (16 if logits else 8) * _NUM_SMS)
     return Config(64 if rows <= 64 else 32, 8, 2, 8 * _NUM_SMS)
-
-
-def _splits(total, pairs, bk, programs):
-    """Split length (multiple of bk) and count covering `total` keys per (row, KV head)."""
-    want = max(1, -(-programs // max(pairs, 1)))
-    split = max(bk, -(-max(total, 1) // want))
-    split = -(-split // bk) * bk
-    return split, max(1, -(-max(total, 1) // split))
 
 
 def row_end(q_start, kv_len, n_queries):
@@ -194,7 +187,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     cfg = config or default_config(rows, return_logits)
     dp = pow2(d)
     bk = min(cfg.block_k, max(16, pow2(s_len)))
-    split, n_splits = _splits(s_len, n_rows * hkv, bk, cfg.programs)
+    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs)
     q_start = q_start.astype(jnp.int32)
     kv_len = kv_len.astype(jnp.int32)
     kernel = functools.partial(
