@@ -2,10 +2,11 @@
 
 `prefill_attention` checks shapes and picks an implementation: "cudnn" (cuDNN's fused
 attention, two calls merged by their log-sum-exp; GPU, half precision), "pallas_gpu"
-(Triton-lowered flash kernel), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp
-below) or "auto" (the current platform's fastest: "cudnn" on GPU where it applies, else
-"pallas_gpu"; "pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off its platform
-runs in interpret mode, so every implementation can be tested on a CPU.
+(Triton-lowered flash kernel), "mosaic_gpu" (its Mosaic GPU twin for Hopper; half precision,
+GQA groups dividing 64; only when asked for), "pallas_tpu" (Mosaic TPU flash kernel), "xla"
+(blockwise jnp below) or "auto" (the current platform's fastest: "cudnn" on GPU where it
+applies, else "pallas_gpu"; "pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off
+its platform runs in interpret mode, so every implementation can be tested on a CPU.
 
 All of them walk key blocks only up to the causal edge of a query block and the filled
 prefix (kv_len), keep an online softmax in float32 and never hold a [T, S] score matrix.
@@ -22,7 +23,7 @@ from jax import lax
 
 from sfi_jax.kernels.common import dot_precision, interpret_for, platform
 
-IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
+IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
 XLA_BLOCK_K = 512
 _M_INIT = -1e30  # finite: exp(m_old - m_new) is never NaN while a row has seen no key
@@ -50,6 +51,12 @@ def _check_block(name, value, impl):
         raise ValueError(f"{name}={value!r}; expected a positive int or None")
     if impl == "pallas_gpu" and value & (value - 1):
         raise ValueError(f"{name}={value}; the pallas_gpu kernel needs a power of two")
+    if impl == "mosaic_gpu":
+        if name == "block_q":
+            raise ValueError(f"block_q={value}; the mosaic_gpu kernel's query block is fixed "
+                             "(64 // G positions: 64 wgmma rows of G heads)")
+        if value % 64:
+            raise ValueError(f"{name}={value}; the mosaic_gpu kernel needs a multiple of 64")
     if impl == "pallas_tpu":
         step = 128 if name == "block_k" else 8
         if value % step:
@@ -105,7 +112,7 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
     h * G + g reads KV head h. Returns out [B, T, Hq, D] in q's dtype.
     block_q / block_k: query positions per program and keys per step (None: the
     implementation's default; powers of two for pallas_gpu, multiples of 8 / 128 for
-    pallas_tpu).
+    pallas_tpu; mosaic_gpu: block_k a multiple of 64, block_q None).
     """
     impl = resolve_impl(impl, q, k)
     q_start = jnp.asarray(q_start)
@@ -128,6 +135,17 @@ def prefill_attention(q, k, v, q_start, kv_len, *, impl="auto", block_q=None, bl
             raise ValueError(f"impl='cudnn' needs a GPU and bfloat16/float16 inputs with head dim "
                              f"<= 128 (got {platform()}, {q.dtype}, D={q.shape[-1]})")
         return prefill_attention_cudnn.prefill_attention(q, k, v, q_start, kv_len, layer, row)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import prefill_attention_mgpu
+
+        if not prefill_attention_mgpu.supported(q, k):
+            raise ValueError(
+                f"impl='mosaic_gpu' takes bfloat16/float16 caches, head dim 64/128/256, S a "
+                f"multiple of 8 and a GQA group G dividing 64; got {k.dtype}, D={q.shape[-1]}, "
+                f"S={k.shape[-2]}, G={q.shape[-2] // k.shape[-3]}")
+        return prefill_attention_mgpu.prefill_attention(
+            q, k, v, q_start, kv_len, layer, row, interpret=interpret_for(impl),
+            config=prefill_attention_mgpu.config_for(q.shape[-1], block_k))
     if impl == "pallas_gpu":
         from sfi_jax.kernels import prefill_attention_gpu as mod
 
