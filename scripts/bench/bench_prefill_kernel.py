@@ -1,7 +1,8 @@
 """Prefill attention kernel timing against cuDNN, written as JSON to --out.
 
 On a GPU: GQA 32/8, D 128, bf16, batch 1. For each chunk T and context N (offset N - T) it
-times `prefill_attention` (impl pallas_gpu, each --configs entry) over a head-major cache
+times `prefill_attention` (impl pallas_gpu, each --configs entry; the dispatcher's cudnn and
+mosaic_gpu paths) over a head-major cache
 holding N keys, and cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`) on
 (a) a causal no-offset call of T queries over T keys, (b) a causal no-offset call of length N
 (the whole prompt at once) and (c) for offsets, the prefix (non-causal) and the chunk
@@ -200,23 +201,25 @@ def run_gpu(args, res):
                 res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
                              error=f"{type(e).__name__}: {e}"[:300]))
             cudnn_full(t)
-            # the dispatcher's cuDNN path: head-major cache of 2n positions, traced offset
-            row = dict(kind="ours_cudnn", impl="cudnn", t=t, offset=offset, context=n)
-            try:
-                pad = ((0, 0), (0, 0), (0, n), (0, 0))
-                kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
-                fn = jax.jit(lambda q, k, v, qs, kl: prefill_attention(q, k, v, qs, kl,
-                                                                       impl="cudnn"))
-                out = fn(q, kb, vb, qs, kl)
-                sec = time_fn(fn, (q, kb, vb, qs, kl), reps=args.reps)
-                row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
-                           max_rel_err=None if want is None else rel_err(
-                               out.astype(jnp.float32), want.astype(jnp.float32)),
-                           checked_against=None if want is None else "cudnn_split_merge")
-                del kb, vb
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            res.add(row)
+            # the dispatcher's cuDNN path and the Mosaic GPU kernel: head-major cache of 2n
+            # positions, traced offset
+            for kind, impl in (("ours_cudnn", "cudnn"), ("ours_mosaic", "mosaic_gpu")):
+                row = dict(kind=kind, impl=impl, t=t, offset=offset, context=n)
+                try:
+                    pad = ((0, 0), (0, 0), (0, n), (0, 0))
+                    kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
+                    fn = jax.jit(lambda q, k, v, qs, kl, impl=impl: prefill_attention(
+                        q, k, v, qs, kl, impl=impl))
+                    out = fn(q, kb, vb, qs, kl)
+                    sec = time_fn(fn, (q, kb, vb, qs, kl), reps=args.reps)
+                    row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
+                               max_rel_err=None if want is None else rel_err(
+                                   out.astype(jnp.float32), want.astype(jnp.float32)),
+                               checked_against=None if want is None else "cudnn_split_merge")
+                    del kb, vb
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                res.add(row)
             for cfg in configs:
                 fn = jax.jit(lambda q, k, v, qs, kl, c=cfg: prefill_attention_gpu.prefill_attention(
                     q, k, v, qs, kl, config=c))
