@@ -92,7 +92,13 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
 def fit(cfg, d, logits=False):
     """cfg with fewer stages, then 64-key blocks, until one CTA's shared memory fits (a
     default tuned at d 128 applied to d 256)."""
-    while smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+    return shrink_to_fit(cfg, lambda c: smem_bytes(c, d, logits=logits))
+
+
+def shrink_to_fit(cfg, size):
+    """cfg (block_k, stages) with fewer stages, then 64-key blocks, until size(cfg), one CTA's
+    shared memory, fits."""
+    while size(cfg) > SMEM_BYTES:
         if cfg.stages > 2 or (cfg.block_k == 64 and cfg.stages > 1):
             cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
         elif cfg.block_k > 64:

@@ -65,14 +65,7 @@ def smem_bytes(cfg, d, itemsize=2):
 
 def fit(cfg, d):
     """cfg with fewer stages, then 64-key blocks, until one CTA's shared memory fits."""
-    while smem_bytes(cfg, d) > base.SMEM_BYTES:
-        if cfg.stages > 2 or (cfg.block_k == 64 and cfg.stages > 1):
-            cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
-        elif cfg.block_k > 64:
-            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
-        else:
-            break
-    return cfg
+    return base.shrink_to_fit(cfg, lambda c: smem_bytes(c, d))
 
 
 def config_for(d, block_k=None) -> Config:
