@@ -122,18 +122,21 @@ def _without_dense_rows(sfi_state, dense_rows):
 
 
 def attend_dense(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
-                 options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+                 options, head_axis=None, q_hist=None, step=None, live=None) -> LayerAttention:
     """Dense attention over each row's whole cache (an SFI state keeps its key norms: exact
-    mode's plain dense steps)."""
+    mode's plain dense steps). live: [B] bool, the rows whose output is used (None: all); an
+    ended row (an Engine slot parked while a prompt prefills into it) attends to nothing, so
+    a dense step costs only its live rows' lengths."""
     k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
+    lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)
     with jax.named_scope("dense"):
-        attn = dense_decode(q, k, v, pos + 1, layer=l, impl=options.attention,
+        attn = dense_decode(q, k, v, lengths, layer=l, impl=options.attention,
                             **_tuned(options, "dense"))
     return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
 
 
 def attend_fixed(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
-                 options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+                 options, head_axis=None, q_hist=None, step=None, live=None) -> LayerAttention:
     """Sparse attention over the selection made at prefill ("streaming", "prefill_only")."""
     k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
     attn = _read_compact(q, k, v, _without_dense_rows(sfi_state, dense_rows), l, pos,
@@ -142,7 +145,7 @@ def attend_fixed(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_ro
 
 
 def attend_oracle(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *, sfi,
-                  options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+                  options, head_axis=None, q_hist=None, step=None, live=None) -> LayerAttention:
     """Select from this step's dense logits, per layer and row, then read sparsely."""
     k, v, sfi_state = _write(k, v, sfi_state, k_new, v_new, pos, l)
     B, Hq = q.shape[:2]
@@ -168,7 +171,7 @@ def attend_oracle(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_r
 
 
 def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *,
-                    sfi, options, head_axis=None, q_hist=None, step=None) -> LayerAttention:
+                    sfi, options, head_axis=None, q_hist=None, step=None, live=None) -> LayerAttention:
     """Every row reads sparsely (the kernel also stores this step's key, value and key norm;
     the dense rows' compact counts are 0 for the whole step, see `decode_chunk`); the rows in
     `slots` also attend densely, their output replacing the sparse one and their logits kept
@@ -252,20 +255,22 @@ class StepInputs(NamedTuple):
     slots: jax.Array | None  # [n_slots] int32: the rows that refresh (B = empty); None: none
     refreshed: jax.Array | None  # [B] bool: the rows this step takes a slow step for
     step: jax.Array | None = None  # [] int32: decode steps taken (the query history's slot)
+    live: jax.Array | None = None  # [B] bool: the rows not yet ended (None: all)
 
 
-def step_inputs(variant: str, sfi, pos, slots=None, step=None) -> StepInputs:
+def step_inputs(variant: str, sfi, pos, slots=None, step=None, live=None) -> StepInputs:
     """A step's inputs for its layers. slots: the deferred variant's refresh rows (None: no row
-    refreshes); the oracle refreshes every row, the other variants none."""
+    refreshes); the oracle refreshes every row, the other variants none. live: the rows not
+    yet ended (dense steps skip the others' attention)."""
     B = pos.shape[0]
     if variant == "dense":
-        return StepInputs(pos, None, None, None, step)
+        return StepInputs(pos, None, None, None, step, live)
     if variant == "oracle":
         slots = jnp.arange(B, dtype=jnp.int32)
     refreshed = jnp.zeros((B,), bool)
     if slots is not None:
         refreshed = refreshed.at[slots].set(True, mode="drop")
-    return StepInputs(pos, pos + 1 <= sfi.budget, slots, refreshed, step)
+    return StepInputs(pos, pos + 1 <= sfi.budget, slots, refreshed, step, live)
 
 
 class LayerCarry(NamedTuple):
@@ -298,7 +303,7 @@ def layer_step(carry: LayerCarry, xs, *, cfg, layout, options, attend, fused,
     with jax.named_scope("attend"):
         a = attend(q[:, 0], k_new[:, 0], v_new[:, 0], carry.k, carry.v, carry.sfi,
                    carry.slow_logits, l, pos, inputs.dense_rows, inputs.slots,
-                   q_hist=carry.q_hist, step=inputs.step)
+                   q_hist=carry.q_hist, step=inputs.step, live=inputs.live)
     with jax.named_scope("mlp"):  # (the attention's output projection and the MLP)
         if fused:
             x, sync = decode_output_and_mlp(w, cfg, x, a.attn[:, None], sync, moe=options.moe,
@@ -413,7 +418,7 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         state, i = carry.state, carry.i
         slots = refresh_slots(wants_refresh(state), state.done, n_slots) \
             if variant == "deferred" and refresh else None
-        inputs = step_inputs(variant, sfi, state.lengths, slots, state.step)
+        inputs = step_inputs(variant, sfi, state.lengths, slots, state.step, ~state.done)
         with jax.named_scope("embed"):
             x = embed_tokens(params, state.token[:, None])
         out, ys = layers(LayerCarry(x, state.k, state.v, _hide_dense_rows(state.sfi, inputs,
