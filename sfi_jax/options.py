@@ -20,7 +20,7 @@ def on_gpu() -> bool:
 
 
 ATTENTION = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
-PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
+PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
 SELECTOR_ADJUST = ("xla", "kernel")
@@ -73,7 +73,9 @@ class EngineOptions:
     prefill_attention: prefill attention (`kernels.prefill_attention`): "cudnn" (cuDNN's fused
         attention; half precision and head dim <= 128, other inputs and other platforms take
         "pallas_gpu"),
-        "pallas_gpu" (Triton), "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
+        "pallas_gpu" (Triton), "mosaic_gpu" (Mosaic GPU, Hopper; half-precision caches, head
+        dim 64/128/256, a GQA group dividing 64; other inputs take "pallas_gpu"),
+        "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
     selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
         lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix

@@ -146,15 +146,17 @@ def child_warm(args):
     model = _make_model(args.model)
     cfg = model.config
     out = []
+    options = sfi_jax.EngineOptions(prefill_attention=args.prefill_attention)
     for batch in args.batch_list:
         for ctx in args.context_list:
-            kw = dict(max_new_tokens=1, mode="dense", stop_at_eos=False)
+            kw = dict(max_new_tokens=1, mode="dense", stop_at_eos=False, options=options)
             cold = sfi_jax.generate(model, _prompts(batch, ctx, cfg.vocab_size, 0), **kw).stats
             warm = sfi_jax.generate(model, _prompts(batch, ctx, cfg.vocab_size, 1), **kw).stats
             other = _same_bucket_length(ctx, kw["max_new_tokens"])
             again = sfi_jax.generate(model, _prompts(batch, other, cfg.vocab_size, 2), **kw).stats
             floor = prefill_flops(cfg, batch, ctx) / PEAK_FLOPS
             rec = {"part": "warm", "model": args.model, "batch": batch, "prompt": ctx,
+                   "prefill_attention": args.prefill_attention,
                    **_row(warm, TTFT_KEYS),
                    "first_call_ttft_with_compile_s": round(cold["ttft_with_compile_s"], 3),
                    "first_call_compile_s": round(cold["prefill_compile_s"], 3),
@@ -290,7 +292,8 @@ CHILDREN = {"warm": child_warm, "cold": child_cold, "requests": child_requests, 
 # ------------------------------------------------------------------ orchestration and outputs
 
 def row_key(r):
-    return (r["part"], r["model"], r["batch"], r["prompt"], r.get("mode"), r.get("cache"))
+    return (r["part"], r["model"], r["batch"], r["prompt"], r.get("mode"), r.get("cache"),
+            r.get("prefill_attention", "auto"))
 
 
 def run_child(kind, model, contexts, batches, args, extra=(), env=None,
@@ -300,7 +303,7 @@ def run_child(kind, model, contexts, batches, args, extra=(), env=None,
     cmd = [sys.executable, HERE, "--child", kind, "--models", model,
            "--contexts", ",".join(map(str, contexts)),
            "--batches", ",".join(map(str, batches)), "--new-tokens", str(args.new_tokens),
-           *extra]
+           "--prefill-attention", args.prefill_attention, *extra]
     print("+", " ".join(cmd[1:]), flush=True)
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(os.path.dirname(HERE)),
@@ -353,11 +356,12 @@ def write_markdown(data, out_dir):
     warm = [r for r in rows if r["part"] == "warm"]
     if warm:
         lines += ["## Time to first token, warm", "",
-                  "| model | batch | prompt | TTFT s | floor s | floor/TTFT | TFLOP/s | "
-                  "prompt tokens/s | chunk x n | first call (compile incl.) s | other length "
-                  "in bucket: compile s |", "|" + "---|" * 11]
+                  "| model | batch | prompt | prefill attention | TTFT s | floor s | "
+                  "floor/TTFT | TFLOP/s | prompt tokens/s | chunk x n | first call (compile "
+                  "incl.) s | other length in bucket: compile s |", "|" + "---|" * 12]
         for r in warm:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['prompt']} | {_fmt(r['ttft_s'])} "
+            lines.append(f"| {r['model']} | {r['batch']} | {r['prompt']} | "
+                         f"{r.get('prefill_attention', 'auto')} | {_fmt(r['ttft_s'])} "
                          f"| {_fmt(r['flop_floor_s'])} | {_fmt(r['floor_fraction'])} | "
                          f"{_fmt(r['tflops'], 0)} | {_fmt(r['prefill_tokens_per_s'], 0)} | "
                          f"{r['prefill_chunk']} x {r['prefill_chunks']} | "
@@ -448,6 +452,8 @@ def parse_args(argv=None):
     p.add_argument("--request-models", default="qwen3-4b", help="models of the requests")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--child-timeout", type=int, default=1800, help="seconds per child")
+    p.add_argument("--prefill-attention", default="auto",
+                   help="EngineOptions.prefill_attention of the warm part (auto: cuDNN on a GPU)")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU, every part")
     p.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

@@ -94,15 +94,24 @@ def empty_carry(cfg: ModelConfig, batch: int, window: int, dtype) -> PrefillCarr
     return PrefillCarry(jnp.zeros((batch, cfg.hidden_size), dtype), wq)
 
 
-def attention_impl(options: EngineOptions, dtype, head_dim: int) -> str:
+def attention_impl(options: EngineOptions, dtype, head_dim: int, group: int = 1,
+                   cache_len: int = MIN_BUCKET) -> str:
     """The prefill attention implementation a chunk uses: the resolved option (on a mesh
     "xla": `EngineOptions.resolved(mesh=...)`), except "cudnn" for inputs cuDNN does not take
     or off a GPU (then the Triton kernel, in interpret mode off a GPU, as the GPU defaults are
-    tested on a CPU)."""
+    tested on a CPU), and "mosaic_gpu" for inputs its kernel does not take (the same
+    fallback; off a GPU it runs in interpret mode)."""
     impl = options.prefill_attention
     if impl == "cudnn":
         probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
         if platform() != "gpu" or not cudnn_supported(probe, probe):
+            return "pallas_gpu"
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import prefill_attention_mgpu
+
+        q = jax.ShapeDtypeStruct((1, 1, group, head_dim), dtype)
+        k = jax.ShapeDtypeStruct((1, 1, cache_len, head_dim), dtype)
+        if not prefill_attention_mgpu.supported(q, k):
             return "pallas_gpu"
     return impl
 
@@ -165,7 +174,8 @@ def _chunk_call(params, k, v, key_norms, tokens, start, lengths, carry, row, cfg
     options = options or EngineOptions()
     if not options.is_resolved:  # (a request path passes them resolved)
         options = options.resolved(mesh=None if plan is None else plan.mesh)
-    impl = attention_impl(options, k.dtype, cfg.head_dim)
+    impl = attention_impl(options, k.dtype, cfg.head_dim,
+                          cfg.num_q_heads // cfg.num_kv_heads, k.shape[-2])
     if row is not None and plan is not None:
         raise ValueError("row= (a slot's row of a larger cache) runs on one device, not a mesh")
     args = (params, k, v, key_norms, tokens, start, lengths, carry, row)

@@ -130,3 +130,24 @@ def test_engine_prefills_into_a_slot_row_with_gpu_kernels(tmp_path, mode):
                                    max_new_tokens=n, return_logits=True)
         assert_same_greedy(g, ref.tokens[0], ref.stats["logits"][0],
                            what=f"engine {mode} prompt {len(prompt)}")
+
+
+def test_mosaic_gpu_prefill_in_generate(tmp_path):
+    """prefill_attention="mosaic_gpu" compiled: a bfloat16 model's first-token logits, prompts
+    of one and several 64-token chunks, equal the XLA prefill's and cuDNN's up to bfloat16
+    rounding."""
+    _, d = make_hf_checkpoint(tmp_path, "qwen3", seed=11, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=64)
+    model = sfi_jax.load_model(d, dtype="bfloat16")
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, TINY_EOS, n).tolist() for n in (30, 64, 200)]
+    out = {}
+    for impl in ("xla", "cudnn", "mosaic_gpu"):
+        out[impl] = sfi_jax.generate(model, prompts, max_new_tokens=1, mode="dense",
+                                     return_logits=True, stop_at_eos=False, prefill_chunk=64,
+                                     options=EngineOptions(prefill_attention=impl))
+    assert out["mosaic_gpu"].stats["prefill_chunks"] == 4
+    for impl in ("cudnn", "mosaic_gpu"):
+        for i in range(len(prompts)):
+            err = rel_err(out[impl].stats["logits"][i, 0], out["xla"].stats["logits"][i, 0])
+            assert err < 2e-2, f"{impl} row {i}: {err:.2e}"

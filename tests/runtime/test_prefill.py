@@ -57,6 +57,39 @@ def test_prefill_attention_choice():
     assert prefill.attention_impl(gpu, jnp.bfloat16, 256) == "pallas_gpu"
     on_mesh = EngineOptions().resolved(platform="gpu", mesh=object())
     assert prefill.attention_impl(on_mesh, jnp.bfloat16, 128) == "xla"
+    mosaic = EngineOptions(prefill_attention="mosaic_gpu").resolved(platform="gpu")
+    assert prefill.attention_impl(mosaic, jnp.bfloat16, 128, 4, 4096) == "mosaic_gpu"
+    assert prefill.attention_impl(mosaic, jnp.float32, 128, 4, 4096) == "pallas_gpu"
+    assert prefill.attention_impl(mosaic, jnp.bfloat16, 96, 4, 4096) == "pallas_gpu"
+    assert prefill.attention_impl(mosaic, jnp.bfloat16, 128, 3, 4096) == "pallas_gpu"  # 64 % 3
+
+
+def test_mosaic_gpu_prefill_in_generate(tmp_path, monkeypatch):
+    """prefill_attention="mosaic_gpu" runs its kernel (interpret mode off a GPU) for every
+    chunk of a bfloat16 model and gives the XLA prefill's first-token logits, across a chunk
+    edge and ragged rows. (A CPU keeps bfloat16 caches in float32, which the kernel does not
+    take: here the cache stays bfloat16.)"""
+    from sfi_jax.kernels import prefill_attention_mgpu
+    from sfi_jax.runtime import engine
+
+    for module in (generation, engine):
+        monkeypatch.setattr(module, "cache_dtype", jnp.dtype)
+    calls = []
+    kernel = prefill_attention_mgpu.prefill_attention
+    monkeypatch.setattr(prefill_attention_mgpu, "prefill_attention",
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    _, d = make_hf_checkpoint(tmp_path, "qwen3", seed=11, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=64)
+    model = sfi_jax.load_model(d, dtype="bfloat16")
+    prompts = _prompts([30, 64, 100], seed=12)
+    ref = sfi_jax.generate(model, prompts, prefill_chunk=64,
+                           options=EngineOptions(prefill_attention="xla"), **ONE)
+    assert not calls
+    got = sfi_jax.generate(model, prompts, prefill_chunk=64,
+                           options=EngineOptions(prefill_attention="mosaic_gpu"), **ONE)
+    assert calls and got.stats["prefill_chunks"] == 2
+    for i in range(len(prompts)):
+        assert rel_err(got.stats["logits"][i, 0], ref.stats["logits"][i, 0]) < 2e-2, f"row {i}"
 
 
 def test_buckets():
