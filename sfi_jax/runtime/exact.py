@@ -127,16 +127,17 @@ def draft_config(sfi: SFIConfig) -> SFIConfig:
     return dataclasses.replace(sfi, policy="prefill_only") if sfi.refreshes else sfi
 
 
-def _one_step(params, k, v, st, token, pos, *, cfg, layout, sfi, variant, options):
+def _one_step(params, k, v, st, token, pos, *, cfg, layout, sfi, variant, options, live=None):
     """One decode step for the whole batch with the decode loop's layers (its fused kernels
     included): logits [B, V] and the updated cache/state. variant: the draft's attention
     variant for a fast (draft) step under `sfi`; "dense" for a plain dense step that keeps the
-    SFI state's key norms (a round in which no row drafts)."""
+    SFI state's key norms (a round in which no row drafts); live: the rows not yet ended
+    (None: all; a dense step attends only those)."""
     fused = uses_fused_layers(layout, cfg, token.shape[0], options)
     x = embed_tokens(params, token[:, None])
     carry = LayerCarry(x, k, v, st, None, None, None, new_sync() if fused else None)
     attend = attend_layer(variant, sfi=sfi, options=options)
-    out, _ = run_step_layers(params, carry, step_inputs(variant, sfi, pos), cfg=cfg,
+    out, _ = run_step_layers(params, carry, step_inputs(variant, sfi, pos, live=live), cfg=cfg,
                              layout=layout, sfi=sfi, options=options, attend=attend, fused=fused)
     return output_logits(params, cfg, out.x[:, 0]), out.k, out.v, out.sfi
 
@@ -301,7 +302,7 @@ def exact_chunk(params, state: DecodeState, counts: ExactCounts, eos_mask, trigg
             pos = pos + jnp.minimum(jnp.min(st.c_len), 0)
         key, sub = jax.random.split(state.key)
         logits, kc, vc, st = one_step(state.k, state.v, st, state.token, pos, sfi=sfi,
-                                      variant="dense")
+                                      variant="dense", live=live)
         if sampling.greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
