@@ -28,7 +28,7 @@ MOE = ("auto", "tokens", "kernel", "xla")
 HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
-MATMUL = ("auto", "by_shape", "kernel", "xla")
+MATMUL = ("auto", "by_shape", "kernel", "mosaic_gpu", "xla")
 EPILOGUE = ("auto", "fused", "xla")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
@@ -90,7 +90,9 @@ class EngineOptions:
         in the decode loop's fast loop) or "cond" (behind a `lax.cond`).
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
-        kernel where it beat XLA's gemm: up to 4 rows) or "xla". K-major weights
+        kernel where it beat XLA's gemm: up to 4 rows), "mosaic_gpu" (its Mosaic GPU twin,
+        Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA, no fused
+        epilogues) or "xla". K-major weights
         (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the

@@ -1,7 +1,10 @@
 """A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
 `skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
-it was measured faster ("by_shape"), or XLA ("xla", `skinny_matmul_reference`). The input rows
-may be RMS-normed first: the kernel folds the norm into the product, so it costs no launch."""
+it was measured faster ("by_shape"), its Mosaic GPU twin ("mosaic_gpu", `skinny_matmul_mgpu`,
+Hopper: half-precision [K, N] weights, K and N multiples of 64; no fused epilogues; other
+weights take XLA) or XLA ("xla", `skinny_matmul_reference`). The input rows may be RMS-normed
+first: the Triton kernel folds the norm into the product, so it costs no launch; before the
+Mosaic kernel XLA norms the rows."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import jax
 from sfi_jax.kernels import skinny_matmul_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
-IMPLS = ("by_shape", "kernel", "xla")
+IMPLS = ("by_shape", "kernel", "mosaic_gpu", "xla")
 MAX_ROWS = 64  # skinny_matmul_gpu.MAX_ROWS (not imported here: Triton loads only when used)
 # by_shape: where the kernel beat XLA's gemm on the H200 in the decode loop
 # (benchmarks/e2e_batch1.md): a few rows, every weight size; XLA's gemm won from 6 rows
@@ -21,8 +24,8 @@ BY_SHAPE_ROWS = 4
 
 
 def uses_kernel(impl: str, rows: int) -> bool:
-    """Whether `impl` runs the kernel for `rows` rows: "kernel" up to MAX_ROWS rows, "by_shape"
-    up to BY_SHAPE_ROWS, "xla" never."""
+    """Whether `impl` runs the Triton kernel for `rows` rows: "kernel" up to MAX_ROWS rows,
+    "by_shape" up to BY_SHAPE_ROWS, "xla" and "mosaic_gpu" never."""
     if impl not in IMPLS:
         raise ValueError(f"matmul impl must be one of {IMPLS}, got {impl!r}")
     if impl == "by_shape":
@@ -52,6 +55,8 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
             x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"),
             config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
+    if impl == "mosaic_gpu" and rows <= MAX_ROWS:
+        return _mosaic(x, weights, norm, eps, lead, rows, k)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
@@ -64,6 +69,20 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
         parts, ss = parts[:-1], parts[-1]
         scale = jax.lax.rsqrt(ss.sum(axis=0) / k + eps)[:, None]
     return tuple((p.sum(axis=0) * scale).reshape(*lead, p.shape[-1]) for p in parts)
+
+
+def _mosaic(x, weights, norm, eps, lead, rows, k):
+    """The Mosaic GPU kernel's partial sums, added up, for the weights it takes (else XLA);
+    the rows RMS-normed (and rounded) first as in the reference."""
+    from sfi_jax.kernels import skinny_matmul_mgpu  # Mosaic GPU's Pallas, only when used
+    from sfi_jax.kernels.common import rms_norm
+
+    h = (x if norm is None else rms_norm(x, norm, eps)).reshape(rows, k)
+    if not skinny_matmul_mgpu.supported(h, weights[0]):
+        return reference.skinny_matmul(x, weights, norm, eps=eps)
+    parts = skinny_matmul_mgpu.skinny_matmul_partials(
+        h, tuple(weights), interpret=interpret_for("mosaic_gpu"))
+    return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)
 
 
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS

@@ -131,3 +131,31 @@ def test_refuses_what_it_cannot_tile():
         mgpu.skinny_matmul_partials(x, (jnp.zeros((256, 128), bf),) * 3, interpret=True)
     with pytest.raises(ValueError, match="multiples of 64"):
         mgpu.plan(4, 256, 128, 1, mgpu.Config(block_n=96))
+
+
+def test_dispatch_norms_the_rows_then_runs_the_kernel(monkeypatch):
+    """`skinny_matmul(impl="mosaic_gpu")` (the engine's matmul option): the rows RMS-normed by
+    the norm's weight (a float64 reference here), then the kernel for weights it takes; XLA for
+    others (N not a multiple of 64), the kernel not called."""
+    from sfi_jax.kernels import skinny_matmul
+
+    calls = []
+    kernel = mgpu.skinny_matmul_partials
+    monkeypatch.setattr(mgpu, "skinny_matmul_partials",
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    x, ws = _inputs(21, 3, 256, 192, 2)
+    x = x.reshape(3, 1, 256)
+    rng = host_rng(22)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(256, dtype=np.float32), jnp.bfloat16)
+    got = skinny_matmul.skinny_matmul(x, ws, norm, eps=1e-6, impl="mosaic_gpu")
+    assert len(calls) == 1
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    h = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(
+        norm.astype(jnp.float32), np.float64)
+    for g, w in zip(got, ws):
+        assert g.shape == (3, 1, 192) and g.dtype == jnp.float32
+        assert rel_err(g, h @ np.asarray(w.astype(jnp.float32), np.float64)) < 1e-2  # bf16 h
+    odd = jnp.asarray(rng.standard_normal((256, 100), dtype=np.float32), jnp.bfloat16)
+    out, = skinny_matmul.skinny_matmul(x, (odd,), impl="mosaic_gpu")
+    assert len(calls) == 1
+    assert rel_err(out, x64 @ np.asarray(odd.astype(jnp.float32), np.float64)) < 1e-2
