@@ -144,8 +144,9 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
     with no valid key in a block keeps exp(m - m_new) = 1 (and l = 0 if it never sees one)."""
     bk, d = k_smem.shape[1], k_smem.shape[2]
     dtype = k_smem.dtype
-    for i in range(stages):
-        pl.when(i < n)(functools.partial(fetch, i, i))
+    for i in range(stages):  # (a traced block index: a static one past a short cache's end
+        # fails the static bounds check, where the TMA copy would only clip)
+        pl.when(i < n)(functools.partial(fetch, jnp.int32(i), i))
 
     def step(i, carry):
         acc, m, l = carry
@@ -190,7 +191,10 @@ def _bounds(valid):
 
 def aligned(x, m=8):
     """A dynamic TMA start along a tiled axis, told to the compiler to be a multiple of m
-    (the layout inference proves a tiled copy's offsets from such hints)."""
+    (the layout inference proves a tiled copy's offsets from such hints); a Python int (a
+    static block index) is returned as it is: multiple_of takes traced values only."""
+    if isinstance(x, int):
+        return x
     return pl.multiple_of(x, m)
 
 

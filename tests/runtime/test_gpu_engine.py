@@ -171,6 +171,9 @@ def test_mosaic_gpu_matmuls_in_generate(tmp_path, batch):
                                        options=EngineOptions(matmul=matmul, epilogue="xla"))
     ref, got = out["xla"], out["mosaic_gpu"]
     for b in range(batch):
-        assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b],
+        # (a bfloat16 model rounds each projection's output to 8 bits: summed in another
+        # order, a top-2 gap of 3e-4 flipped on the H100 in row 4, so near-ties are taken
+        # at bfloat16's 1e-2, not float32's 1e-4)
+        assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b], rel=1e-2,
                            what=f"row {b}")
         assert rel_err(got.stats["logits"][b][0], ref.stats["logits"][b][0]) < 2e-2
