@@ -171,7 +171,8 @@ def attend_oracle(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_r
 
 
 def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *,
-                    sfi, options, head_axis=None, q_hist=None, step=None, live=None) -> LayerAttention:
+                    sfi, options, head_axis=None, q_hist=None, step=None,
+                    live=None) -> LayerAttention:
     """Every row reads sparsely (the kernel also stores this step's key, value and key norm;
     the dense rows' compact counts are 0 for the whole step, see `decode_chunk`); the rows in
     `slots` also attend densely, their output replacing the sparse one and their logits kept
