@@ -201,6 +201,16 @@ def run_gpu(args, res):
                 res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
                              error=f"{type(e).__name__}: {e}"[:300]))
             cudnn_full(t)
+
+            def timed(row, fn, fn_args, want=want, pairs=pairs):
+                """fn's time and its error against cuDNN's split-merge output into row."""
+                out = fn(*fn_args)
+                sec = time_fn(fn, fn_args, reps=args.reps)
+                row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
+                           max_rel_err=None if want is None else rel_err(
+                               out.astype(jnp.float32), want.astype(jnp.float32)),
+                           checked_against=None if want is None else "cudnn_split_merge")
+
             # the dispatcher's cuDNN path and the Mosaic GPU kernel: head-major cache of 2n
             # positions, traced offset
             for kind, impl in (("ours_cudnn", "cudnn"), ("ours_mosaic", "mosaic_gpu")):
@@ -210,12 +220,7 @@ def run_gpu(args, res):
                     kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
                     fn = jax.jit(lambda q, k, v, qs, kl, impl=impl: prefill_attention(
                         q, k, v, qs, kl, impl=impl))
-                    out = fn(q, kb, vb, qs, kl)
-                    sec = time_fn(fn, (q, kb, vb, qs, kl), reps=args.reps)
-                    row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
-                               max_rel_err=None if want is None else rel_err(
-                                   out.astype(jnp.float32), want.astype(jnp.float32)),
-                               checked_against=None if want is None else "cudnn_split_merge")
+                    timed(row, fn, (q, kb, vb, qs, kl))
                     del kb, vb
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -226,12 +231,7 @@ def run_gpu(args, res):
                 row = dict(kind="ours", impl="pallas_gpu", t=t, offset=offset, context=n,
                            config=cfg.__dict__)
                 try:
-                    out = fn(q, k, v, qs, kl)
-                    sec = time_fn(fn, (q, k, v, qs, kl), reps=args.reps)
-                    row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, pairs, sec),
-                               max_rel_err=None if want is None else rel_err(
-                                   out.astype(jnp.float32), want.astype(jnp.float32)),
-                               checked_against=None if want is None else "cudnn_split_merge")
+                    timed(row, fn, (q, k, v, qs, kl))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 res.add(row)
