@@ -2,7 +2,7 @@
 
 On a GPU: GQA 32/8, D 128, bf16, batch 1. For each chunk T and context N (offset N - T) it
 times `prefill_attention` (impl pallas_gpu, each --configs entry; the dispatcher's cudnn and
-mosaic_gpu paths) over a head-major cache
+mosaic_gpu paths; the Mosaic kernel with two warpgroups, WARP_SPECIALISED) over a head-major cache
 holding N keys, and cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`) on
 (a) a causal no-offset call of T queries over T keys, (b) a causal no-offset call of length N
 (the whole prompt at once) and (c) for offsets, the prefix (non-causal) and the chunk
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sfi_jax.kernels import prefill_attention_gpu  # noqa: E402
+from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_mgpu  # noqa: E402
 from sfi_jax.kernels.prefill_attention import prefill_attention  # noqa: E402
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference  # noqa: E402
 
@@ -109,6 +109,11 @@ def cudnn_offset(q, k_seq, v_seq, offset):
     w1, w2 = jnp.exp(l1 - m)[..., None], jnp.exp(l2 - m)[..., None]
     out = (o1.astype(jnp.float32) * w1 + o2.astype(jnp.float32) * w2) / (w1 + w2)
     return out.astype(q.dtype)
+
+
+# the warp-specialised Mosaic kernel's configs timed beside the default twin (D 128)
+WARP_SPECIALISED = (prefill_attention_mgpu.Config(block_k=128, stages=2, warpgroups=2),
+                    prefill_attention_mgpu.Config(block_k=64, stages=4, warpgroups=2))
 
 
 def run_smoke(args, res):
@@ -223,6 +228,17 @@ def run_gpu(args, res):
                     timed(row, fn, (q, kb, vb, qs, kl))
                     del kb, vb
                 except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                res.add(row)
+            # the Mosaic GPU kernel with two compute warpgroups and a TMA producer
+            for ws in WARP_SPECIALISED:
+                row = dict(kind="ours_mosaic_ws", impl="mosaic_gpu", t=t, offset=offset,
+                           context=n, config=ws.__dict__)
+                fn = jax.jit(lambda q, k, v, qs, kl, c=ws: prefill_attention_mgpu.prefill_attention(
+                    q, k, v, qs, kl, config=c))
+                try:
+                    timed(row, fn, (q, k, v, qs, kl))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 res.add(row)
             for cfg in configs:

@@ -12,6 +12,12 @@ with TMA (attention_mgpu's `_flash`: `stages` blocks in flight, q·Kᵀ and P·V
 online softmax in registers), each row masked at its own causal edge, and writes its
 normalised output block. Programs of the last query blocks (the most keys) come first.
 
+`Config(warpgroups=2)` (`_kernel_ws`) is the layout of Hopper's fast flash kernels: a CTA of
+128 rows in two compute warpgroups that share one key stream, a third warpgroup that only
+issues the TMA copies, the compute warpgroups alternating on the tensor cores so one's softmax
+hides under the other's matmuls, and p fed to the second wgmma from registers. The one-
+warpgroup layout runs at half cuDNN's rate (benchmarks/prefill_kernel.md).
+
 Half-precision caches, head dim 64/128/256, S a multiple of 8, and G dividing 64 only
 (`supported`). Off a GPU the kernel runs in Mosaic GPU's interpret mode, where TMA reads past
 an array's end give zeros, as on the GPU.
@@ -33,14 +39,19 @@ from sfi_jax.kernels import attention_mgpu as base
 from sfi_jax.kernels.common import as_layer_stacks, cache_origin
 
 _M = base._M
+_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """block_k: keys per pipeline step (a multiple of 64); stages: key blocks in flight."""
+    """block_k: keys per pipeline step (a multiple of 64); stages: key blocks in flight;
+    warpgroups: 1, one warpgroup that fetches and computes (`_kernel`), or 2, two compute
+    warpgroups of 64 rows each on one key stream and a third that only issues the TMA copies
+    (`_kernel_ws`)."""
 
     block_k: int = 128
     stages: int = 2
+    warpgroups: int = 1
 
 
 DEFAULT = Config(block_k=128, stages=2)
@@ -58,7 +69,10 @@ def supported(q, k) -> bool:
 
 
 def smem_bytes(cfg, d, itemsize=2):
-    """Shared memory of one CTA: the K/V stages, q, p and the output block."""
+    """Shared memory of one CTA: the K/V stages and, per compute warpgroup, q (reused for
+    the output) and p (one warpgroup) or q alone (two: p stays in registers)."""
+    if cfg.warpgroups == 2:
+        return 2 * cfg.stages * cfg.block_k * d * itemsize + 2 * _M * d * itemsize
     return (2 * cfg.stages * cfg.block_k * d * itemsize + 2 * _M * d * itemsize
             + _M * cfg.block_k * itemsize)
 
@@ -118,12 +132,132 @@ def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, 
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem,
+               q_bar, k_bar, v_bar, k_free, v_free, turn, *, t_len, s_len, nq, group, bq, bk,
+               stages, scale, interpret):
+    """Warpgroups 0 and 1 each own 64 of the CTA's 128 rows (2 * 64 // G queries); warpgroup
+    2 streams the key blocks both read, refilling a slot once both have consumed it
+    (`k_free`/`v_free`, two arrivals each). The compute warpgroups take turns on the tensor
+    cores (`turn`, FlashAttention-3's ping-pong): one's softmax runs while the other's wgmma
+    does. Scores are kept in base 2 (scale * log2 e folded in, exp2)."""
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    wg = lax.axis_index("wg")
+    i = nq - 1 - lax.axis_index("q")  # the last query blocks (most keys) first
+    layer, cache_row = at_ref[0], at_ref[1] + b
+    qs = qs_ref[b]
+    kvl = jnp.clip(kv_ref[b], 0, s_len)
+    t0 = i * bq
+    # keys up to the CTA's last real query (both warpgroups run every block: balanced barriers)
+    hi = jnp.maximum(jnp.minimum(kvl, qs + jnp.minimum(t0 + bq, t_len)), 0)
+    n = lax.div(hi + (bk - 1), bk)
+    dtype = k_smem.dtype
+    d = k_smem.shape[-1]
+
+    @pl.when(wg == 2)
+    def _producer():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(j, slot):
+            blk = (layer, cache_row, h, pl.ds(base.aligned(j * bk, bk), bk))
+            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+        for j in range(stages):  # traced indices: see base._flash
+            pl.when(j < n)(functools.partial(fetch, jnp.int32(j), j))
+
+        def refill(j, _):
+            """Block j's slot is free once both warpgroups consumed it: fetch block j +
+            stages into it. Every free phase is waited for, the last `stages` too."""
+            slot = lax.rem(j, stages)
+            more = j + stages < n
+            blk = (layer, cache_row, h, pl.ds(base.aligned((j + stages) * bk, bk), bk))
+            plgpu.barrier_wait(k_free.at[slot])
+            pl.when(more)(lambda: plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot],
+                                                          k_bar.at[slot]))
+            plgpu.barrier_wait(v_free.at[slot])
+            pl.when(more)(lambda: plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot],
+                                                          v_bar.at[slot]))
+
+        lax.fori_loop(0, n, refill, None)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_w = q_smem.at[wg]
+        rows = pl.ds(base.aligned((i * 2 + wg) * _M, _M), _M)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_w, q_bar.at[wg])
+        tw = t0 + wg * (_M // group)
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        def qk(slot):
+            if interpret:
+                s = jnp.dot(q_w[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
+                take_turn()
+                return s
+
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                take_turn()  # wgmma is asynchronous: hand over while it runs
+                return acc_ref[...]
+
+            return pl.run_scoped(run, plgpu.ACC((_M, bk), jnp.float32))
+
+        def pv(acc, p, slot):
+            if interpret:
+                return acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(
+                plgpu.ACC.init(acc))
+
+        def step(j, carry):
+            acc, m, l = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = qk(slot) * (scale * _LOG2E)
+            plgpu.barrier_arrive(k_free.at[slot])
+            row = base._iota((_M, bk), 0, interpret)
+            pos = qs + tw + lax.div(row, group)
+            limit = jnp.where(pos < kvl, pos + 1, 0) - j * bk
+            s = jnp.where(base._iota((_M, bk), 1, interpret) < limit, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p = p.astype(dtype)
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are free
+            acc = pv(acc, p, slot)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        acc = base._layout(jnp.zeros((_M, d), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m = base._layout(jnp.full((_M,), base.M_INIT, jnp.float32), row_layout, interpret)
+        l = base._layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
+        plgpu.barrier_wait(q_bar.at[wg])
+        pl.when(wg == 1)(take_turn)  # offset the two by one turn
+        acc, _, l = lax.fori_loop(0, n, step, (acc, m, l))
+        pl.when(wg == 0)(take_turn)  # and even the count
+        # no valid key: acc is 0 and so is the output; NaN inputs stay NaN
+        inv = 1.0 / jnp.where(l != 0, l, 1.0)
+        q_w[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_w, o_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _check_config(cfg, d):
-    if cfg.block_k % 64 or cfg.block_k < 64 or cfg.stages < 1 \
+    if cfg.block_k % 64 or cfg.block_k < 64 or cfg.stages < 1 or cfg.warpgroups not in (1, 2) \
             or smem_bytes(cfg, d) > base.SMEM_BYTES:
-        raise ValueError(f"mosaic_gpu prefill config {cfg}: block_k must be a multiple of 64 "
-                         f"and the CTA's shared memory ({smem_bytes(cfg, d)} B at d={d}) at "
-                         f"most {base.SMEM_BYTES} B")
+        raise ValueError(f"mosaic_gpu prefill config {cfg}: block_k must be a multiple of 64, "
+                         f"warpgroups 1 or 2 and the CTA's shared memory ({smem_bytes(cfg, d)} "
+                         f"B at d={d}) at most {base.SMEM_BYTES} B")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -143,30 +277,39 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None, *, interpr
     k, v, layer_arr = as_layer_stacks(layer, k, v)
     hkv, s_len = k.shape[2], k.shape[3]
     group = hq // hkv
-    bq = _M // group
+    bq = cfg.warpgroups * _M // group  # queries per CTA
     nq = -(-t // bq)
     tp = nq * bq
     # rows (t, g) of each KV head: [B, T, Hkv, G, D] -> [B, Hkv, Tp * G, D]
     qg = q.astype(k.dtype).reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, hkv, tp * group, d)
-    kernel = functools.partial(
-        _kernel, t_len=t, s_len=s_len, nq=nq, group=group, bq=bq, bk=cfg.block_k,
-        stages=cfg.stages, scale=1.0 / math.sqrt(d), interpret=interpret)
     smem = base._smem_kv
+    kv_stages = [smem((cfg.stages, cfg.block_k, d), k.dtype)] * 2
+    if cfg.warpgroups == 2:
+        body, threads = _kernel_ws, dict(num_threads=3, thread_name="wg")
+        scratch = [smem((2, _M, d), k.dtype), *kv_stages,
+                   plgpu.Barrier(num_barriers=2),
+                   plgpu.Barrier(num_barriers=cfg.stages),
+                   plgpu.Barrier(num_barriers=cfg.stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+                   plgpu.Barrier(num_arrivals=2)]
+    else:
+        body, threads = _kernel, {}
+        scratch = [smem((_M, d), k.dtype), *kv_stages,
+                   smem((_M, cfg.block_k), k.dtype),
+                   smem((_M, d), k.dtype),
+                   plgpu.Barrier(num_barriers=1),
+                   plgpu.Barrier(num_barriers=cfg.stages),
+                   plgpu.Barrier(num_barriers=cfg.stages)]
+    kernel = functools.partial(
+        body, t_len=t, s_len=s_len, nq=nq, group=group, bq=bq, bk=cfg.block_k,
+        stages=cfg.stages, scale=1.0 / math.sqrt(d), interpret=interpret)
     out = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, hkv, tp * group, d), k.dtype),
-        scratch_types=[
-            smem((_M, d), k.dtype),
-            smem((cfg.stages, cfg.block_k, d), k.dtype),
-            smem((cfg.stages, cfg.block_k, d), k.dtype),
-            smem((_M, cfg.block_k), k.dtype),
-            smem((_M, d), k.dtype),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=cfg.stages),
-            plgpu.Barrier(num_barriers=cfg.stages),
-        ],
-        grid=(b, hkv, nq), grid_names=("b", "h", "q"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        scratch_types=scratch,
+        grid=(b, hkv, nq), grid_names=("b", "h", "q"), **threads,
+        compiler_params=plgpu.CompilerParams(approx_math=cfg.warpgroups == 2),
         interpret=base.interpret_params() if interpret else False,
     )(cache_origin(layer_arr, row), q_start.astype(jnp.int32), kv_len.astype(jnp.int32), qg,
       k, v)

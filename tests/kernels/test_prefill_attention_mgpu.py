@@ -2,7 +2,8 @@
 compiled on a GPU, the tests marked `gpu`, Mosaic GPU's interpret mode elsewhere) against the
 dense jnp reference on fresh random bfloat16 inputs: ragged rows and offsets, T not a multiple
 of the query block, GQA groups 1, 4 and 8, a stacked cache read at a traced layer and row; its
-lowering for CUDA from any machine; what it refuses."""
+lowering for CUDA from any machine; what it refuses. Both layouts: one warpgroup per CTA
+(the default) and two compute warpgroups beside a TMA producer (`Config(warpgroups=2)`)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,31 +24,44 @@ BF16 = jnp.bfloat16
 @pytest.mark.gpu
 def test_offsets_and_ragged_rows():
     """Rows: q_start 0, a long filled prefix, a chunk whose tail is padding (kv_len inside the
-    chunk) and an empty cache; T = 37 is not a multiple of the query block (64 // G = 16) and
-    S = 296 not one of the 64-key blocks (the last one reads past the cache's end)."""
+    chunk) and an empty cache; T = 37 is not a multiple of the query block (64 // G = 16, or
+    32 with two warpgroups) and S = 296 not one of the 64-key blocks (the last one reads past
+    the cache's end)."""
     t, s = 37, 296
     q, k, v = _inputs(101, 4, t, 8, 2, s, 64, BF16)
     q_start = jnp.array([0, 250, 60, 0], jnp.int32)
     kv_len = jnp.array([t, 250 + t, 60 + t - 9, 0], jnp.int32)
+    want = reference(q, k, v, q_start, kv_len)
     out = prefill_attention(q, k, v, q_start, kv_len, impl="mosaic_gpu", block_k=64)
     assert out.shape == q.shape and out.dtype == q.dtype
-    _assert_close(out, reference(q, k, v, q_start, kv_len), q_start, kv_len, BF16, "mosaic_gpu")
+    _assert_close(out, want, q_start, kv_len, BF16, "mosaic_gpu")
+    two = mgpu.prefill_attention(q, k, v, q_start, kv_len, interpret=gpu_interpret(),
+                                 config=mgpu.Config(block_k=64, stages=2, warpgroups=2))
+    _assert_close(two, want, q_start, kv_len, BF16, "mosaic_gpu, two warpgroups")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("heads", [(8, 8, 64), (8, 2, 128), (16, 2, 64), (8, 2, 256)],
                          ids=["g1-d64", "g4-d128", "g8-d64", "g4-d256"])
-def test_gqa_groups_and_head_dims(heads):
+def test_gqa_groups_and_head_dims(heads, warpgroups):
     """G = 1 (a 64-query block, longer than the chunk), 4 and 8 (8-query blocks), the default
-    config (128-key blocks; 64 at d 256, where 128 do not fit shared memory)."""
+    config (128-key blocks; 64 at d 256, where 128 do not fit shared memory); with two
+    warpgroups, the same config fitted (through the kernel: the dispatcher takes the
+    default)."""
     hq, hkv, d = heads
     t, s = 20, 152
     q, k, v = _inputs(hq * 7 + d, 2, t, hq, hkv, s, d, BF16)
     q_start = jnp.array([130, 3], jnp.int32)
     kv_len = jnp.array([150, 3 + t], jnp.int32)
-    out = prefill_attention(q, k, v, q_start, kv_len, impl="mosaic_gpu")
+    if warpgroups == 1:
+        out = prefill_attention(q, k, v, q_start, kv_len, impl="mosaic_gpu")
+    else:
+        cfg = mgpu.fit(mgpu.Config(warpgroups=2), d)
+        out = mgpu.prefill_attention(q, k, v, q_start, kv_len, interpret=gpu_interpret(),
+                                     config=cfg)
     _assert_close(out, reference(q, k, v, q_start, kv_len), q_start, kv_len, BF16,
-                  f"mosaic_gpu {heads}")
+                  f"mosaic_gpu {heads}, {warpgroups} warpgroups")
 
 
 @pytest.mark.gpu
@@ -79,18 +93,21 @@ def test_stacked_cache_traced_layer_and_row():
 LOWER = [(32, 8, 128, 1000, 4096), (16, 2, 64, 37, 296), (8, 8, 256, 100, 512)]
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("shape", LOWER, ids=["qwen3-4b", "g8-d64", "g1-d256"])
-def test_kernel_lowers_for_cuda(shape):
+def test_kernel_lowers_for_cuda(shape, warpgroups):
     """Interpret mode does not prove the kernel compiles: its Mosaic GPU lowering (TMA slices
-    of the swizzled tiles, wgmma operands, register layouts, barriers) runs here, for CUDA,
-    with the layer and row traced."""
+    of the swizzled tiles, wgmma operands, register layouts, barriers, and with two
+    warpgroups the register-operand wgmma and the per-warpgroup register budgets) runs here,
+    for CUDA, with the layer and row traced."""
     hq, hkv, d, t, s = shape
+    cfg = mgpu.fit(mgpu.Config(warpgroups=warpgroups), d)
     sds = jax.ShapeDtypeStruct
     kv = sds((3, 2, hkv, s, d), BF16)
     i32 = sds((2,), jnp.int32)
     args = (sds((2, t, hq, d), BF16), kv, kv, i32, i32, sds((), jnp.int32), sds((), jnp.int32))
     fn = jax.jit(lambda q, k, v, qs, kl, layer, row: mgpu.prefill_attention(
-        q, k, v, qs, kl, layer, row))
+        q, k, v, qs, kl, layer, row, config=cfg))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
