@@ -7,7 +7,9 @@ holding N keys, and cuDNN (`jax.nn.dot_product_attention(..., implementation="cu
 (a) a causal no-offset call of T queries over T keys, (b) a causal no-offset call of length N
 (the whole prompt at once) and (c) for offsets, the prefix (non-causal) and the chunk
 (causal) as two calls merged by their log-sum-exp, which is what the same chunk costs through
-cuDNN. Our output is checked against (c) (or the reference on small shapes). TFLOP/s count
+cuDNN; and (d) the prefix call alone, at its exact length without a mask (as in (c)) and as the
+dispatcher's cuDNN path makes it (a power-of-two slab masked to the prefix's length), to split
+that path's cost from cuDNN's own. Our output is checked against (c) (or the reference on small shapes). TFLOP/s count
 causal FLOPs: 4 * B * Hq * D * (query-key pairs that attend).
 
 --smoke: tiny shapes on the CPU through the xla path, checked against the dense reference.
@@ -30,7 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sfi_jax.kernels import prefill_attention_gpu, prefill_attention_mgpu  # noqa: E402
+from sfi_jax.kernels import (prefill_attention_cudnn, prefill_attention_gpu,  # noqa: E402
+                             prefill_attention_mgpu)
 from sfi_jax.kernels.prefill_attention import prefill_attention  # noqa: E402
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference  # noqa: E402
 
@@ -206,6 +209,21 @@ def run_gpu(args, res):
                 res.add(dict(kind="cudnn_split_merge", t=t, offset=offset, context=n,
                              error=f"{type(e).__name__}: {e}"[:300]))
             cudnn_full(t)
+            if offset:  # the prefix call alone: exact length, no mask (as split-merge) against
+                # the dispatcher's form, a power-of-two slab masked to the prefix's length
+                slab = next(x for x in prefill_attention_cudnn.prefix_lengths(t, n) if x >= offset)
+                for kind, keys, lens in (("cudnn_prefix_exact", offset, None),
+                                         ("cudnn_prefix_padded_slab", slab, offset)):
+                    fn = jax.jit(lambda q, ks, vs, m=keys, ln=lens: jax.nn.dot_product_attention(
+                        q, ks[:, :m], vs[:, :m], implementation="cudnn",
+                        key_value_seq_lengths=None if ln is None else jnp.full((b,), ln, jnp.int32)))
+                    row = dict(kind=kind, t=t, offset=offset, context=n, keys=keys)
+                    try:
+                        sec = time_fn(fn, (q, ks, vs), reps=args.reps)
+                        row.update(ms=sec * 1e3, tflops=tflops(b, hq, d, t * offset, sec))
+                    except Exception as e:  # noqa: BLE001 - record why cuDNN could not run
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    res.add(row)
 
             def timed(row, fn, fn_args, want=want, pairs=pairs):
                 """fn's time and its error against cuDNN's split-merge output into row."""
