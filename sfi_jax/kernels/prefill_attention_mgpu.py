@@ -93,18 +93,25 @@ def config_for(d, block_k=None) -> Config:
     return cfg
 
 
-def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem,
-            p_smem, o_smem, q_bar, k_bar, v_bar, *, t_len, s_len, nq, group, bq, bk, stages,
-            scale, interpret):
+def _block(at_ref, qs_ref, kv_ref, *, t_len, s_len, nq, bq, bk):
+    """This CTA's batch row b, KV head h, query block i (the last blocks, with the most keys,
+    first), cache layer and row, q_start, filled length, first query t0, and n: the key
+    blocks up to its last real query (not T's padding) and the row's filled length."""
     b, h = lax.axis_index("b"), lax.axis_index("h")
-    i = nq - 1 - lax.axis_index("q")  # the last query blocks (most keys) first
+    i = nq - 1 - lax.axis_index("q")
     layer, cache_row = at_ref[0], at_ref[1] + b
     qs = qs_ref[b]
     kvl = jnp.clip(kv_ref[b], 0, s_len)
     t0 = i * bq
-    # keys up to the block's last real query (not T's padding) and the row's filled length
     hi = jnp.maximum(jnp.minimum(kvl, qs + jnp.minimum(t0 + bq, t_len)), 0)
-    n = lax.div(hi + (bk - 1), bk)
+    return b, h, i, layer, cache_row, qs, kvl, t0, lax.div(hi + (bk - 1), bk)
+
+
+def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem,
+            p_smem, o_smem, q_bar, k_bar, v_bar, *, t_len, s_len, nq, group, bq, bk, stages,
+            scale, interpret):
+    b, h, i, layer, cache_row, qs, kvl, t0, n = _block(at_ref, qs_ref, kv_ref, t_len=t_len,
+                                                       s_len=s_len, nq=nq, bq=bq, bk=bk)
     rows = pl.ds(base.aligned(i * _M, _M), _M)
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
@@ -140,16 +147,10 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
     (`k_free`/`v_free`, two arrivals each). The compute warpgroups take turns on the tensor
     cores (`turn`, FlashAttention-3's ping-pong): one's softmax runs while the other's wgmma
     does. Scores are kept in base 2 (scale * log2 e folded in, exp2)."""
-    b, h = lax.axis_index("b"), lax.axis_index("h")
+    # both compute warpgroups run all n blocks (the CTA's): their barrier counts stay equal
+    b, h, i, layer, cache_row, qs, kvl, t0, n = _block(at_ref, qs_ref, kv_ref, t_len=t_len,
+                                                       s_len=s_len, nq=nq, bq=bq, bk=bk)
     wg = lax.axis_index("wg")
-    i = nq - 1 - lax.axis_index("q")  # the last query blocks (most keys) first
-    layer, cache_row = at_ref[0], at_ref[1] + b
-    qs = qs_ref[b]
-    kvl = jnp.clip(kv_ref[b], 0, s_len)
-    t0 = i * bq
-    # keys up to the CTA's last real query (both warpgroups run every block: balanced barriers)
-    hi = jnp.maximum(jnp.minimum(kvl, qs + jnp.minimum(t0 + bq, t_len)), 0)
-    n = lax.div(hi + (bk - 1), bk)
     dtype = k_smem.dtype
     d = k_smem.shape[-1]
 
