@@ -119,14 +119,20 @@ def _iota(shape, dim, interpret):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _qk(q_smem, k_smem, interpret):
-    """q·kᵀ [64, block_k] in float32 on the tensor cores. Interpret mode has no transposed
+def _qk(q_smem, k_smem, interpret, while_running=None):
+    """q·kᵀ [64, block_k] in float32 on the tensor cores; while_running() runs after the
+    asynchronous wgmma is issued, before its result is read. Interpret mode has no transposed
     wgmma operand: there the same product is a jnp dot of the shared-memory tiles."""
     if interpret:
-        return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+        s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+        if while_running is not None:
+            while_running()
+        return s
 
     def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        if while_running is not None:
+            while_running()
         return acc_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((_M, k_smem.shape[0]), jnp.float32))

@@ -71,10 +71,8 @@ def supported(q, k) -> bool:
 def smem_bytes(cfg, d, itemsize=2):
     """Shared memory of one CTA: the K/V stages and, per compute warpgroup, q (reused for
     the output) and p (one warpgroup) or q alone (two: p stays in registers)."""
-    if cfg.warpgroups == 2:
-        return 2 * cfg.stages * cfg.block_k * d * itemsize + 2 * _M * d * itemsize
-    return (2 * cfg.stages * cfg.block_k * d * itemsize + 2 * _M * d * itemsize
-            + _M * cfg.block_k * itemsize)
+    p = _M * cfg.block_k * itemsize if cfg.warpgroups == 1 else 0
+    return 2 * cfg.stages * cfg.block_k * d * itemsize + 2 * _M * d * itemsize + p
 
 
 def fit(cfg, d):
@@ -107,6 +105,21 @@ def _block(at_ref, qs_ref, kv_ref, *, t_len, s_len, nq, bq, bk):
     return b, h, i, layer, cache_row, qs, kvl, t0, lax.div(hi + (bk - 1), bk)
 
 
+def _copy_block(src, dst, bar, at, j, slot, bk):
+    """TMA: key or value block j of cache row `at` (layer, row, head) into shared slot `slot`."""
+    blk = (*at, pl.ds(base.aligned(j * bk, bk), bk))
+    plgpu.copy_gmem_to_smem(src.at[blk], dst.at[slot], bar.at[slot])
+
+
+def _causal_limit(qs, t0, kvl, group, j, bk, interpret):
+    """[64, bk]: how many leading keys of block j each row counts. Row r is query
+    qs + t0 + r // group: keys [0, pos + 1) for a query before kv_len, none for a padding
+    one."""
+    row = base._iota((_M, bk), 0, interpret)
+    pos = qs + t0 + lax.div(row, group)
+    return jnp.where(pos < kvl, pos + 1, 0) - j * bk
+
+
 def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem,
             p_smem, o_smem, q_bar, k_bar, v_bar, *, t_len, s_len, nq, group, bq, bk, stages,
             scale, interpret):
@@ -116,21 +129,17 @@ def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, 
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
 
-    def fetch(j, slot):
-        blk = (layer, cache_row, h, pl.ds(base.aligned(j * bk, bk), bk))
-        plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+    at = (layer, cache_row, h)
 
-    def valid(j):
-        """Per row: keys [0, pos + 1) for a query before kv_len, none for a padding one."""
-        row = base._iota((_M, bk), 0, interpret)
-        pos = qs + t0 + lax.div(row, group)
-        limit = jnp.where(pos < kvl, pos + 1, 0)
-        return limit - j * bk
+    def fetch(j, slot):
+        _copy_block(k_ref, k_smem, k_bar, at, j, slot, bk)
+        _copy_block(v_ref, v_smem, v_bar, at, j, slot, bk)
 
     plgpu.barrier_wait(q_bar)
-    acc, _, l = base._flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
-                            valid=valid, stages=stages, scale=scale, interpret=interpret)
+    acc, _, l = base._flash(
+        q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+        valid=lambda j: _causal_limit(qs, t0, kvl, group, j, bk, interpret), stages=stages,
+        scale=scale, interpret=interpret)
     # no valid key: acc is 0 and so is the output; NaN inputs stay NaN
     inv = 1.0 / jnp.where(l != 0, l, 1.0)
     o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
@@ -159,26 +168,22 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
 
-        def fetch(j, slot):
-            blk = (layer, cache_row, h, pl.ds(base.aligned(j * bk, bk), bk))
-            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
-
+        at = (layer, cache_row, h)
         for j in range(stages):  # traced indices: see base._flash
-            pl.when(j < n)(functools.partial(fetch, jnp.int32(j), j))
+            @pl.when(j < n)
+            def _first(j=jnp.int32(j), slot=j):
+                _copy_block(k_ref, k_smem, k_bar, at, j, slot, bk)
+                _copy_block(v_ref, v_smem, v_bar, at, j, slot, bk)
 
         def refill(j, _):
             """Block j's slot is free once both warpgroups consumed it: fetch block j +
             stages into it. Every free phase is waited for, the last `stages` too."""
             slot = lax.rem(j, stages)
             more = j + stages < n
-            blk = (layer, cache_row, h, pl.ds(base.aligned((j + stages) * bk, bk), bk))
             plgpu.barrier_wait(k_free.at[slot])
-            pl.when(more)(lambda: plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot],
-                                                          k_bar.at[slot]))
+            pl.when(more)(lambda: _copy_block(k_ref, k_smem, k_bar, at, j + stages, slot, bk))
             plgpu.barrier_wait(v_free.at[slot])
-            pl.when(more)(lambda: plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot],
-                                                          v_bar.at[slot]))
+            pl.when(more)(lambda: _copy_block(v_ref, v_smem, v_bar, at, j + stages, slot, bk))
 
         lax.fori_loop(0, n, refill, None)
 
@@ -195,19 +200,6 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def qk(slot):
-            if interpret:
-                s = jnp.dot(q_w[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
-                take_turn()
-                return s
-
-            def run(acc_ref):
-                plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                take_turn()  # wgmma is asynchronous: hand over while it runs
-                return acc_ref[...]
-
-            return pl.run_scoped(run, plgpu.ACC((_M, bk), jnp.float32))
-
         def pv(acc, p, slot):
             if interpret:
                 return acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
@@ -218,11 +210,11 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = qk(slot) * (scale * _LOG2E)
+            # hand the tensor cores over while this wgmma runs
+            s = base._qk(q_w, k_smem.at[slot], interpret, while_running=take_turn)
+            s = s * (scale * _LOG2E)
             plgpu.barrier_arrive(k_free.at[slot])
-            row = base._iota((_M, bk), 0, interpret)
-            pos = qs + tw + lax.div(row, group)
-            limit = jnp.where(pos < kvl, pos + 1, 0) - j * bk
+            limit = _causal_limit(qs, tw, kvl, group, j, bk, interpret)
             s = jnp.where(base._iota((_M, bk), 1, interpret) < limit, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
