@@ -130,7 +130,7 @@ def _qk(q_smem, k_smem, interpret, while_running=None):
         return s
 
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
         if while_running is not None:
             while_running()
         return acc_ref[...]
