@@ -210,11 +210,13 @@ class Engine:
 
     @staticmethod
     def _memory_message(slots, cache_len, per_slot, work, avail):
+        from sfi_jax.runtime.generation import _memory_fraction_hint
+
         gib = 2 ** 30
         return (f"{slots} slots x {cache_len} positions need {slots * per_slot / gib:.2f} GiB "
                 f"(KV cache + SFI state, {per_slot / gib:.3f} GiB per slot) and a prefill "
                 f"{work / gib:.2f} GiB more, but the device has {avail / gib:.2f} GiB free; "
-                "lower max_slots or max_len")
+                "lower max_slots or max_len" + _memory_fraction_hint(jax.local_devices()[0]))
 
     def _masks(self, trigger_ids):
         from sfi_jax.runtime.generation import trigger_mask_for

@@ -59,12 +59,16 @@ def _available_device_bytes(device) -> int | None:
 
 
 def _memory_fraction_hint(device) -> str:
-    """On GPU, JAX takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set)."""
+    """On GPU, JAX takes XLA_CLIENT_MEM_FRACTION (or its older name
+    XLA_PYTHON_CLIENT_MEM_FRACTION) of the memory, 0.75 unless set."""
     if device.platform != "gpu":
         return ""
-    frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (the default)")
-    return (f", or give JAX more of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION is {frac}; set it "
-            "(e.g. to 0.94) before jax is imported")
+    name = next((n for n in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+                 if os.environ.get(n)), None)
+    said = f"{name} is {os.environ[name]}" if name else \
+        "XLA_CLIENT_MEM_FRACTION is unset (0.75)"
+    return (f", or give JAX more of the GPU: {said}; set it (e.g. to 0.94) before JAX "
+            "starts (python -m sfi_jax.serve: --memory-fraction)")
 
 
 def _token_id(t) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import sys
 
@@ -13,6 +14,10 @@ from sfi_jax.runtime.mode import Mode
 from sfi_jax.sfi_flags import add_sfi_flags, sfi_from_flags
 
 DEFAULT_MODEL = "smollm2-135m"
+SERVER_MEMORY_FRACTION = 0.9
+# where JAX reads the GPU memory share when its backend starts: either name (the second is the
+# older one); both set at once is an error there
+MEMORY_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoding at once (default: the Engine's, from device memory)")
     p.add_argument("--max-len", type=int, default=None,
                    help="prompt + output tokens per request at most (default: the Engine's)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="the share of the GPU's memory JAX may take, for the caches above all "
+                        "(sets XLA_CLIENT_MEM_FRACTION before JAX starts; default: that "
+                        "variable or XLA_PYTHON_CLIENT_MEM_FRACTION where set, else "
+                        f"{SERVER_MEMORY_FRACTION}: a server owns its GPU; JAX's own default "
+                        "is 0.75)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; more get 429")
     p.add_argument("--mode", type=Mode.from_flag, choices=list(Mode), default=Mode.SFI,
@@ -73,6 +84,9 @@ def check_args(parser, args):
         value = getattr(args, name)
         if value is not None and value < lo:
             parser.error(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+    f = args.memory_fraction
+    if f is not None and not 0 < f <= 1:
+        parser.error(f"--memory-fraction must be in (0, 1], got {f}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.shutdown_timeout < 0:
@@ -98,6 +112,20 @@ def bind(parser, host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def apply_memory_fraction(args) -> str:
+    """The GPU memory share JAX will take, put where JAX reads it when its backend starts (so
+    before anything touches a device): --memory-fraction, else the variable as set, else the
+    server's default. Returns the value in force."""
+    already = [name for name in MEMORY_FRACTION_VARS if os.environ.get(name)]
+    if args.memory_fraction is not None:
+        for name in already:
+            del os.environ[name]
+        os.environ[MEMORY_FRACTION_VARS[0]] = repr(args.memory_fraction)
+    elif not already:
+        os.environ[MEMORY_FRACTION_VARS[0]] = repr(SERVER_MEMORY_FRACTION)
+    return next(os.environ[n] for n in MEMORY_FRACTION_VARS if os.environ.get(n))
 
 
 def build_engine(args, sfi):
@@ -142,6 +170,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         raise SystemExit(f"error: the server needs the serve extra (pip install "
                          f"'sfi_jax[serve]'): {e}")
+    apply_memory_fraction(args)
     try:
         engine = build_engine(args, sfi)
     except (ValueError, FileNotFoundError, MemoryError) as e:

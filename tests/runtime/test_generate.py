@@ -330,6 +330,12 @@ def test_kv_cache_that_does_not_fit(tiny_qwen3, monkeypatch):
     with pytest.raises(MemoryError, match="GiB"):
         sfi_jax.generate(tiny_qwen3.model, [[1, 2, 3]], max_new_tokens=4, mode="sfi")
     gpu = type("FakeGpu", (), {"platform": "gpu"})()
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert "XLA_CLIENT_MEM_FRACTION is unset (0.75)" in runtime._memory_fraction_hint(gpu)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION is 0.5" in runtime._memory_fraction_hint(gpu)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.8")
+    assert "XLA_CLIENT_MEM_FRACTION is 0.8" in runtime._memory_fraction_hint(gpu)
     assert runtime._memory_fraction_hint(type("Cpu", (), {"platform": "cpu"})()) == ""

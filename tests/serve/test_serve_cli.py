@@ -36,6 +36,8 @@ def _serve(*args):
     (["--chunk-steps", "0"], "--chunk-steps must be >= 1, got 0"),
     (["--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1"),
+    (["--memory-fraction", "0"], "--memory-fraction must be in (0, 1], got 0.0"),
+    (["--memory-fraction", "1.5"], "--memory-fraction must be in (0, 1], got 1.5"),
     (["--k-select", "0"], "k_select must be >= 1, got 0"),
     (["--t-max", "0"], "t_max must be >= 1, got 0"),
     (["--successor-radius", "-1"], "successor_radius must be >= 0, got -1"),
@@ -50,6 +52,28 @@ def test_bad_flags_fail_before_loading(flags, says, capsys):
         main(["--model", "/no/such/model", *flags])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err, err
+
+
+@pytest.mark.parametrize("flag,env,want", [
+    (None, {}, {"XLA_CLIENT_MEM_FRACTION": "0.9"}),  # the server's default
+    (None, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.7"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.7"}),
+    (None, {"XLA_CLIENT_MEM_FRACTION": "0.6"}, {"XLA_CLIENT_MEM_FRACTION": "0.6"}),
+    (0.95, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.7"}, {"XLA_CLIENT_MEM_FRACTION": "0.95"}),
+])
+def test_memory_fraction_reaches_jax_once(flag, env, want, monkeypatch):
+    """--memory-fraction, else the variable as set, else 0.9; never both of JAX's names (JAX
+    refuses to start with both set)."""
+    from sfi_jax.serve.cli import MEMORY_FRACTION_VARS, apply_memory_fraction, build_parser
+
+    for name in MEMORY_FRACTION_VARS:  # (setenv first: teardown restores what was there)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [] if flag is None else ["--memory-fraction", str(flag)]
+    in_force = apply_memory_fraction(build_parser().parse_args(argv))
+    got = {n: os.environ[n] for n in MEMORY_FRACTION_VARS if n in os.environ}
+    assert got == want and in_force == next(iter(want.values()))
 
 
 def test_taken_port_fails_before_loading(capsys):
@@ -76,6 +100,9 @@ def test_main_serves_then_exits_cleanly_on_sigterm(monkeypatch, capsys):
 
     engine = FakeEngine(max_slots=1, max_len=10_000, chunk_steps=1, step_s=0.02)
     monkeypatch.setattr(cli, "build_engine", lambda args, sfi: engine)
+    for name in cli.MEMORY_FRACTION_VARS:  # main() sets one; teardown takes it back
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     # uvicorn's logging set-up (dictConfig) would close pytest's capturing log handlers
     monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
     with socket.socket() as s:
