@@ -2,7 +2,8 @@
 
 On a GPU: GQA 32/8, D 128, bf16, batch 1. For each chunk T and context N (offset N - T) it
 times `prefill_attention` (impl pallas_gpu, each --configs entry; the dispatcher's cudnn and
-mosaic_gpu paths; the Mosaic kernel with two warpgroups, WARP_SPECIALISED) over a head-major cache
+mosaic_gpu paths; the cuDNN path with its prefix in unmasked runs of chunks, `prefix="pieces"`;
+the Mosaic kernel with two warpgroups, WARP_SPECIALISED) over a head-major cache
 holding N keys, and cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`) on
 (a) a causal no-offset call of T queries over T keys, (b) a causal no-offset call of length N
 (the whole prompt at once) and (c) for offsets, the prefix (non-causal) and the chunk
@@ -248,6 +249,18 @@ def run_gpu(args, res):
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 res.add(row)
+            # the cuDNN path with its prefix in unmasked power-of-two runs of chunks
+            row = dict(kind="ours_cudnn_pieces", impl="cudnn", t=t, offset=offset, context=n)
+            try:
+                pad = ((0, 0), (0, 0), (0, n), (0, 0))
+                kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
+                fn = jax.jit(lambda q, k, v, qs, kl: prefill_attention_cudnn.prefill_attention(
+                    q, k, v, qs, kl, prefix="pieces"))
+                timed(row, fn, (q, kb, vb, qs, kl))
+                del kb, vb
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            res.add(row)
             # the Mosaic GPU kernel with two compute warpgroups and a TMA producer
             for ws in WARP_SPECIALISED:
                 row = dict(kind="ours_mosaic_ws", impl="mosaic_gpu", t=t, offset=offset,

@@ -227,3 +227,46 @@ def test_cudnn_impl_needs_a_gpu():
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, reference(q, k, v, q_start, kv_len), q_start, kv_len, jnp.bfloat16,
                   "cudnn")
+
+
+@pytest.mark.parametrize("prefix", ["slab", "pieces"])
+def test_cudnn_path_prefix_forms(prefix, monkeypatch):
+    """The cuDNN path's split-and-merge logic, each form of its prefix call (off a GPU with
+    XLA's attention in cuDNN's place; the gpu-marked twin below runs cuDNN): prefixes of
+    0, 1, 3, 5 and 7 whole chunks shared by every row (the "pieces" form: runs of 4, 2 and 1
+    chunks), a ragged batch and one off the chunk grid (both take the masked slab), at a
+    traced layer and cache row."""
+    from sfi_jax.kernels import prefill_attention_cudnn as cudnn_path
+
+    if platform() != "gpu":
+        monkeypatch.setattr(cudnn_path, "IMPLEMENTATION", "xla")
+    dtype = jnp.bfloat16 if platform() == "gpu" else jnp.float32
+    t, s = 16, 8 * 16
+    q, k, v = _inputs(21, 2, t, 4, 2, s, 64, dtype, layers=2)
+    rows = jnp.asarray(np.random.default_rng(22).standard_normal((2, 4, 2, s, 64)), dtype)
+    kc, vc = rows.at[:, 1:3].set(k), rows.at[:, 1:3].set(v)
+    fn = jax.jit(lambda q, k, v, qs, kl: cudnn_path.prefill_attention(
+        q, k, v, qs, kl, layer=jnp.int32(1), row=jnp.int32(1), prefix=prefix))
+    for starts in ([0, 0], [16, 16], [48, 48], [80, 80], [112, 112], [48, 96], [40, 40]):
+        q_start = jnp.array(starts, jnp.int32)
+        kv_len = q_start + t - jnp.array([0, 3], jnp.int32)
+        out = fn(q, kc, vc, q_start, kv_len)
+        want = reference(q, k[1], v[1], q_start, kv_len)
+        _assert_close(out, want, q_start, kv_len, dtype, f"cudnn path, {prefix}, {starts}")
+
+
+@pytest.mark.gpu
+def test_cudnn_prefix_pieces_on_the_gpu():
+    """The "pieces" form on cuDNN itself, at the benchmark's head shape."""
+    from sfi_jax.kernels import prefill_attention_cudnn as cudnn_path
+
+    if platform() != "gpu":
+        pytest.skip("cuDNN runs on a GPU only")
+    t, s = 256, 8 * 256
+    q, k, v = _inputs(23, 1, t, 32, 8, s, 128, jnp.bfloat16)
+    for start in (0, 256, 768, 1792):
+        q_start = jnp.array([start], jnp.int32)
+        kv_len = q_start + t
+        out = cudnn_path.prefill_attention(q, k, v, q_start, kv_len, prefix="pieces")
+        want = reference(q, k, v, q_start, kv_len)
+        _assert_close(out, want, q_start, kv_len, jnp.bfloat16, f"cudnn pieces at {start}")
