@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU runs in one command each, for a machine with one Hopper GPU (the results go to $OUT,
+# default /tmp/sfi_gpu):
+#   bash scripts/gpu/run.sh suite      every test marked gpu, compiled (benchmarks/gpu_tests.md)
+#   bash scripts/gpu/run.sh prefill    the Mosaic prefill twin's tests, then the prefill kernels
+#                                      against cuDNN (benchmarks/prefill_kernel.md)
+#   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
+#   bash scripts/gpu/run.sh serve128 [sfi|dense] [slots] [new tokens]
+#                                      a decode-heavy 128K serving load (benchmarks/serve.md)
+# An offline machine installs the wheels in ./.whl first (the serve extra's packages).
+set -o pipefail
+OUT=${OUT:-/tmp/sfi_gpu}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+git log --oneline -1 2>/dev/null || true
+case "$1" in
+  suite)
+    timeout 480 python -m pytest -o addopts= -n 8 -ra -m gpu -q 2>&1 | tee "$OUT/gpu_suite.log" | tail -30 ;;
+  prefill)
+    timeout 200 python -m pytest -o addopts= -p no:xdist -q -ra \
+      tests/kernels/test_prefill_attention_mgpu.py tests/kernels/test_prefill_attention.py 2>&1 \
+      | tee "$OUT/prefill_tests.log" | tail -15
+    timeout 330 python scripts/bench/bench_prefill_kernel.py --out "$OUT/prefill_kernel.json" \
+      --chunks 8192 16384 --contexts 32768 131072 --full 8192 --configs 128:128:8:3 2>&1 \
+      | grep -v "^{" | tail -15
+    python - "$OUT/prefill_kernel.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print(f"{'kind':28s} {'T':>6s} {'offset':>7s} {'ms':>8s} {'TFLOP/s':>8s}")
+for r in rows:
+    if "ms" in r:
+        name = r["kind"] + ("" if "config" not in r else "/" + "/".join(map(str, r["config"].values())))
+        print(f"{name:28s} {r['t']:6d} {r['offset']:7d} {r['ms']:8.2f} {r['tflops']:8.0f}")
+PY
+    ;;
+  decode)
+    timeout 300 python scripts/bench/bench_kernels.py --ab-mosaic --out "$OUT" 2>&1 | tail -8
+    timeout 200 python scripts/bench/bench_multi_query_kernel.py --mosaic --out "$OUT/mq_ab.json" 2>&1 \
+      | grep "mosaic/triton" ;;
+  serve128)
+    E=${2:-sfi}; S=${3:-6}; N=${4:-8192}
+    timeout 580 python scripts/bench/bench_serve.py --model qwen3-4b --engines "$E" --rates 8 \
+      --requests "$S" --prompt-lens 114688 --output-lens "$N" --max-seconds 450 \
+      --start-timeout 240 --server-arg=--max-slots="$S" --server-arg=--max-len=131072 \
+      --server-arg=--memory-fraction=0.95 --out "$OUT/serve128_$E" 2>&1 | tail -5 ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|serve128" >&2; exit 2 ;;
+esac
