@@ -155,7 +155,9 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
     2 streams the key blocks both read, refilling a slot once both have consumed it
     (`k_free`/`v_free`, two arrivals each). The compute warpgroups take turns on the tensor
     cores (`turn`, FlashAttention-3's ping-pong): one's softmax runs while the other's wgmma
-    does. Scores are kept in base 2 (scale * log2 e folded in, exp2)."""
+    does. Scores are kept in base 2 (scale * log2 e folded in, exp2). Only the key blocks
+    that reach past a warpgroup's first query (its causal edge) or its kv_len are masked: in
+    a chunk after a long prefix, most blocks are whole."""
     # both compute warpgroups run all n blocks (the CTA's): their barrier counts stay equal
     b, h, i, layer, cache_row, qs, kvl, t0, n = _block(at_ref, qs_ref, kv_ref, t_len=t_len,
                                                        s_len=s_len, nq=nq, bq=bq, bk=bk)
@@ -206,7 +208,7 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
             return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(
                 plgpu.ACC.init(acc))
 
-        def step(j, carry):
+        def step(j, carry, masked):
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
@@ -214,8 +216,9 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
             s = base._qk(q_w, k_smem.at[slot], interpret, while_running=take_turn)
             s = s * (scale * _LOG2E)
             plgpu.barrier_arrive(k_free.at[slot])
-            limit = _causal_limit(qs, tw, kvl, group, j, bk, interpret)
-            s = jnp.where(base._iota((_M, bk), 1, interpret) < limit, s, -jnp.inf)
+            if masked:
+                limit = _causal_limit(qs, tw, kvl, group, j, bk, interpret)
+                s = jnp.where(base._iota((_M, bk), 1, interpret) < limit, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -235,7 +238,12 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
         l = base._layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
         plgpu.barrier_wait(q_bar.at[wg])
         pl.when(wg == 1)(take_turn)  # offset the two by one turn
-        acc, _, l = lax.fori_loop(0, n, step, (acc, m, l))
+        # blocks every row of this warpgroup sees whole (below its first query, which is
+        # before kv_len, as its last one is) skip the causal mask; the rest are masked
+        first_pos, last_pos = qs + tw, qs + tw + _M // group - 1
+        n_whole = jnp.where(last_pos < kvl, jnp.clip(lax.div(first_pos + 1, bk), 0, n), 0)
+        carry = lax.fori_loop(0, n_whole, functools.partial(step, masked=False), (acc, m, l))
+        acc, _, l = lax.fori_loop(n_whole, n, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(take_turn)  # and even the count
         # no valid key: acc is 0 and so is the output; NaN inputs stay NaN
         inv = 1.0 / jnp.where(l != 0, l, 1.0)
