@@ -20,6 +20,7 @@ configurations too); a short table, and the results in OUT/ab_mosaic.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -707,10 +708,13 @@ def ab_mosaic(args, on_gpu):
                 cfgs = [mgpu.Config(64, 2, 12)]
             for cfg in dict.fromkeys(cfgs):
                 for lg in (False, True):
-                    if mgpu.smem_bytes(cfg, st.d, logits=lg) > mgpu.SMEM_BYTES:
-                        continue
-                    tag = "" if cfg == mgpu.DENSE else f" {cfg.block_k}/{cfg.stages}/{cfg.programs}"
-                    arms.append((f"mosaic{'+logits' if lg else ''}{tag}", mgpu, cfg, lg))
+                    # with logits, also two score blocks (a block's write beside the last store)
+                    for c in (cfg, dataclasses.replace(cfg, score_buffers=2))[:1 + lg]:
+                        if mgpu.smem_bytes(c, st.d, logits=lg) > mgpu.SMEM_BYTES:
+                            continue
+                        tag = "" if c == mgpu.DENSE else f" {c.block_k}/{c.stages}/{c.programs}"
+                        tag += "/2buf" if c.score_buffers == 2 else ""
+                        arms.append((f"mosaic{'+logits' if lg else ''}{tag}", mgpu, c, lg))
         for arm, mod, cfg, lg in arms:
             def fn(q, k, v, lens, _m=mod, _c=cfg, _lg=lg):
                 r = _m.dense_decode(q, k, v, lens, return_logits=_lg, config=_c,

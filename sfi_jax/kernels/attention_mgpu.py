@@ -42,6 +42,9 @@ class Config:
     stages: int = 2
     programs: int = 2 * _NUM_SMS
     by_length: bool = True  # dense: a row's splits share its own length (attention_gpu's)
+    # with logits: shared-memory score blocks, so a block's scores are written while the
+    # last block's store may still be reading its own (1: each write waits for that store)
+    score_buffers: int = 1
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
@@ -86,7 +89,7 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
     """Shared memory of one dense CTA: K/V stages, q, p, the f32 partial (and logits block)."""
     return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
             + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
-            + logits * _M * cfg.block_k * 4)
+            + logits * cfg.score_buffers * _M * cfg.block_k * 4)
 
 
 def fit(cfg, d, logits=False):
@@ -217,6 +220,40 @@ def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
     plgpu.wait_smem_to_gmem(0)
 
 
+def score_scratch(cfg):
+    """The shared-memory score blocks a kernel with logits stores from."""
+    return plgpu.SMEM((cfg.score_buffers, _M, cfg.block_k), jnp.float32)
+
+
+def score_writer(s_smem, store):
+    """_flash's on_scores for a kernel that returns logits: block i's masked scores go into
+    score block i % n of s_smem ([n, 64, bk]) and out by store(i, block) (a TMA copy); a
+    block is rewritten once the store that last read it is done, so with n > 1 a block's
+    write overlaps the last store."""
+    n = s_smem.shape[0]
+
+    def on_scores(i, s):
+        at = lax.rem(i, n) if n > 1 else 0
+        plgpu.wait_smem_to_gmem(n - 1, wait_read_only=True)
+        s_smem.at[at][...] = s
+        plgpu.commit_smem()
+        store(i, at)
+
+    return on_scores
+
+
+def store_neg_inf(s_smem, store, lo, hi, interpret):
+    """Blocks [lo, hi) (a split's blocks past its row's end): -inf scores, without reading K."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    neg = jnp.full(s_smem.shape[1:], -jnp.inf, jnp.float32)
+    s_smem.at[0][...] = _layout(neg, plgpu.Layout.WGMMA, interpret)
+    plgpu.commit_smem()
+
+    @pl.loop(lo, jnp.maximum(lo, hi))
+    def _fill(i):
+        store(i, 0)
+
+
 def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
                   *rest, group, split, n_splits, by_length, s_len, bk, stages, scale, logits,
                   interpret):
@@ -247,33 +284,22 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
 
-    def store_logits(at):
-        """The group's rows of s_smem to logits [at, at + bk): the logits are padded to whole
-        blocks (logits_length), so every store is in bounds and tile-aligned."""
-        plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, group)],
-                                lg_ref.at[r, pl.ds(h * group, group), pl.ds(aligned(at, bk), bk)])
-
-    def on_scores(i, s):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's store read it
-        s_smem[...] = s
-        plgpu.commit_smem()
-        store_logits(start + i * bk)
+    def store_logits(i, at):
+        """The group's rows of score block `at` to logits [start + i * bk, +bk): the logits
+        are padded to whole blocks (logits_length), so every store is in bounds and
+        tile-aligned."""
+        col = pl.ds(aligned(start + i * bk, bk), bk)
+        plgpu.copy_smem_to_gmem(s_smem.at[at, pl.ds(0, group)],
+                                lg_ref.at[r, pl.ds(h * group, group), col])
 
     plgpu.barrier_wait(q_bar)
     carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
                    valid=lambda i: hi - (start + i * bk), stages=stages, scale=scale,
-                   interpret=interpret, on_scores=on_scores if logits else None)
+                   interpret=interpret,
+                   on_scores=score_writer(s_smem, store_logits) if logits else None)
 
     if logits:  # blocks of this split past the row's length: -inf, without reading K
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        neg = jnp.full((_M, bk), -jnp.inf, jnp.float32)
-        s_smem[...] = _layout(neg, plgpu.Layout.WGMMA, interpret)
-        plgpu.commit_smem()
-        n_all = lax.div(end - start + (bk - 1), bk)
-
-        @pl.loop(n, jnp.maximum(n, n_all))
-        def _fill(i):
-            store_logits(start + i * bk)
+        store_neg_inf(s_smem, store_logits, n, lax.div(end - start + (bk - 1), bk), interpret)
 
     _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
 
@@ -364,8 +390,10 @@ def logits_length(s_len, bk):
 
 
 def _check_config(cfg, d, logits=False):
-    if cfg.block_k % 64 or cfg.stages < 1 or smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
-        raise ValueError(f"mosaic_gpu config {cfg}: block_k must be a multiple of 64 and the "
+    if cfg.block_k % 64 or cfg.stages < 1 or cfg.score_buffers < 1 \
+            or smem_bytes(cfg, d, logits=logits) > SMEM_BYTES:
+        raise ValueError(f"mosaic_gpu config {cfg}: block_k must be a multiple of 64, "
+                         "stages and score_buffers positive and the "
                          f"CTA's shared memory ({smem_bytes(cfg, d, logits=logits)} B at "
                          f"d={d}) at most {SMEM_BYTES} B")
 
@@ -430,9 +458,9 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
     s_lg = logits_length(s_len, bk)
     extra_out, extra_scratch = (), ()
-    if return_logits:  # and the scores block they are stored from
+    if return_logits:  # and the score blocks they are stored from
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)
-        extra_scratch = (plgpu.SMEM((_M, bk), jnp.float32),)
+        extra_scratch = (score_scratch(cfg),)
     res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
                            _pad_q(q.astype(k.dtype), hkv), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,

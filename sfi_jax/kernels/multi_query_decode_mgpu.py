@@ -64,30 +64,17 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         limit = jnp.where((row < gt) & (pos < kvl), pos + 1, 0)
         return limit - (start + i * bk)
 
-    def store_logits(at):  # whole blocks: the logits are padded (base.logits_length)
-        plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, gt)],
-                                lg_ref.at[b, pl.ds(h * gt, gt), pl.ds(base.aligned(at, bk), bk)])
-
-    def on_scores(i, s):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        s_smem[...] = s
-        plgpu.commit_smem()
-        store_logits(start + i * bk)
+    def store_logits(i, at):  # whole blocks: the logits are padded (base.logits_length)
+        col = pl.ds(base.aligned(start + i * bk, bk), bk)
+        plgpu.copy_smem_to_gmem(s_smem.at[at, pl.ds(0, gt)], lg_ref.at[b, pl.ds(h * gt, gt), col])
 
     plgpu.barrier_wait(q_bar)
     carry = base._flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
                         valid=valid, stages=stages, scale=scale, interpret=interpret,
-                        on_scores=on_scores if logits else None)
+                        on_scores=base.score_writer(s_smem, store_logits) if logits else None)
     if logits:  # the split's blocks past the row's end: -inf, without reading K
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        neg = jnp.full((base._M, bk), -jnp.inf, jnp.float32)
-        s_smem[...] = base._layout(neg, plgpu.Layout.WGMMA, interpret)
-        plgpu.commit_smem()
-        n_all = lax.div(end - start + (bk - 1), bk)
-
-        @pl.loop(n, jnp.maximum(n, n_all))
-        def _fill(i):
-            store_logits(start + i * bk)
+        base.store_neg_inf(s_smem, store_logits, n, lax.div(end - start + (bk - 1), bk),
+                           interpret)
 
     base._store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, b, h, j, gt)
 
@@ -121,7 +108,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     extra_out, extra_scratch = (), ()
     if return_logits:
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq * n_q, s_lg), jnp.float32),)
-        extra_scratch = (plgpu.SMEM((base._M, bk), jnp.float32),)
+        extra_scratch = (base.score_scratch(cfg),)
     res = base._launch(kernel, (layer_arr, q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
                                 qg, k, v),
                        n_rows=n_rows, hq=hq * n_q, hkv=hkv, d=d, n_splits=n_splits, bk=bk,

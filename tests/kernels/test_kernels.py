@@ -5,6 +5,7 @@ Shapes are small but chosen so that lengths land on block and split edges, cache
 not multiples of the block, and every GQA group size the models use appears once.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -31,7 +32,9 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 GPU_CFG = gpu.Config(block_k=32, num_warps=4, num_stages=2, programs=16)
 TPU_BLOCK = 128
 # Mosaic GPU: 64-key blocks (its smallest) and few programs, so splits end mid-cache.
-MGPU_CFG = mgpu.Config(block_k=64, stages=2, programs=8)
+# two score blocks (a block's logits written while the last block's store reads its own);
+# test_multi_query_decode.py's Mosaic config keeps the default one
+MGPU_CFG = mgpu.Config(block_k=64, stages=2, programs=8, score_buffers=2)
 IMPLS = ["pallas_gpu", "mosaic_gpu", "pallas_tpu"]
 IMPL_PARAMS = [GPU_IMPL, MGPU_IMPL, "pallas_tpu"]  # the GPU kernels' tests marked `gpu`
 
@@ -491,7 +494,6 @@ def test_api_rejects_bad_input():
 def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
     """The one-launch q/k norm + rope + v split (compiled on a GPU) against the model's jnp path
     (attention_inputs with impl="xla") on fresh random weights and far-apart positions."""
-    import dataclasses
 
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import WeightLayout, attention_inputs
@@ -703,6 +705,10 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
         "dense": (lambda q, k, v, n: mgpu.dense_decode(q, k, v, n, jnp.int32(1)), (q, kv, kv, vec)),
         "dense_logits": (lambda q, k, v, n, r: mgpu.dense_decode(
             q, k, v, n, jnp.int32(0), r, return_logits=True), (q, kv, kv, vec, vec)),
+        "dense_logits_2_buffers": (lambda q, k, v, n: mgpu.dense_decode(
+            q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
+                dataclasses.replace(mgpu.DENSE_LOGITS, score_buffers=2), q.shape[-1], True)),
+            (q, kv, kv, vec)),
         "sparse": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
