@@ -734,8 +734,12 @@ def ab_mosaic(args, on_gpu):
     if ok["mosaic"]:
         sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
         if not args.smoke:
+            # one wave: 64/2 fits two CTAs an SM (the partials reuse the loop's shared
+            # memory), 64/3 one
             sp_arms += [("mosaic 128/2/264", mgpu, mgpu.Config(128, 2, 264)),
-                        ("mosaic 64/4/528", mgpu, mgpu.Config(64, 4, 528))]
+                        ("mosaic 64/4/528", mgpu, mgpu.Config(64, 4, 528)),
+                        ("mosaic 64/2/264", mgpu, mgpu.Config(64, 2, 264)),
+                        ("mosaic 64/3/132", mgpu, mgpu.Config(64, 3, 132))]
     for ret in rets:
         t_keep = int(round(ret / 100 * st.s_sparse))
         nbytes = st.kv_bytes(t_keep) + st.qo_bytes()

@@ -5,7 +5,9 @@ Layout: one CTA (one warpgroup) per (query row, KV head, split). The KV head's q
 the M dimension of wgmma, padded to 64 rows. The CTA streams the key and value blocks of its
 split that lie inside the row's valid range from global to shared memory with TMA, `stages`
 blocks in flight, runs q·Kᵀ and P·V on the tensor cores and keeps the online softmax in
-registers. Each split writes a partial (acc, m, l); an exact merge (jnp) follows.
+registers. Each split writes a partial (acc, m, l) through shared memory that reuses the main
+loop's (so a 64-key, two-stage CTA takes 88 KiB at head dim 128: two fit an SM); an exact
+merge (jnp) follows.
 
 Only half-precision caches with head dim 64, 128 or 256 and GQA groups up to 64 are taken
 (`supported`); the public API sends other inputs (float32 caches: wgmma would round them to
@@ -86,10 +88,11 @@ SMEM_BYTES = 223 * 1024  # of the 227 KiB one CTA may take on Hopper: barriers, 
 
 
 def smem_bytes(cfg, d, itemsize=2, logits=False):
-    """Shared memory of one dense CTA: K/V stages, q, p, the f32 partial (and logits block)."""
-    return (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
-            + _M * cfg.block_k * itemsize + _M * d * 4 + 2 * _M * 4
-            + logits * cfg.score_buffers * _M * cfg.block_k * 4)
+    """Shared memory of one CTA: its main loop's K/V stages, q, p (and score blocks), then
+    (the same memory, reused) the f32 partial and its m, l on their way out."""
+    main = (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
+            + _M * cfg.block_k * itemsize + logits * cfg.score_buffers * _M * cfg.block_k * 4)
+    return max(main, _M * d * 4 + 2 * _M * 4)
 
 
 def fit(cfg, d, logits=False):
@@ -207,17 +210,24 @@ def aligned(x, m=8):
     return pl.multiple_of(x, m)
 
 
-def _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group):
-    """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64]."""
+def _store_partials(carry, o_ref, m_ref, l_ref, group):
+    """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64],
+    through shared memory of its own scope (the main loop's, reused)."""
     acc, m, l = carry
-    o_smem[...] = acc
-    ml_smem[0] = m
-    ml_smem[1] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[r, j, pl.ds(h * group, group)])
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[r, j, h])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[r, j, h])
-    plgpu.wait_smem_to_gmem(0)
+    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+
+    def store(o_smem, ml_smem):
+        o_smem[...] = acc
+        ml_smem[0] = m
+        ml_smem[1] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)],
+                                o_ref.at[r, j, pl.ds(h * group, group)])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[r, j, h])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[r, j, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32), plgpu.SMEM((2, _M), jnp.float32))
 
 
 def score_scratch(cfg):
@@ -265,7 +275,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         lg_ref, s_smem, *scratch = rest
     else:
         lg_ref, s_smem, scratch = None, None, rest
-    (q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar) = scratch
+    (q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar) = scratch
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer, row = layer_ref[0], rows_ref[r]
     length = jnp.clip(len_ref[r], 0, s_len)
@@ -300,14 +310,13 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
 
     if logits:  # blocks of this split past the row's length: -inf, without reading K
         store_neg_inf(s_smem, store_logits, n, lax.div(end - start + (bk - 1), bk), interpret)
-
-    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
+    return carry
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar,
-                   k_bar, v_bar, *, group, n_splits, s_len, c_size, bk, stages, scale,
-                   clen_stacked, interpret):
+                   o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+                   *, group, n_splits, s_len, c_size, bk, stages, scale, clen_stacked,
+                   interpret):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
     on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
@@ -356,9 +365,8 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
         return lo, hi
 
     plgpu.barrier_wait(q_bar)
-    carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
-                   valid=valid, stages=stages, scale=scale, interpret=interpret)
-    _store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, r, h, j, group)
+    return _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
+                  valid=valid, stages=stages, scale=scale, interpret=interpret)
 
 
 def _combine(o, m, l, group, dtype):
@@ -408,9 +416,11 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            extra_out=(), extra_scratch=()):
-    """One program per (row, KV head, split): the partials (o, m, l) plus extra_out; the CTA's
-    scratch: q, the K/V stages, p, the f32 partial and its m, l, and the TMA barriers."""
+            group, extra_out=(), extra_scratch=()):
+    """One program per (row, KV head, split): kernel(*inputs, *outputs, *scratch) runs the
+    main loop over its scratch (extra_scratch, q, the K/V stages, p, the TMA barriers) and
+    returns its split's (acc, m, l); these go out as the partials (o, m, l; extra_out after
+    them) through shared memory that reuses the main loop's."""
     out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
@@ -420,14 +430,24 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         _smem_kv((stages, bk, d), dtype),
         _smem_kv((stages, bk, d), dtype),
         _smem_kv((_M, bk), dtype),
-        plgpu.SMEM((_M, d), jnp.float32),
-        plgpu.SMEM((2, _M), jnp.float32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
     ]
+
+    def body(*refs):
+        o_ref, m_ref, l_ref = refs[len(args):len(args) + 3]
+
+        def main(*scratch_refs):
+            carry = kernel(*refs, *scratch_refs)
+            # (stores still reading this scope's memory end before it is reused)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return carry
+
+        _store_partials(pl.run_scoped(main, *scratch), o_ref, m_ref, l_ref, group)
+
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch,
+        body, out_type=out_type,
         grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else False,
@@ -464,7 +484,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
                            _pad_q(q.astype(k.dtype), hkv), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
-                  stages=cfg.stages, dtype=k.dtype, interpret=interpret,
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
                   extra_out=extra_out, extra_scratch=extra_scratch)
     out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
     if not return_logits:
@@ -500,5 +520,5 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
                            lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
-                  stages=cfg.stages, dtype=k.dtype, interpret=interpret)
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]

@@ -39,7 +39,7 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         lg_ref, s_smem, *scratch = rest
     else:
         lg_ref, s_smem, scratch = None, None, rest
-    (q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar) = scratch
+    (q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar) = scratch
     b, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
     layer = layer_ref[0]
     qs = qs_ref[b]
@@ -75,8 +75,7 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
     if logits:  # the split's blocks past the row's end: -inf, without reading K
         base.store_neg_inf(s_smem, store_logits, n, lax.div(end - start + (bk - 1), bk),
                            interpret)
-
-    base._store_partials(carry, o_smem, ml_smem, o_ref, m_ref, l_ref, b, h, j, gt)
+    return carry
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
@@ -112,7 +111,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     res = base._launch(kernel, (layer_arr, q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
                                 qg, k, v),
                        n_rows=n_rows, hq=hq * n_q, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
-                       stages=cfg.stages, dtype=k.dtype, interpret=interpret,
+                       stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=gt,
                        extra_out=extra_out, extra_scratch=extra_scratch)
     out, lse = base._combine(res[0], res[1], res[2], gt, q.dtype)  # rows (h, g, t)
     out = out.reshape(n_rows, hkv, group, n_q, d).transpose(0, 3, 1, 2, 4)
