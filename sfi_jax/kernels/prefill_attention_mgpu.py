@@ -155,7 +155,8 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
     2 streams the key blocks both read, refilling a slot once both have consumed it
     (`k_free`/`v_free`, two arrivals each). The compute warpgroups take turns on the tensor
     cores (`turn`, FlashAttention-3's ping-pong): one's softmax runs while the other's wgmma
-    does. Scores are kept in base 2 (scale * log2 e folded in, exp2). Only the key blocks
+    does; each waits for its next key block while its P·V wgmma runs. Scores are kept in base
+    2 (scale * log2 e folded into one FMA with the max, exp2). Only the key blocks
     that reach past a warpgroup's first query (its causal edge) or its kv_len are masked: in
     a chunk after a long prefix, most blocks are whole."""
     # both compute warpgroups run all n blocks (the CTA's): their barrier counts stay equal
@@ -202,33 +203,47 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def pv(acc, p, slot):
+        def pv(acc, p, slot, while_running):
+            """acc + p·V; while_running() runs while the wgmma does."""
             if interpret:
-                return acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(
-                plgpu.ACC.init(acc))
+                acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                while_running()
+                return acc
+
+            def issue(acc_ref):
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                while_running()
+
+            return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+        def wait_keys(j):
+            """Block j's keys have landed (if there is a block j)."""
+            pl.when(j < n)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(j, stages)]))
+
+        c = scale * _LOG2E  # scores in base 2: p = exp2(s * c - m), one FMA an element
 
         def step(j, carry, masked):
             acc, m, l = carry
             slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
+            # (block j's keys were waited for under the last step's P·V)
             # hand the tensor cores over while this wgmma runs
             s = base._qk(q_w, k_smem.at[slot], interpret, while_running=take_turn)
-            s = s * (scale * _LOG2E)
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
                 limit = _causal_limit(qs, tw, kvl, group, j, bk, interpret)
                 s = jnp.where(base._iota((_M, bk), 1, interpret) < limit, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p = p.astype(dtype)
+            # the softmax ends here, before the hand-over (the order the compiler keeps)
+            acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
             plgpu.barrier_arrive(turn)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(turn)  # the tensor cores are free
-            acc = pv(acc, p, slot)
+            acc = pv(acc, p, slot, while_running=lambda: wait_keys(j + 1))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -237,6 +252,7 @@ def _kernel_ws(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_sme
         m = base._layout(jnp.full((_M,), base.M_INIT, jnp.float32), row_layout, interpret)
         l = base._layout(jnp.zeros((_M,), jnp.float32), row_layout, interpret)
         plgpu.barrier_wait(q_bar.at[wg])
+        wait_keys(0)
         pl.when(wg == 1)(take_turn)  # offset the two by one turn
         # blocks every row of this warpgroup sees whole (below its first query, which is
         # before kv_len, as its last one is) skip the causal mask; the rest are masked
