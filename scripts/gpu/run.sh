@@ -5,6 +5,9 @@
 #   bash scripts/gpu/run.sh prefill    the Mosaic prefill twin's tests, then the prefill kernels
 #                                      against cuDNN (benchmarks/prefill_kernel.md)
 #   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
+#   bash scripts/gpu/run.sh ttft [impl]  time to first token, qwen3-4b at 32K and 130816, the
+#                                      default prefill (and --prefill-attention impl), then
+#                                      the transformers + SDPA peer (benchmarks/prefill.md)
 #   bash scripts/gpu/run.sh serve128 [sfi|dense] [slots] [new tokens]
 #                                      a decode-heavy 128K serving load (benchmarks/serve.md)
 # An offline machine installs the wheels in ./.whl first (the serve extra's packages).
@@ -41,11 +44,18 @@ PY
     timeout 300 python scripts/bench/bench_kernels.py --ab-mosaic --out "$OUT" 2>&1 | tail -8
     timeout 200 python scripts/bench/bench_multi_query_kernel.py --mosaic --out "$OUT/mq_ab.json" 2>&1 \
       | grep "mosaic/triton" ;;
+  ttft)
+    for impl in auto ${2:-}; do
+      timeout 250 python scripts/bench/bench_prefill.py --models qwen3-4b --contexts 32768,130816 \
+        --batches 1 --parts warm --prefill-attention "$impl" --out "$OUT/ttft_$impl" 2>&1 | tail -4
+    done
+    timeout 250 python scripts/bench/bench_prefill.py --models "" --parts hf --request-models qwen3-4b \
+      --request-contexts 32768,130816 --new-tokens 1 --out "$OUT/ttft_hf" 2>&1 | tail -4 ;;
   serve128)
     E=${2:-sfi}; S=${3:-6}; N=${4:-8192}
     timeout 580 python scripts/bench/bench_serve.py --model qwen3-4b --engines "$E" --rates 8 \
       --requests "$S" --prompt-lens 114688 --output-lens "$N" --max-seconds 450 \
       --start-timeout 240 --server-arg=--max-slots="$S" --server-arg=--max-len=131072 \
       --server-arg=--memory-fraction=0.95 --out "$OUT/serve128_$E" 2>&1 | tail -5 ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|serve128" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|ttft|serve128" >&2; exit 2 ;;
 esac
