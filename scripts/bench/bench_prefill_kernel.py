@@ -22,6 +22,7 @@ causal FLOPs: 4 * B * Hq * D * (query-key pairs that attend).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -235,32 +236,23 @@ def run_gpu(args, res):
                                out.astype(jnp.float32), want.astype(jnp.float32)),
                            checked_against=None if want is None else "cudnn_split_merge")
 
-            # the dispatcher's cuDNN path and the Mosaic GPU kernel: head-major cache of 2n
-            # positions, traced offset
-            for kind, impl in (("ours_cudnn", "cudnn"), ("ours_mosaic", "mosaic_gpu")):
+            # the dispatcher's cuDNN and Mosaic GPU paths, and the cuDNN path with its prefix
+            # in unmasked runs of chunks: head-major cache of 2n positions, traced offset
+            arms = (("ours_cudnn", "cudnn", functools.partial(prefill_attention, impl="cudnn")),
+                    ("ours_mosaic", "mosaic_gpu",
+                     functools.partial(prefill_attention, impl="mosaic_gpu")),
+                    ("ours_cudnn_pieces", "cudnn", functools.partial(
+                        prefill_attention_cudnn.prefill_attention, prefix="pieces")))
+            for kind, impl, attend in arms:
                 row = dict(kind=kind, impl=impl, t=t, offset=offset, context=n)
                 try:
                     pad = ((0, 0), (0, 0), (0, n), (0, 0))
                     kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
-                    fn = jax.jit(lambda q, k, v, qs, kl, impl=impl: prefill_attention(
-                        q, k, v, qs, kl, impl=impl))
-                    timed(row, fn, (q, kb, vb, qs, kl))
+                    timed(row, jax.jit(attend), (q, kb, vb, qs, kl))
                     del kb, vb
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 res.add(row)
-            # the cuDNN path with its prefix in unmasked power-of-two runs of chunks
-            row = dict(kind="ours_cudnn_pieces", impl="cudnn", t=t, offset=offset, context=n)
-            try:
-                pad = ((0, 0), (0, 0), (0, n), (0, 0))
-                kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
-                fn = jax.jit(lambda q, k, v, qs, kl: prefill_attention_cudnn.prefill_attention(
-                    q, k, v, qs, kl, prefix="pieces"))
-                timed(row, fn, (q, kb, vb, qs, kl))
-                del kb, vb
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            res.add(row)
             # the Mosaic GPU kernel with two compute warpgroups and a TMA producer
             for ws in WARP_SPECIALISED:
                 row = dict(kind="ours_mosaic_ws", impl="mosaic_gpu", t=t, offset=offset,

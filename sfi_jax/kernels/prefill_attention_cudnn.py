@@ -118,8 +118,5 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None, prefix="sl
         o_pre, l_pre = lax.cond(whole_chunks, pieces, slab, q)
     else:
         o_pre, l_pre = slab(q)
-    m = jnp.maximum(l_pre, l_self)
-    w_pre = jnp.where((q_start > 0)[:, None, None], jnp.exp(l_pre - m), 0.0)[..., None]
-    w_self = jnp.exp(l_self - m)[..., None]
-    out = (o_pre * w_pre + o_self.astype(jnp.float32) * w_self) / (w_pre + w_self)
-    return out.astype(q.dtype)
+    l_pre = jnp.where((q_start > 0)[:, None, None], l_pre, -jnp.inf)  # no prefix: none
+    return _merge(o_pre, l_pre, o_self, l_self)[0].astype(q.dtype)
