@@ -10,6 +10,12 @@
 #                                      the transformers + SDPA peer (benchmarks/prefill.md)
 #   bash scripts/gpu/run.sh serve128 [sfi|dense] [slots] [new tokens]
 #                                      a decode-heavy 128K serving load (benchmarks/serve.md)
+#   bash scripts/gpu/run.sh serve32 [sfi|dense] [slots] [new tokens]
+#                                      as many 32K requests as slots, sent at 4/s (throughput
+#                                      at equal p99 inter-token latency: benchmarks/serve.md)
+#   bash scripts/gpu/run.sh cost [contexts] [batches]
+#                                      the default warm-up and selection memory's decode cost
+#                                      (bench_e2e with and without them; benchmarks/retrieval.md)
 # An offline machine installs the wheels in ./.whl first (the serve extra's packages).
 set -o pipefail
 OUT=${OUT:-/tmp/sfi_gpu}; mkdir -p "$OUT"
@@ -57,5 +63,21 @@ PY
       --requests "$S" --prompt-lens 114688 --output-lens "$N" --max-seconds 450 \
       --start-timeout 240 --server-arg=--max-slots="$S" --server-arg=--max-len=131072 \
       --server-arg=--memory-fraction=0.95 --out "$OUT/serve128_$E" 2>&1 | tail -5 ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|ttft|serve128" >&2; exit 2 ;;
+  serve32)
+    E=${2:-sfi}; S=${3:-16}; N=${4:-8192}
+    timeout 580 python scripts/bench/bench_serve.py --model qwen3-4b --engines "$E" --rates 4 \
+      --requests "$S" --prompt-lens 32768 --output-lens "$N" --token-range 100:150000 \
+      --max-seconds 400 --start-timeout 240 --server-arg=--max-slots="$S" \
+      --server-arg=--max-len=$((32768 + N)) --server-arg=--memory-fraction=0.95 \
+      --out "$OUT/serve32_${E}_$S" 2>&1 | tail -5 ;;
+  cost)
+    for ctx in ${2:-32768 131072}; do for b in ${3:-1 16}; do
+      for arm in defaults bare; do
+        extra=(); [ "$arm" = bare ] && extra=(--sfi warmup_steps=0 --sfi selection_memory=none)
+        timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
+          --batch "$b" --new-tokens 128 --no-check "${extra[@]}" --out "$OUT/cost_${ctx}_${b}_$arm" \
+          2>&1 | grep "^| qwen" | tail -2
+      done
+    done; done ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|ttft|serve128|serve32|cost" >&2; exit 2 ;;
 esac
