@@ -24,7 +24,7 @@ PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas
 SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
 SELECTOR_ADJUST = ("xla", "kernel")
-MOE = ("auto", "tokens", "kernel", "xla")
+MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
 HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
@@ -82,7 +82,8 @@ class EngineOptions:
         search one Triton kernel).
     selector_adjust: the selector's steps 5-6: "xla" (jnp) or "kernel" (one Triton pass).
     moe: expert matmuls: "tokens" (Triton, per-expert tiles of all of a step's tokens),
-        "kernel" (Triton, grouped over expert-sorted rows) or "xla" (`lax.ragged_dot`).
+        "kernel" (Triton, grouped over expert-sorted rows), "xla" (`lax.ragged_dot`) or
+        "mosaic_gpu" (the Mosaic GPU twin of "tokens": one program per touched expert).
     heads: a decode step's q/k norm + rope: "kernel" (one Triton launch) or "xla".
     repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
     refresh: the refresh slots' dense read: "unconditional" (every step that may refresh rows;

@@ -3,11 +3,13 @@
 head of its message (without the serialized module the error carries), so one device call
 shows both why a config fails and which one is fastest. Rows "tokens:CONFIG" time
 `moe_gpu.token_moe` (grouping "tokens": the whole routed-expert block, padding and the sum
-over expert groups included) against the weighted sum of the reference's outputs; the other
-rows time the two expert-sorted kernels alone (the sort, gather and combine around them are
-not in the time).
+over expert groups included) against the weighted sum of the reference's outputs, and rows
+"mosaic:CONFIG" (with --mosaic) its Mosaic GPU twin `moe_mgpu.token_moe` the same way; the
+other rows time the two expert-sorted kernels alone (the sort, gather and combine around them
+are not in the time).
 
     python scripts/diag/diag_moe_kernel.py --model qwen3-30b-a3b --tokens 16 --out /tmp/moe_diag.json
+    python scripts/diag/diag_moe_kernel.py --configs 128x64x4x3 --mosaic 128x64x4,64x64x4
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import timeit  # noqa: E402
 
-from sfi_jax.kernels import moe_gpu  # noqa: E402
+from sfi_jax.kernels import moe_gpu, moe_mgpu  # noqa: E402
 from sfi_jax.models import PRESETS  # noqa: E402
 
 
@@ -39,7 +41,7 @@ def message_head(err: Exception, n_lines: int = 40) -> str:
 def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     """n_tokens tokens each routed to top_k experts with random weights: the tokens x, their
     expert-sorted rows, the group sizes, each sorted row's token and weight, and the dense
-    [tokens, experts] routing weights. (One program: op by op, each small op would compile
+    [tokens, experts] routing weights, and the top-k weights and experts. (One program: op by op, each small op would compile
     on its own.)"""
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (n_tokens, hidden), jnp.bfloat16)
@@ -49,7 +51,8 @@ def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     dense = jnp.zeros((n_tokens, n_experts)).at[jnp.arange(n_tokens)[:, None], top_e].set(top_p)
     order = jnp.argsort(top_e.reshape(-1))
     sizes = jnp.bincount(top_e.reshape(-1), length=n_experts).astype(jnp.int32)
-    return x, x[order // top_k], sizes, order // top_k, top_p.reshape(-1)[order], dense
+    return (x, x[order // top_k], sizes, order // top_k, top_p.reshape(-1)[order], dense, top_p,
+            top_e)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -77,6 +80,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="64x64x4x3,64x64x4x2,128x64x4x3,128x32x4x3,32x64x2x3,"
                     "64x128x4x2,128x128x8x2",
                     help="block_n x block_k x num_warps x num_stages, comma-separated")
+    ap.add_argument("--mosaic", default="",
+                    help="also the Mosaic GPU twin: block_n x block_k x stages, comma-separated")
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU check)")
     ap.add_argument("--tiny", action="store_true", help="8 experts of 128 x 64, top-2 (CPU check)")
@@ -110,7 +115,7 @@ def main(argv=None):
                 json.dump(dict(model=args.model, device=device, jax=jax.__version__, rows=rows),
                           f, indent=1)
     for n_tokens in [int(t) for t in args.tokens.split(",")]:
-        x, xs, gs, token_of, p_sorted, dense = routed(kr, n_tokens, e, k, hidden)
+        x, xs, gs, token_of, p_sorted, dense, top_p, top_e = routed(kr, n_tokens, e, k, hidden)
         m = xs.shape[0]
         touched = int(np.sum(np.asarray(gs) > 0))
         weight_bytes = touched * 3 * hidden * inter * 2
@@ -146,6 +151,18 @@ def main(argv=None):
                 rows.append(check(n_tokens, "tokens:" + spec, touched, weight_bytes, tokens,
                                   None, ref_out, (x, dense, weights), timing))
                 save()
+        for spec in filter(None, args.mosaic.split(",")):
+            bn, bk, stages = (int(v) for v in spec.split("x"))
+            mcfg = moe_mgpu.Config(block_n=bn, block_k=bk, stages=stages)
+
+            @jax.jit
+            def twin(x, top_p, top_e, weights, mcfg=mcfg):
+                return moe_mgpu.token_moe(x, *weights, top_p, top_e, config=mcfg,
+                                          interpret=args.interpret)
+
+            rows.append(check(n_tokens, "mosaic:" + spec, touched, weight_bytes, twin, None,
+                              ref_out, (x, top_p, top_e, weights), timing))
+            save()
     print(f"{args.model} on {device}: expert matmuls per MoE layer (bf16)")
     print("| tokens | config | ok | ms | weight GB/s | experts touched |")
     print("|---|---|---|---|---|---|")

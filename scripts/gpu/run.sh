@@ -4,7 +4,7 @@
 #   bash scripts/gpu/run.sh suite      every test marked gpu, compiled (benchmarks/gpu_tests.md)
 #   bash scripts/gpu/run.sh prefill    the Mosaic prefill twin's tests, then the prefill kernels
 #                                      against cuDNN (benchmarks/prefill_kernel.md)
-#   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
+#   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode and MoE twins (kernels.md)
 #   bash scripts/gpu/run.sh ttft [impl]  time to first token, qwen3-4b at 32K and 130816, the
 #                                      default prefill (and --prefill-attention impl), then
 #                                      the transformers + SDPA peer (benchmarks/prefill.md)
@@ -49,7 +49,9 @@ PY
   decode)
     timeout 300 python scripts/bench/bench_kernels.py --ab-mosaic --out "$OUT" 2>&1 | tail -8
     timeout 200 python scripts/bench/bench_multi_query_kernel.py --mosaic --out "$OUT/mq_ab.json" 2>&1 \
-      | grep "mosaic/triton" ;;
+      | grep "mosaic/triton"
+    timeout 150 python scripts/diag/diag_moe_kernel.py --tokens 1,16 --configs 128x64x4x3 \
+      --mosaic 128x64x4,64x64x4,128x128x2 --out "$OUT/moe_ab.json" 2>&1 | tail -12 ;;
   ttft)
     for impl in auto ${2:-}; do
       timeout 250 python scripts/bench/bench_prefill.py --models qwen3-4b --contexts 32768,130816 \

@@ -111,3 +111,12 @@ def rms_norm(x, weight, eps):
     xf = x.astype(jnp.float32)
     xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu_rounded(gate, up, dtype):
+    """jax.nn.silu(a) * b for float32 accumulators a, b, rounded to dtype op by op as jnp does
+    (a and b rounded first): the expert kernels' epilogue (`models.modeling.moe_mlp`)."""
+    g = gate.astype(dtype).astype(jnp.float32)
+    sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    silu = (g * sig).astype(dtype).astype(jnp.float32)
+    return (silu * up.astype(dtype).astype(jnp.float32)).astype(dtype)

@@ -1,6 +1,7 @@
-"""Routed expert MLPs, dispatched: `lax.ragged_dot` ("xla", `moe_reference`) or the Triton
+"""Routed expert MLPs, dispatched: `lax.ragged_dot` ("xla", `moe_reference`), the Triton
 kernels of `moe_gpu` ("kernel": grouped over expert-sorted rows; "tokens": every expert
-multiplies all of a step's tokens, no sort; interpret mode off the GPU)."""
+multiplies all of a step's tokens, no sort) or their Mosaic GPU twin of "tokens" (`moe_mgpu`,
+"mosaic_gpu": one program per touched expert); interpret mode off the GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 from sfi_jax.kernels import moe_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
-IMPLS = ("xla", "kernel", "tokens")
+IMPLS = ("xla", "kernel", "tokens", "mosaic_gpu")
 
 
 def routed_experts(x, we_gate, we_up, we_down, top_p, top_e, *, impl: str = "xla"):
@@ -20,6 +21,13 @@ def routed_experts(x, we_gate, we_up, we_down, top_p, top_e, *, impl: str = "xla
         raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
     if impl == "xla":
         return reference.routed_experts(x, we_gate, we_up, we_down, top_p, top_e)
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import moe_mgpu
+
+        if moe_mgpu.supported(x, we_gate):
+            return moe_mgpu.token_moe(x, we_gate, we_up, we_down, top_p, top_e,
+                                      interpret=interpret_for("mosaic_gpu")).astype(x.dtype)
+        impl = "tokens"  # float32 experts, odd dims or more than 64 tokens: the Triton kernels
     from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
     E, H, I = we_gate.shape

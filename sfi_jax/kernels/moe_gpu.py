@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from sfi_jax.kernels.common import dot_precision
+from sfi_jax.kernels.common import dot_precision, swiglu_rounded
 from sfi_jax.kernels.triton_lowering import plgpu_triton
 
 ROWS = 16  # rows per block: the smallest M of tl.dot
@@ -65,15 +65,6 @@ def row_blocks(group_sizes, n_rows: int):
     return e, start.astype(jnp.int32), rows.astype(jnp.int32)
 
 
-def _swiglu(gate, up, dtype):
-    """jax.nn.silu(a) * b for float32 accumulators a, b, rounded to dtype op by op as jnp does
-    (a and b rounded first)."""
-    g = gate.astype(dtype).astype(jnp.float32)
-    sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
-    silu = (g * sig).astype(dtype).astype(jnp.float32)
-    return (silu * up.astype(dtype).astype(jnp.float32)).astype(dtype)
-
-
 def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu, block_n,
             block_k):
     """Program (b, n): rows [start, start + rows) of x times columns block n of expert e's
@@ -105,7 +96,7 @@ def _kernel(expert_ref, start_ref, rows_ref, x_ref, w_ref, *refs, k_dim, swiglu,
     n_k = (rows > 0).astype(jnp.int32) * (k_dim // block_k)
     acc = lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
     dtype = o_ref.dtype
-    out = _swiglu(acc[0], acc[1], dtype) if swiglu else acc[0].astype(dtype)
+    out = swiglu_rounded(acc[0], acc[1], dtype) if swiglu else acc[0].astype(dtype)
     dst = (src[:, None], n * block_n + jnp.arange(block_n)[None, :])
     plgpu_triton.store(o_ref.at[dst], out, mask=rmask[:, None])
 
@@ -164,7 +155,7 @@ def _token_swiglu_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, k_dim, block
     n_k = (used_ref[e] > 0).astype(jnp.int32) * (k_dim // block_k)
     gate, up = lax.fori_loop(0, n_k, body, (zero, zero))
     dtype = h_ref.dtype
-    out = _swiglu(gate, up, dtype)
+    out = swiglu_rounded(gate, up, dtype)
     plgpu_triton.store(h_ref.at[e, pl.ds(0, ROWS), cols], out)
 
 

@@ -153,31 +153,22 @@ def plan(m, k, n, n_w, config=None, itemsize=2) -> Plan:
                 n_splits=-(-n_kb // steps), n_blocks=n_blocks)
 
 
-def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
-    """Program (j, s): columns [j * bn, +bn) over K blocks [s * steps, +steps) (fewer in the
-    last split). refs: the weights [K, N], then the partials [n_splits, m, N]."""
-    w_refs, o_refs = refs[:n_w], refs[n_w:]
-    bn, bk, stages, steps = p.bn, p.bk, p.stages, p.steps
-    j, s = lax.axis_index("j"), lax.axis_index("s")
-    first = s * steps
-    n = jnp.minimum(steps, n_kb - first)  # this split's K blocks (>= 1)
-    col = pl.multiple_of(j * bn, bn)
-    dtype = w_refs[0].dtype
+def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype):
+    """Float32 accumulators [64, bn], one per weight: the sum over blocks i < n (traced, at
+    most the static `steps`) of x_block(i) [rows8, bk] times w_blocks[w](i) [bk, bn], both
+    GMEM refs. The n row blocks are copied once (stacked in shared memory, see x_rows); the
+    weight blocks stream through `stages` slots, each refilled as soon as its wgmma has read
+    it."""
 
     def main_loop(x_smem, w_smem, x_bar, w_bar):
         def fetch_x(i):
-            k0 = pl.multiple_of((first + i) * bk, bk)
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)],
-                                    x_smem.at[pl.ds(i * rows8, rows8)],
-                                    x_bar.at[i])
+            plgpu.copy_gmem_to_smem(x_block(i), x_smem.at[pl.ds(i * rows8, rows8)], x_bar.at[i])
 
         def fetch_w(i, slot):
-            k0 = pl.multiple_of((first + i) * bk, bk)
-            for w_ref, w_slot in zip(w_refs, w_smem):
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(col, bn)],
-                                        w_slot.at[slot], w_bar.at[slot])
+            for w_block, w_slot in zip(w_blocks, w_smem):
+                plgpu.copy_gmem_to_smem(w_block(i), w_slot.at[slot], w_bar.at[slot])
 
-        # the first blocks' rows and weights, then the rest of the split's rows
+        # the first blocks' rows and weights, then the rest of the rows
         for i in range(stages):
             @pl.when(i < n)
             def _first():
@@ -205,18 +196,38 @@ def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
 
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-        return pl.run_scoped(accumulate, *[plgpu.ACC((_M, bn), jnp.float32) for _ in range(n_w)])
+        return pl.run_scoped(accumulate,
+                             *[plgpu.ACC((_M, bn), jnp.float32) for _ in w_blocks])
 
-    accs = pl.run_scoped(
+    return pl.run_scoped(
         main_loop,
         _swizzled((x_rows(steps, rows8), bk), dtype),
-        [_swizzled((stages, bk, bn), dtype) for _ in range(n_w)],
+        [_swizzled((stages, bk, bn), dtype) for _ in w_blocks],
         plgpu.Barrier(num_barriers=steps),
-        plgpu.Barrier(num_arrivals=n_w, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=len(w_blocks), num_barriers=stages),
     )
 
+
+def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
+    """Program (j, s): columns [j * bn, +bn) over K blocks [s * steps, +steps) (fewer in the
+    last split). refs: the weights [K, N], then the partials [n_splits, m, N]."""
+    w_refs, o_refs = refs[:n_w], refs[n_w:]
+    bn, bk = p.bn, p.bk
+    j, s = lax.axis_index("j"), lax.axis_index("s")
+    first = s * p.steps
+    n = jnp.minimum(p.steps, n_kb - first)  # this split's K blocks (>= 1)
+    col = pl.multiple_of(j * bn, bn)
+
+    def k0(i):
+        return pl.multiple_of((first + i) * bk, bk)
+
+    accs = stream_product(
+        lambda i: x_ref.at[:, pl.ds(k0(i), bk)],
+        [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
+        n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype)
+
     def store(o_smem):
-        for acc, o_ref, o_buf in zip(accs, o_refs, o_smem):
+        for acc, o_buf in zip(accs, o_smem):
             o_buf[...] = acc
         plgpu.commit_smem()
         for o_ref, o_buf in zip(o_refs, o_smem):
