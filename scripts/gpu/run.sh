@@ -4,7 +4,9 @@
 #   bash scripts/gpu/run.sh suite      every test marked gpu, compiled (benchmarks/gpu_tests.md)
 #   bash scripts/gpu/run.sh prefill    the Mosaic prefill twin's tests, then the prefill kernels
 #                                      against cuDNN (benchmarks/prefill_kernel.md)
-#   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode and MoE twins (kernels.md)
+#   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
+#   bash scripts/gpu/run.sh moe [batch] the MoE twin against the Triton "tokens" kernels, alone and
+#                                      in qwen3-30b-a3b's decode (32K)
 #   bash scripts/gpu/run.sh ttft [impl]  time to first token, qwen3-4b at 32K and 130816, the
 #                                      default prefill (and --prefill-attention impl), then
 #                                      the transformers + SDPA peer (benchmarks/prefill.md)
@@ -49,9 +51,15 @@ PY
   decode)
     timeout 300 python scripts/bench/bench_kernels.py --ab-mosaic --out "$OUT" 2>&1 | tail -8
     timeout 200 python scripts/bench/bench_multi_query_kernel.py --mosaic --out "$OUT/mq_ab.json" 2>&1 \
-      | grep "mosaic/triton"
+      | grep "mosaic/triton" ;;
+  moe)
     timeout 150 python scripts/diag/diag_moe_kernel.py --tokens 1,16 --configs 128x64x4x3 \
-      --mosaic 128x64x4,64x64x4,128x128x2 --out "$OUT/moe_ab.json" 2>&1 | tail -12 ;;
+      --mosaic 128x64x4,64x64x4,128x128x2 --out "$OUT/moe_ab.json" 2>&1 | tail -12
+    for moe in tokens mosaic_gpu; do
+      timeout 200 python scripts/bench/bench_e2e.py --models qwen3-30b-a3b --contexts 32768 \
+        --batch "${2:-1}" --new-tokens 64 --no-check --opt moe=$moe --out "$OUT/moe_e2e_$moe" \
+        2>&1 | grep "^| qwen" | tail -1
+    done ;;
   ttft)
     for impl in auto ${2:-}; do
       timeout 250 python scripts/bench/bench_prefill.py --models qwen3-4b --contexts 32768,130816 \
@@ -81,5 +89,5 @@ PY
           2>&1 | grep "^| qwen" | tail -2
       done
     done; done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|ttft|serve128|serve32|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|cost" >&2; exit 2 ;;
 esac
