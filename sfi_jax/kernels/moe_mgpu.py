@@ -12,7 +12,7 @@ products per token in one small XLA fusion, so no sort, gather or row-block plan
 between the router and the kernels.
 
 `supported`: half-precision weights, expert dims multiples of 64, at most 64 tokens (wgmma's
-rows). Off a GPU the kernels run in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
+rows) whose rows fit shared memory beside one weight slot. Off a GPU the kernels run in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
 """
 
 from __future__ import annotations
@@ -46,20 +46,39 @@ class Config:
 DEFAULT = Config()
 
 
-def supported(x, w_gate) -> bool:
-    """x [T, H] with T <= 64 and expert weights [E, H, I] in half precision, H and I
-    multiples of 64."""
-    if x.ndim != 2 or w_gate.ndim != 3 or x.shape[1] != w_gate.shape[1]:
-        return False
-    _, hidden, inter = w_gate.shape
-    return (jnp.dtype(w_gate.dtype) in HALF and 1 <= x.shape[0] <= MAX_ROWS
-            and hidden % _GRAIN == 0 and inter % _GRAIN == 0)
+def _plan(rows8, k, n, n_w, config=None):
+    """(block_n, block_k, stages) for rows8 rows of K = k times n_w weights [k, n]: the
+    config's blocks (halved until they divide) and stages (fewer until one program's shared
+    memory fits); None where even one stage does not fit (too many rows for this K)."""
+    cfg = config or DEFAULT
+    bn, bk = _divisor_block(cfg.block_n, n), _divisor_block(cfg.block_k, k)
+    n_kb = k // bk
+    for stages in range(max(1, min(cfg.stages, n_kb)), 0, -1):
+        if _smem_bytes(rows8, n_kb, bk, bn, stages, n_w) <= SMEM_BYTES:
+            return bn, bk, stages
+    return None
 
 
 def _smem_bytes(rows8, n_kb, bk, bn, stages, n_w, itemsize=2):
-    """One program's shared memory: its rows, the weight slots, then the output tile."""
+    """One program's shared memory: its rows and the weight slots, then (the same memory,
+    reused) the output tile."""
     main = x_rows(n_kb, rows8) * bk * itemsize + stages * n_w * bk * bn * itemsize
-    return main + 64 * bn * itemsize
+    return max(main, 64 * bn * itemsize)
+
+
+def supported(x, w_gate, config=None) -> bool:
+    """x [T, H] with T <= 64 and expert weights [E, H, I] in half precision, H and I
+    multiples of 64, and each kernel's rows and a weight slot within shared memory (all of
+    K's rows are held: at H = 2048 up to 40 tokens, on fewer weight slots from 17)."""
+    if x.ndim != 2 or w_gate.ndim != 3 or x.shape[1] != w_gate.shape[1]:
+        return False
+    _, hidden, inter = w_gate.shape
+    if not (jnp.dtype(w_gate.dtype) in HALF and 1 <= x.shape[0] <= MAX_ROWS
+            and hidden % _GRAIN == 0 and inter % _GRAIN == 0):
+        return False
+    rows8 = rows8_of(x.shape[0])
+    return (_plan(rows8, hidden, inter, 2, config) is not None
+            and _plan(rows8, inter, hidden, 1, config) is not None)
 
 
 def _kernel(ids_ref, x_ref, *refs, n_w, n_experts, rows8, n_kb, bk, bn, stages, x_per_slot):
@@ -96,17 +115,14 @@ def _kernel(ids_ref, x_ref, *refs, n_w, n_experts, rows8, n_kb, bk, bn, stages, 
 def _expert_matmul(ids, x, weights, n_experts, config, interpret):
     """[L, rows8, N] = per slot, x (shared [1, ...] or per slot [L, ...]) times the slot
     expert's weights [E, K, N] (SwiGLU of two)."""
-    cfg = config or DEFAULT
     _, rows8, k = x.shape
     n = weights[0].shape[2]
-    bn, bk = _divisor_block(cfg.block_n, n), _divisor_block(cfg.block_k, k)
+    plan = _plan(rows8, k, n, len(weights), config)
+    if plan is None:
+        raise ValueError(f"mosaic_gpu moe: {rows8} rows of {k} do not fit {SMEM_BYTES} B of "
+                         f"shared memory")
+    bn, bk, stages = plan
     n_kb = k // bk
-    stages = max(1, min(cfg.stages, n_kb))
-    while stages > 1 and _smem_bytes(rows8, n_kb, bk, bn, stages, len(weights)) > SMEM_BYTES:
-        stages -= 1
-    if _smem_bytes(rows8, n_kb, bk, bn, stages, len(weights)) > SMEM_BYTES:
-        raise ValueError(f"mosaic_gpu moe: {rows8} rows of {k} with {bk} x {bn} weight blocks "
-                         f"do not fit {SMEM_BYTES} B of shared memory")
     n_slots = ids.shape[0]
     kernel = functools.partial(_kernel, n_w=len(weights), n_experts=n_experts, rows8=rows8,
                                n_kb=n_kb, bk=bk, bn=bn, stages=stages,
@@ -127,10 +143,11 @@ def token_moe(x, w_gate, w_up, w_down, top_p, top_e, *, interpret=False, config=
     expert's output rounded to the weights' dtype (as `models.modeling.moe_mlp` does)."""
     n_tokens, hidden = x.shape
     n_experts = w_gate.shape[0]
-    if not supported(x, w_gate) or w_up.shape != w_gate.shape or w_down.shape != (
+    if not supported(x, w_gate, config) or w_up.shape != w_gate.shape or w_down.shape != (
             n_experts, w_gate.shape[2], hidden):
-        raise ValueError(f"mosaic_gpu token_moe takes x [T <= {MAX_ROWS}, H] and bf16/f16 "
-                         f"experts [E, H, I], [E, I, H] with H, I multiples of {_GRAIN}; got x "
+        raise ValueError(f"mosaic_gpu token_moe takes x [T <= {MAX_ROWS}, H] (all of H's rows "
+                         f"in shared memory) and bf16/f16 experts [E, H, I], [E, I, H] with H, "
+                         f"I multiples of {_GRAIN}; got x "
                          f"{x.shape}, gate {w_gate.shape} {w_gate.dtype}, up {w_up.shape}, "
                          f"down {w_down.shape}")
     n_slots = min(n_experts, top_e.size)

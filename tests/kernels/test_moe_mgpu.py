@@ -107,6 +107,9 @@ def test_refuses_what_it_cannot_tile():
     assert not moe_mgpu.supported(sds((65, 128), bf), sds((4, 128, 64), bf))  # > 64 tokens
     assert not moe_mgpu.supported(sds((4, 96), bf), sds((4, 96, 64), bf))  # H % 64
     assert not moe_mgpu.supported(sds((4, 128), bf), sds((4, 128, 64), jnp.float32))
+    # all of K's rows in shared memory: at Qwen3-30B-A3B's H = 2048, 40 tokens, not 41
+    assert moe_mgpu.supported(sds((40, 2048), bf), sds((128, 2048, 768), bf))
+    assert not moe_mgpu.supported(sds((41, 2048), bf), sds((128, 2048, 768), bf))
     x = jnp.zeros((2, 128), bf)
     w = jnp.zeros((4, 128, 96), bf)
     with pytest.raises(ValueError, match="multiples of 64"):
