@@ -41,8 +41,8 @@ def message_head(err: Exception, n_lines: int = 40) -> str:
 def routed(key, n_tokens: int, n_experts: int, top_k: int, hidden: int):
     """n_tokens tokens each routed to top_k experts with random weights: the tokens x, their
     expert-sorted rows, the group sizes, each sorted row's token and weight, and the dense
-    [tokens, experts] routing weights, and the top-k weights and experts. (One program: op by op, each small op would compile
-    on its own.)"""
+    [tokens, experts] routing weights, and the top-k weights and experts. (One program: op by
+    op, each small op would compile on its own.)"""
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (n_tokens, hidden), jnp.bfloat16)
     scores = jax.random.uniform(ke, (n_tokens, n_experts))

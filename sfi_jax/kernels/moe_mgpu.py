@@ -12,7 +12,8 @@ products per token in one small XLA fusion, so no sort, gather or row-block plan
 between the router and the kernels.
 
 `supported`: half-precision weights, expert dims multiples of 64, at most 64 tokens (wgmma's
-rows) whose rows fit shared memory beside one weight slot. Off a GPU the kernels run in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
+rows) whose rows fit shared memory beside one weight slot. Off a GPU the kernels run in
+Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, interpret_params
 from sfi_jax.kernels.common import swiglu_rounded
 from sfi_jax.kernels.skinny_matmul_mgpu import (_GRAIN, MAX_ROWS, _divisor_block, rows8_of,
-                                                stream_product, x_rows)
+                                                smem_bytes, stream_product)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +50,16 @@ DEFAULT = Config()
 def _plan(rows8, k, n, n_w, config=None):
     """(block_n, block_k, stages) for rows8 rows of K = k times n_w weights [k, n]: the
     config's blocks (halved until they divide) and stages (fewer until one program's shared
-    memory fits); None where even one stage does not fit (too many rows for this K)."""
+    memory fits: skinny_matmul_mgpu.smem_bytes, whose output term, float32 partials, bounds
+    this kernel's rounded tile); None where even one stage does not fit (too many rows for
+    this K)."""
     cfg = config or DEFAULT
     bn, bk = _divisor_block(cfg.block_n, n), _divisor_block(cfg.block_k, k)
     n_kb = k // bk
     for stages in range(max(1, min(cfg.stages, n_kb)), 0, -1):
-        if _smem_bytes(rows8, n_kb, bk, bn, stages, n_w) <= SMEM_BYTES:
+        if smem_bytes(rows8, n_kb, bn, bk, stages, n_w) <= SMEM_BYTES:
             return bn, bk, stages
     return None
-
-
-def _smem_bytes(rows8, n_kb, bk, bn, stages, n_w, itemsize=2):
-    """One program's shared memory: its rows and the weight slots, then (the same memory,
-    reused) the output tile."""
-    main = x_rows(n_kb, rows8) * bk * itemsize + stages * n_w * bk * bn * itemsize
-    return max(main, 64 * bn * itemsize)
 
 
 def supported(x, w_gate, config=None) -> bool:
