@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from sfi_jax.kernels.common import platform
+from sfi_jax.kernels.common import hopper, platform
 
 
 def on_gpu() -> bool:
@@ -74,8 +74,8 @@ class EngineOptions:
         attention; half precision and head dim <= 128, other inputs and other platforms take
         "pallas_gpu"),
         "pallas_gpu" (Triton), "mosaic_gpu" (Mosaic GPU, Hopper; half-precision caches, head
-        dim 64/128/256, a GQA group dividing 64; other inputs take "pallas_gpu"),
-        "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
+        dim 64/128/256, a GQA group dividing 64; other inputs take "cudnn", then
+        "pallas_gpu"), "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
     selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
         lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix
@@ -103,7 +103,8 @@ class EngineOptions:
         >= 1 or "all" (None: per platform).
     tuning: the GPU kernels' sweep points (`KernelTuning`; the defaults: the tuned kernels).
 
-    "auto": attention and prefill_attention per platform (prefill: cuDNN on a GPU); scores and
+    "auto": attention and prefill_attention per platform (prefill: "mosaic_gpu" on a Hopper
+    GPU, where it beats cuDNN, benchmarks/prefill_kernel.md; "cudnn" on other GPUs); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
     variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too.
     """
@@ -160,8 +161,9 @@ class EngineOptions:
 
         return dataclasses.replace(
             self, attention=attention,
-            prefill_attention=pick(self.prefill_attention, {"gpu": "cudnn", "tpu": "pallas_tpu"}
-                                   .get(p, "xla")),
+            prefill_attention=pick(self.prefill_attention, {
+                "gpu": "mosaic_gpu" if gpu and hopper() else "cudnn", "tpu": "pallas_tpu"}
+                .get(p, "xla")),
             selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu else "xla"),
             selector_topk=pick(self.selector_topk, "radix_kernel" if gpu else "lax"),
             moe=pick(self.moe, "tokens" if gpu_kernels else "xla"),

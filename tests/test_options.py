@@ -10,6 +10,7 @@ import re
 import pytest
 
 import sfi_jax
+from sfi_jax import options
 from sfi_jax.options import EngineOptions, resolve
 
 
@@ -26,7 +27,8 @@ def test_bad_values_name_field_and_allowed(field, value):
     assert "expected" in str(err.value)
 
 
-def test_resolved_per_platform():
+def test_resolved_per_platform(monkeypatch):
+    monkeypatch.setattr(options, "hopper", lambda: False)  # Hopper: test_prefill's choice test
     gpu = EngineOptions().resolved(platform="gpu")
     assert gpu == EngineOptions(attention="pallas_gpu", prefill_attention="cudnn",
                                 selector_scores="pallas_gpu",

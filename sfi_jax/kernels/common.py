@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -11,6 +13,18 @@ def platform() -> str:
     """"gpu" for any GPU backend (cuda, rocm), else JAX's backend name ("cpu", "tpu")."""
     p = jax.default_backend()
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+@functools.cache
+def hopper() -> bool:
+    """Whether JAX's first GPU is a Hopper (compute capability 9.x): the Mosaic GPU kernels
+    here use its wgmma instructions."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        return False
+    cc = getattr(gpus[0], "compute_capability", None)
+    return cc is not None and str(cc).split(".")[0] == "9"
 
 
 def platform_kernel() -> str:

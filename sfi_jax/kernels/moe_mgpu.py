@@ -88,8 +88,8 @@ def _kernel(ids_ref, x_ref, *refs, n_w, n_experts, rows8, n_kb, bk, bn, stages, 
     rows = x_ref.at[l] if x_per_slot else x_ref.at[0]
     dtype = w_refs[0].dtype
 
-    def k0(i):
-        return pl.multiple_of(i * bk, bk)
+    def k0(i):  # a static block index stays a Python int: Mosaic GPU's multiple_of takes values
+        return i * bk if isinstance(i, int) else pl.multiple_of(i * bk, bk)
 
     @pl.when(e < n_experts)
     def _expert():

@@ -3,9 +3,10 @@
 `prefill_attention` checks shapes and picks an implementation: "cudnn" (cuDNN's fused
 attention, two calls merged by their log-sum-exp; GPU, half precision), "pallas_gpu"
 (Triton-lowered flash kernel), "mosaic_gpu" (its Mosaic GPU twin for Hopper; half precision,
-GQA groups dividing 64; only when asked for), "pallas_tpu" (Mosaic TPU flash kernel), "xla"
-(blockwise jnp below) or "auto" (the current platform's fastest: "cudnn" on GPU where it
-applies, else "pallas_gpu"; "pallas_tpu" on TPU; "xla" on CPU). A Pallas kernel asked for off
+GQA groups dividing 64), "pallas_tpu" (Mosaic TPU flash kernel), "xla" (blockwise jnp below)
+or "auto" (the current platform's fastest: on a Hopper GPU "mosaic_gpu", on other GPUs
+"cudnn", each where it applies, then "cudnn", then "pallas_gpu"; "pallas_tpu" on TPU; "xla"
+on CPU). A Pallas kernel asked for off
 its platform runs in interpret mode, so every implementation can be tested on a CPU.
 
 All of them walk key blocks only up to the causal edge of a query block and the filled
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.kernels.common import dot_precision, interpret_for, platform
+from sfi_jax.kernels.common import dot_precision, hopper, interpret_for, platform
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
@@ -35,7 +36,13 @@ def resolve_impl(impl, q=None, k=None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        impl = {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform(), "xla")
+        impl = {"gpu": "mosaic_gpu" if hopper() else "cudnn",
+                "tpu": "pallas_tpu"}.get(platform(), "xla")
+        if impl == "mosaic_gpu" and q is not None:
+            from sfi_jax.kernels import prefill_attention_mgpu
+
+            if not prefill_attention_mgpu.supported(q, k):
+                impl = "cudnn"
         if impl == "cudnn" and q is not None:
             from sfi_jax.kernels import prefill_attention_cudnn
 

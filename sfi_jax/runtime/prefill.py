@@ -12,6 +12,7 @@ so every chunk of every prompt runs one program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -99,8 +100,8 @@ def attention_impl(options: EngineOptions, dtype, head_dim: int, group: int = 1,
     """The prefill attention implementation a chunk uses: the resolved option (on a mesh
     "xla": `EngineOptions.resolved(mesh=...)`), except "cudnn" for inputs cuDNN does not take
     or off a GPU (then the Triton kernel, in interpret mode off a GPU, as the GPU defaults are
-    tested on a CPU), and "mosaic_gpu" for inputs its kernel does not take (the same
-    fallback; off a GPU it runs in interpret mode)."""
+    tested on a CPU), and "mosaic_gpu" for inputs its kernel does not take (then the "cudnn"
+    choice; off a GPU the Mosaic kernel runs in interpret mode)."""
     impl = options.prefill_attention
     if impl == "cudnn":
         probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
@@ -112,7 +113,8 @@ def attention_impl(options: EngineOptions, dtype, head_dim: int, group: int = 1,
         q = jax.ShapeDtypeStruct((1, 1, group, head_dim), dtype)
         k = jax.ShapeDtypeStruct((1, 1, cache_len, head_dim), dtype)
         if not prefill_attention_mgpu.supported(q, k):
-            return "pallas_gpu"
+            return attention_impl(dataclasses.replace(options, prefill_attention="cudnn"),
+                                  dtype, head_dim, group, cache_len)
     return impl
 
 

@@ -17,6 +17,7 @@ import sfi_jax
 from conftest import hf_logits, make_hf_checkpoint, rel_err
 from sfi_jax.models.modeling import (STACKED, attention_inputs, attention_output_and_mlp,
                                      embed_tokens, grouped_attention, run_layers)
+from sfi_jax import options
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import generation, prefill, programs
 from sfi_reference import assert_positions, sfi_reference
@@ -45,23 +46,29 @@ def gqa_models(tmp_path_factory):
     return out
 
 
-def test_prefill_attention_choice():
-    """"cudnn" where cuDNN takes the inputs, else the Triton kernel; "xla" on a mesh."""
+@pytest.mark.parametrize("hopper", [False, True])
+def test_prefill_attention_choice(hopper, monkeypatch):
+    """On a GPU: the Mosaic GPU kernel on a Hopper, else "cudnn", where each takes the inputs;
+    then cuDNN, then the Triton kernel; "xla" on a mesh."""
+    monkeypatch.setattr(options, "hopper", lambda: hopper)
     gpu = EngineOptions().resolved(platform="gpu")
-    assert gpu.prefill_attention == "cudnn"
+    assert gpu.prefill_attention == ("mosaic_gpu" if hopper else "cudnn")
     assert EngineOptions().resolved(platform="tpu").prefill_attention == "pallas_tpu"
     assert EngineOptions().resolved(platform="cpu").prefill_attention == "xla"
     on_gpu = jax.default_backend() == "gpu"
-    assert prefill.attention_impl(gpu, jnp.bfloat16, 128) == ("cudnn" if on_gpu else "pallas_gpu")
+    cudnn = "cudnn" if on_gpu else "pallas_gpu"  # the cuDNN choice off a GPU: the Triton kernel
+    assert prefill.attention_impl(gpu, jnp.bfloat16, 128, 4, 4096) == \
+        ("mosaic_gpu" if hopper else cudnn)
     assert prefill.attention_impl(gpu, jnp.float32, 128) == "pallas_gpu"
-    assert prefill.attention_impl(gpu, jnp.bfloat16, 256) == "pallas_gpu"
+    assert prefill.attention_impl(gpu, jnp.bfloat16, 256) == \
+        ("mosaic_gpu" if hopper else "pallas_gpu")  # cuDNN takes D <= 128
     on_mesh = EngineOptions().resolved(platform="gpu", mesh=object())
     assert prefill.attention_impl(on_mesh, jnp.bfloat16, 128) == "xla"
     mosaic = EngineOptions(prefill_attention="mosaic_gpu").resolved(platform="gpu")
     assert prefill.attention_impl(mosaic, jnp.bfloat16, 128, 4, 4096) == "mosaic_gpu"
     assert prefill.attention_impl(mosaic, jnp.float32, 128, 4, 4096) == "pallas_gpu"
-    assert prefill.attention_impl(mosaic, jnp.bfloat16, 96, 4, 4096) == "pallas_gpu"
-    assert prefill.attention_impl(mosaic, jnp.bfloat16, 128, 3, 4096) == "pallas_gpu"  # 64 % 3
+    assert prefill.attention_impl(mosaic, jnp.bfloat16, 96, 4, 4096) == cudnn
+    assert prefill.attention_impl(mosaic, jnp.bfloat16, 128, 3, 4096) == cudnn  # 64 % 3
 
 
 def test_mosaic_gpu_prefill_in_generate(tmp_path, monkeypatch):
