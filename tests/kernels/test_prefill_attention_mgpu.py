@@ -2,8 +2,9 @@
 compiled on a GPU, the tests marked `gpu`, Mosaic GPU's interpret mode elsewhere) against the
 dense jnp reference on fresh random bfloat16 inputs: ragged rows and offsets, T not a multiple
 of the query block, GQA groups 1, 4 and 8, a stacked cache read at a traced layer and row; its
-lowering for CUDA from any machine; what it refuses. Both layouts: one warpgroup per CTA
-(the default) and two compute warpgroups beside a TMA producer (`Config(warpgroups=2)`)."""
+lowering for CUDA from any machine; what it refuses; where "auto" takes it. Both layouts: two
+compute warpgroups beside a TMA producer (the default, `Config(warpgroups=2)`) and one
+warpgroup per CTA (`Config(warpgroups=1)`)."""
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,9 @@ BF16 = jnp.bfloat16
 @pytest.mark.gpu
 def test_offsets_and_ragged_rows():
     """Rows: q_start 0, a long filled prefix, a chunk whose tail is padding (kv_len inside the
-    chunk) and an empty cache; T = 37 is not a multiple of the query block (64 // G = 16, or
-    32 with two warpgroups) and S = 296 not one of the 64-key blocks (the last one reads past
-    the cache's end)."""
+    chunk) and an empty cache; T = 37 is not a multiple of the query block (32 with two
+    warpgroups, 64 // G = 16 with one) and S = 296 not one of the 64-key blocks (the last one
+    reads past the cache's end)."""
     t, s = 37, 296
     q, k, v = _inputs(101, 4, t, 8, 2, s, 64, BF16)
     q_start = jnp.array([0, 250, 60, 0], jnp.int32)
@@ -35,9 +36,9 @@ def test_offsets_and_ragged_rows():
     out = prefill_attention(q, k, v, q_start, kv_len, impl="mosaic_gpu", block_k=64)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, want, q_start, kv_len, BF16, "mosaic_gpu")
-    two = mgpu.prefill_attention(q, k, v, q_start, kv_len, interpret=gpu_interpret(),
-                                 config=mgpu.Config(block_k=64, stages=2, warpgroups=2))
-    _assert_close(two, want, q_start, kv_len, BF16, "mosaic_gpu, two warpgroups")
+    one = mgpu.prefill_attention(q, k, v, q_start, kv_len, interpret=gpu_interpret(),
+                                 config=mgpu.Config(block_k=64, stages=2, warpgroups=1))
+    _assert_close(one, want, q_start, kv_len, BF16, "mosaic_gpu, one warpgroup")
 
 
 @pytest.mark.gpu
@@ -46,18 +47,19 @@ def test_offsets_and_ragged_rows():
                          ids=["g1-d64", "g4-d128", "g8-d64", "g4-d256"])
 def test_gqa_groups_and_head_dims(heads, warpgroups):
     """G = 1 (a 64-query block, longer than the chunk), 4 and 8 (8-query blocks), the default
-    config (128-key blocks; 64 at d 256, where 128 do not fit shared memory); with two
-    warpgroups, the same config fitted (through the kernel: the dispatcher takes the
-    default)."""
+    config through the dispatcher (two warpgroups, 128-key blocks, fewer stages at d 256,
+    where two do not fit shared memory); one warpgroup, the same config fitted, through the
+    kernel."""
     hq, hkv, d = heads
     t, s = 20, 152
     q, k, v = _inputs(hq * 7 + d, 2, t, hq, hkv, s, d, BF16)
     q_start = jnp.array([130, 3], jnp.int32)
     kv_len = jnp.array([150, 3 + t], jnp.int32)
-    if warpgroups == 1:
+    if warpgroups == 2:
+        assert mgpu.DEFAULT.warpgroups == 2
         out = prefill_attention(q, k, v, q_start, kv_len, impl="mosaic_gpu")
     else:
-        cfg = mgpu.fit(mgpu.Config(warpgroups=2), d)
+        cfg = mgpu.fit(mgpu.Config(warpgroups=1), d)
         out = mgpu.prefill_attention(q, k, v, q_start, kv_len, interpret=gpu_interpret(),
                                      config=cfg)
     _assert_close(out, reference(q, k, v, q_start, kv_len), q_start, kv_len, BF16,
@@ -115,7 +117,7 @@ def test_kernel_lowers_for_cuda(shape, warpgroups):
 def test_refuses_what_it_cannot_tile():
     """float32 caches (wgmma would take TF32), a group not dividing 64, head dims other than
     64/128/256, S not a multiple of 8: `supported` is false and impl="mosaic_gpu" a clear
-    error; block_q and block_k off its tiles are refused; "auto" never picks it."""
+    error; block_q and block_k off its tiles are refused; "auto" off a GPU never picks it."""
     sds = jax.ShapeDtypeStruct
     ok_q, ok_k = sds((2, 16, 8, 64), BF16), sds((2, 2, 64, 64), BF16)
     assert mgpu.supported(ok_q, ok_k)
@@ -141,3 +143,21 @@ def test_refuses_what_it_cannot_tile():
         prefill_attention(q[:, :, :4], k, v, qs, kl, impl="mosaic_gpu", block_k=96)
     with pytest.raises(ValueError, match="block_q=16"):
         prefill_attention(q[:, :, :4], k, v, qs, kl, impl="mosaic_gpu", block_q=16)
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_auto_takes_it_on_a_hopper_gpu(hopper, monkeypatch):
+    """On a GPU, "auto" is this kernel on a Hopper where it takes the inputs (it beats the cuDNN
+    path there: benchmarks/prefill_kernel.md), then cuDNN, then the Triton kernel."""
+    import sys
+
+    module = sys.modules["sfi_jax.kernels.prefill_attention"]
+    monkeypatch.setattr(module, "platform", lambda: "gpu")
+    monkeypatch.setattr(module, "hopper", lambda: hopper)
+    sds = jax.ShapeDtypeStruct
+    q, k = sds((2, 16, 8, 64), BF16), sds((2, 2, 64, 64), BF16)
+    assert resolve_impl("auto", q, k) == ("mosaic_gpu" if hopper else "cudnn")
+    g3 = sds((2, 16, 6, 64), BF16)  # a group of 3 does not divide 64: cuDNN's
+    assert resolve_impl("auto", g3, k) == "cudnn"
+    f32 = (sds((2, 16, 8, 64), jnp.float32), sds((2, 2, 64, 64), jnp.float32))
+    assert resolve_impl("auto", *f32) == "pallas_gpu"
