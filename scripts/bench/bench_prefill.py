@@ -453,7 +453,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--child-timeout", type=int, default=1800, help="seconds per child")
     p.add_argument("--prefill-attention", default="auto",
-                   help="EngineOptions.prefill_attention of the warm part (auto: cuDNN on a GPU)")
+                   help="EngineOptions.prefill_attention of the warm part (auto: the Mosaic GPU kernel on a Hopper GPU, cuDNN on other GPUs)")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU, every part")
     p.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

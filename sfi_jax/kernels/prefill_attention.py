@@ -32,7 +32,7 @@ _M_INIT = -1e30  # finite: exp(m_old - m_new) is never NaN while a row has seen 
 
 def resolve_impl(impl, q=None, k=None) -> str:
     """The implementation `impl` stands for on the current platform (for q, k when given:
-    "auto" on a GPU takes cuDNN only for inputs it supports)."""
+    "auto" on a GPU takes the Mosaic GPU kernel, then cuDNN, only for inputs they support)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
