@@ -16,15 +16,21 @@ def platform() -> str:
 
 
 @functools.cache
-def hopper() -> bool:
-    """Whether JAX's first GPU is a Hopper (compute capability 9.x): the Mosaic GPU kernels
-    here use its wgmma instructions."""
+def compute_capability() -> float | None:
+    """JAX's first GPU's compute capability (9.0 for a Hopper), None without a GPU backend."""
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:  # no GPU backend
-        return False
+        return None
     cc = getattr(gpus[0], "compute_capability", None)
-    return cc is not None and str(cc).split(".")[0] == "9"
+    return None if cc is None else float(cc)
+
+
+def hopper() -> bool:
+    """Whether JAX's first GPU is a Hopper (compute capability 9.x): the Mosaic GPU kernels
+    here use its wgmma instructions."""
+    cc = compute_capability()
+    return cc is not None and 9.0 <= cc < 10.0
 
 
 def platform_kernel() -> str:

@@ -3,10 +3,11 @@ the GPU kernels use it explicitly, see DESIGN.md), and the constants the GPU ker
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
+
+from sfi_jax.kernels.common import compute_capability
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -25,14 +26,9 @@ NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim a
 # minimum); True / False: always / never (tests, A/B runs).
 
 
-@functools.cache
 def _hopper_or_newer() -> bool:
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:  # no GPU backend
-        return False
-    cc = getattr(gpus[0], "compute_capability", None)
-    return cc is not None and float(cc) >= 9.0
+    cc = compute_capability()
+    return cc is not None and cc >= 9.0
 
 
 def signals_dependents(launch_dependents: bool | None = None, interpret: bool = False) -> bool:
