@@ -169,8 +169,19 @@ def check_small(configs):
     return out
 
 
+def parse_heads(text):
+    """"HQ:HKV:D" -> (hq, hkv, d); Hq a multiple of Hkv."""
+    try:
+        hq, hkv, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: expected HQ:HKV:D, e.g. 32:8:128")
+    if min(hq, hkv, d) < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: positive, Hq a multiple of Hkv")
+    return hq, hkv, d
+
+
 def run_gpu(args, res):
-    hq, hkv, d, b, dtype = 32, 8, 128, 1, jnp.bfloat16
+    (hq, hkv, d), b, dtype = args.heads, 1, jnp.bfloat16
     configs = [parse_config(c) for c in args.configs]
     res.meta["rel_err_vs_reference_b2_t384_offset896"] = check_small(configs)
     print(res.meta, flush=True)
@@ -307,6 +318,9 @@ def main(argv=None):
                    default=["128:64:8:3", "128:128:8:2", "128:64:4:3", "64:64:4:3", "128:128:8:3"],
                    help="GPU kernel configs rows:block_k:num_warps:num_stages")
     p.add_argument("--reps", type=int, default=5, help="back-to-back calls per timing")
+    p.add_argument("--heads", type=parse_heads, default=(32, 8, 128),
+                   help="HQ:HKV:D of the GPU shapes (default 32:8:128, Qwen3-4B's; "
+                        "16:8:128 is Qwen3-0.6B's)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if not args.smoke and jax.default_backend() not in ("gpu", "cuda"):
@@ -315,7 +329,7 @@ def main(argv=None):
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 python=platform.python_version(), smoke=args.smoke,
                 shapes="smoke: Hq 4 Hkv 2 D 16 f32 B 2" if args.smoke else
-                "Hq 32 Hkv 8 D 128 bf16 B 1",
+                "Hq {} Hkv {} D {} bf16 B 1".format(*args.heads),
                 flops="4 * B * Hq * D * causal pairs")
     res = Results(args.out, meta)
     (run_smoke if args.smoke else run_gpu)(args, res)

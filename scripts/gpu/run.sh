@@ -2,8 +2,8 @@
 # GPU runs in one command each, for a machine with one Hopper GPU (the results go to $OUT,
 # default /tmp/sfi_gpu):
 #   bash scripts/gpu/run.sh suite      every test marked gpu, compiled (benchmarks/gpu_tests.md)
-#   bash scripts/gpu/run.sh prefill    the Mosaic prefill twin's tests, then the prefill kernels
-#                                      against cuDNN (benchmarks/prefill_kernel.md)
+#   bash scripts/gpu/run.sh prefill    the prefill kernels against cuDNN at Qwen3-4B's heads, then
+#                                      Qwen3-0.6B's (GQA 2) (benchmarks/prefill_kernel.md)
 #   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
 #   bash scripts/gpu/run.sh moe [batch] the MoE twin against the Triton "tokens" kernels, alone and
 #                                      in qwen3-30b-a3b's decode (32K)
@@ -32,22 +32,21 @@ case "$1" in
   suite)
     timeout 480 python -m pytest -o addopts= -n 8 -ra -m gpu -q 2>&1 | tee "$OUT/gpu_suite.log" | tail -30 ;;
   prefill)
-    timeout 200 python -m pytest -o addopts= -p no:xdist -q -ra \
-      tests/kernels/test_prefill_attention_mgpu.py tests/kernels/test_prefill_attention.py 2>&1 \
-      | tee "$OUT/prefill_tests.log" | tail -15
-    timeout 330 python scripts/bench/bench_prefill_kernel.py --out "$OUT/prefill_kernel.json" \
-      --chunks 8192 16384 --contexts 32768 131072 --full 8192 --configs 128:128:8:3 2>&1 \
-      | grep -v "^{" | tail -15
-    python - "$OUT/prefill_kernel.json" <<'PY'
+    for heads in 32:8:128 16:8:128; do
+      timeout 250 python scripts/bench/bench_prefill_kernel.py --out "$OUT/prefill_kernel_$heads.json" \
+        --heads $heads --chunks 8192 16384 --contexts 32768 131072 --full 8192 \
+        --configs 128:128:8:3 2>&1 | grep -v "^{" | tail -3
+      python - "$OUT/prefill_kernel_$heads.json" <<'PY'
 import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]
-print(f"{'kind':28s} {'T':>6s} {'offset':>7s} {'ms':>8s} {'TFLOP/s':>8s}")
-for r in rows:
+d = json.load(open(sys.argv[1]))
+print(d["meta"]["shapes"])
+print(f"{'kind':34s} {'T':>6s} {'offset':>7s} {'ms':>8s} {'TFLOP/s':>8s}")
+for r in d["rows"]:
     if "ms" in r:
         name = r["kind"] + ("" if "config" not in r else "/" + "/".join(map(str, r["config"].values())))
-        print(f"{name:28s} {r['t']:6d} {r['offset']:7d} {r['ms']:8.2f} {r['tflops']:8.0f}")
+        print(f"{name:34s} {r['t']:6d} {r['offset']:7d} {r['ms']:8.2f} {r['tflops']:8.0f}")
 PY
-    ;;
+    done ;;
   decode)
     timeout 300 python scripts/bench/bench_kernels.py --ab-mosaic --out "$OUT" 2>&1 | tail -8
     timeout 200 python scripts/bench/bench_multi_query_kernel.py --mosaic --out "$OUT/mq_ab.json" 2>&1 \

@@ -3,6 +3,7 @@ inputs (the GPU kernel compiled on a GPU, the tests marked `gpu`; Pallas kernels
 mode elsewhere), the TPU kernel lowered for TPU and the GPU kernel
 exported for CUDA, and the shape checks."""
 
+import argparse
 import importlib
 import importlib.util
 import json
@@ -200,6 +201,10 @@ def test_bench_script_smoke(tmp_path):
     bench.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["rows"] and all(r["max_rel_err"] < 2e-2 for r in res["rows"])
+    assert bench.parse_heads("16:8:128") == (16, 8, 128)  # --heads: the GPU shapes' heads
+    for bad in ("16:3:128", "16:8", "a:b:c"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--heads"):
+            bench.parse_heads(bad)
 
 
 def test_cudnn_impl_needs_a_gpu():
