@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from sfi_jax.kernels.common import hopper, platform
+from sfi_jax.kernels.common import hopper, platform, triton_available
 
 
 def on_gpu() -> bool:
@@ -107,6 +107,9 @@ class EngineOptions:
     GPU, where it beats cuDNN, benchmarks/prefill_kernel.md; "cudnn" on other GPUs); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
     variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too.
+    On a jax without Pallas' Triton lowering (deprecated in jax 0.11) "auto" takes no Triton
+    kernel: the Mosaic GPU attention and MoE kernels on a Hopper, XLA for the rest (slower, not
+    broken; `kernels.common.triton_available`).
     """
 
     attention: str = "auto"
@@ -152,9 +155,14 @@ class EngineOptions:
                                        epilogue="xla", prefill_attention="xla")
         p = _platform() if platform is None else platform
         gpu = p == "gpu"
-        attention = self.attention if self.attention != "auto" else \
-            {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(p, "xla")
+        # a jax without the Triton lowering: the Mosaic GPU kernels (Hopper) and XLA for the rest
+        triton = not gpu or triton_available()
+        mosaic = gpu and hopper()
+        attention = self.attention if self.attention != "auto" else {
+            "gpu": "pallas_gpu" if triton else "mosaic_gpu" if mosaic else "xla",
+            "tpu": "pallas_tpu"}.get(p, "xla")
         gpu_kernels = attention in ("pallas_gpu", "mosaic_gpu")
+        triton_kernels = gpu_kernels and triton
 
         def pick(value, auto):
             return auto if value == "auto" else value
@@ -162,16 +170,17 @@ class EngineOptions:
         return dataclasses.replace(
             self, attention=attention,
             prefill_attention=pick(self.prefill_attention, {
-                "gpu": "mosaic_gpu" if gpu and hopper() else "cudnn", "tpu": "pallas_tpu"}
-                .get(p, "xla")),
-            selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu else "xla"),
-            selector_topk=pick(self.selector_topk, "radix_kernel" if gpu else "lax"),
-            moe=pick(self.moe, "tokens" if gpu_kernels else "xla"),
-            heads=pick(self.heads, "kernel" if gpu_kernels else "xla"),
-            repack=pick(self.repack, "kernel" if gpu_kernels else "xla"),
+                "gpu": "mosaic_gpu" if mosaic else "cudnn", "tpu": "pallas_tpu"}.get(p, "xla")),
+            selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu and triton else "xla"),
+            selector_topk=pick(self.selector_topk, ("radix_kernel" if triton else "radix")
+                               if gpu else "lax"),
+            moe=pick(self.moe, "tokens" if triton_kernels else
+                     "mosaic_gpu" if gpu_kernels and mosaic else "xla"),
+            heads=pick(self.heads, "kernel" if triton_kernels else "xla"),
+            repack=pick(self.repack, "kernel" if triton_kernels else "xla"),
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
-            matmul=pick(self.matmul, "by_shape" if gpu_kernels else "xla"),
-            epilogue=pick(self.epilogue, "fused" if gpu_kernels else "xla"),
+            matmul=pick(self.matmul, "by_shape" if triton_kernels else "xla"),
+            epilogue=pick(self.epilogue, "fused" if triton_kernels else "xla"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sfi_jax.kernels import attention_reference as reference
-from sfi_jax.kernels.common import interpret_for, platform, platform_kernel
+from sfi_jax.kernels.common import (gpu_fallback, interpret_for, platform, platform_kernel,
+                                    triton_available)
 
 IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 REPACK = ("auto", "kernel", "xla")
@@ -94,7 +95,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import attention_mgpu as mgpu
 
-        impl = "mosaic_gpu" if mgpu.supported(q, k) else "pallas_gpu"
+        impl = "mosaic_gpu" if mgpu.supported(q, k) else gpu_fallback()
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
@@ -170,7 +171,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import attention_mgpu as mgpu
 
-        impl = "mosaic_gpu" if mgpu.supported(q, k, ck) else "pallas_gpu"
+        impl = "mosaic_gpu" if mgpu.supported(q, k, ck) else gpu_fallback()
     if impl == "pallas_gpu":
         from sfi_jax.kernels import attention_gpu as gpu
 
@@ -231,7 +232,7 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
                          f"{(L, slots.shape[0], Hkv, C)}")
     if impl not in REPACK:
         raise ValueError(f"repack impl={impl!r}; expected one of {REPACK}")
-    if impl == "kernel" or (impl == "auto" and platform() == "gpu"):
+    if impl == "kernel" or (impl == "auto" and platform() == "gpu" and triton_available()):
         from sfi_jax.kernels import attention_gpu as gpu
 
         return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=interpret_for("pallas_gpu")))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +35,42 @@ def hopper() -> bool:
     return cc is not None and 9.0 <= cc < 10.0
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether this jax still has Pallas' Triton lowering (deprecated in jax 0.11, to be removed
+    in a later release). Without it every GPU choice takes its Mosaic GPU or XLA form
+    (`EngineOptions.resolved`, `gpu_fallback`): slower, never broken."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module("jax.experimental.pallas.triton")
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_fallback() -> str:
+    """What inputs a Mosaic GPU kernel does not take run as: its Triton twin ("pallas_gpu"),
+    or "xla" on a jax without the Triton lowering."""
+    return "pallas_gpu" if triton_available() else "xla"
+
+
+def row_end(q_start, kv_len, n_queries):
+    """Keys a row of a multi-query chunk reads: up to its last valid query (0 when query 0 is
+    already padding). kv_len is clipped to the cache already."""
+    end = jnp.minimum(q_start + n_queries, kv_len)
+    return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
+
+
 def platform_kernel() -> str:
     """The Pallas implementation of this platform ("xla" off GPUs and TPUs): what a kernel's
     `impl="auto"` stands for when it is called directly (the engine passes concrete names,
-    from `EngineOptions.resolved`)."""
-    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform(), "xla")
+    from `EngineOptions.resolved`). On a jax without the Triton lowering: the Mosaic GPU
+    kernel on a Hopper, else "xla"."""
+    p = platform()
+    if p == "gpu" and not triton_available():
+        return "mosaic_gpu" if hopper() else "xla"
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(p, "xla")
 
 
 def dot_precision(dtype):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sfi_jax.kernels import moe_reference as reference
-from sfi_jax.kernels.common import interpret_for
+from sfi_jax.kernels.common import gpu_fallback, interpret_for
 
 IMPLS = ("xla", "kernel", "tokens", "mosaic_gpu")
 
@@ -27,7 +27,11 @@ def routed_experts(x, we_gate, we_up, we_down, top_p, top_e, *, impl: str = "xla
         if moe_mgpu.supported(x, we_gate):
             return moe_mgpu.token_moe(x, we_gate, we_up, we_down, top_p, top_e,
                                       interpret=interpret_for("mosaic_gpu")).astype(x.dtype)
-        impl = "tokens"  # float32 experts, odd dims or more than 64 tokens: the Triton kernels
+        # float32 experts, odd dims or more than 64 tokens: the Triton kernels (XLA's
+        # ragged_dot on a jax without the Triton lowering)
+        if gpu_fallback() == "xla":
+            return reference.routed_experts(x, we_gate, we_up, we_down, top_p, top_e)
+        impl = "tokens"
     from sfi_jax.kernels import moe_gpu  # Triton's Pallas lowering, imported only when used
 
     E, H, I = we_gate.shape

@@ -4,7 +4,8 @@ which is also SFI's slow step: it can return the logits the selector reads).
 
 impl: "auto" (pallas_gpu on GPU, pallas_tpu on TPU, xla elsewhere), "xla" (pure jnp),
 "pallas_gpu" (Triton-lowered), "mosaic_gpu" (Mosaic GPU, for half-precision caches, head dim
-64/128/256 and G * T <= 64 rows per KV head; other inputs take the Triton kernel),
+64/128/256 and G * T <= 64 rows per KV head; other inputs take the Triton kernel, or "xla"
+on a jax without the Triton lowering),
 "pallas_tpu" (Mosaic TPU). A Pallas kernel asked for off its
 own platform runs in interpret mode, so both can be tested on a CPU.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sfi_jax.kernels.common import interpret_for, platform_kernel
+from sfi_jax.kernels.common import gpu_fallback, interpret_for, platform_kernel
 
 IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 MAX_QUERIES = 16
@@ -112,7 +113,11 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
             return mgpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
                                            return_logits=return_logits,
                                            interpret=interpret_for("mosaic_gpu"))
-        impl = "pallas_gpu"
+        impl = gpu_fallback()
+        if impl == "xla":  # no Triton lowering in this jax
+            return multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
+                                      return_logits=return_logits, logits_query=logits_query,
+                                      impl="xla")
     if impl == "pallas_gpu":
         from sfi_jax.kernels import multi_query_decode_gpu as gpu
 

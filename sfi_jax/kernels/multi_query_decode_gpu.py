@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.common import (as_layer_stacks, decode_splits, dot_precision, merge_splits,
-                                    pow2)
+                                    pow2, row_end)
 from sfi_jax.kernels.triton_lowering import NUM_SMS as _NUM_SMS, M_INIT as _M_INIT, plgpu_triton
 
 _MIN_ROWS = 16  # smallest M of tl.dot
@@ -47,13 +47,6 @@ def default_config(rows: int, logits: bool) -> Config:
     if rows <= 32:
         return Config(128, 8, 2, (16 if logits else 8) * _NUM_SMS)
     return Config(64 if rows <= 64 else 32, 8, 2, 8 * _NUM_SMS)
-
-
-def row_end(q_start, kv_len, n_queries):
-    """Keys a row reads: up to its last valid query (0 when query 0 is already padding).
-    kv_len is clipped to the cache already."""
-    end = jnp.minimum(q_start + n_queries, kv_len)
-    return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
 
 
 def _kernel(layer_ref, qs_ref, len_ref, lq_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,

@@ -20,8 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sfi_jax.kernels import attention_mgpu as base
-from sfi_jax.kernels.common import as_layer_stacks, decode_splits
-from sfi_jax.kernels.multi_query_decode_gpu import row_end
+from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_end
 
 DEFAULT = base.DENSE
 DEFAULT_LOGITS = base.DENSE_LOGITS

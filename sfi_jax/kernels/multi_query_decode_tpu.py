@@ -18,17 +18,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sfi_jax.kernels.attention_tpu import finish_rows, fold_scores
-from sfi_jax.kernels.common import as_layer_stacks, dot_precision
+from sfi_jax.kernels.common import as_layer_stacks, dot_precision, row_end
 
 BLOCK_K = 512
 _LANES = 128
 _M_INIT = -1e30  # finite: a padding query row (no valid key anywhere) never makes NaN
-
-
-def _row_end(q_start, kv_len, n_queries):
-    """Keys a row reads: up to its last valid query (0 when query 0 is already padding)."""
-    end = jnp.minimum(q_start + n_queries, kv_len)
-    return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
 
 
 def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, s_len, scale,
@@ -42,7 +36,7 @@ def _kernel(qs_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *rest, n_q, 
     gt, bk = q_ref.shape[0], k_ref.shape[0]
     qs = qs_ref[b]
     kvl = jnp.clip(len_ref[b], 0, s_len)
-    hi = _row_end(qs, kvl, n_q)
+    hi = row_end(qs, kvl, n_q)
     start = j * bk
 
     @pl.when(j == 0)
@@ -94,7 +88,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
         n_rows, hkv, gt, d)
 
     def kv_map(b, h, j, qs, lens, lay):
-        end = _row_end(qs[b], jnp.clip(lens[b], 0, s_len), n_q)
+        end = row_end(qs[b], jnp.clip(lens[b], 0, s_len), n_q)
         return lay[0], b, h, jnp.minimum(j, jnp.maximum(pl.cdiv(end, bk) - 1, 0)), 0
 
     row_spec = pl.BlockSpec((None, None, gt, d), lambda b, h, j, *_: (b, h, 0, 0))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.kernels.common import dot_precision, hopper, interpret_for, platform
+from sfi_jax.kernels.common import dot_precision, gpu_fallback, hopper, interpret_for, platform
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
@@ -47,7 +47,7 @@ def resolve_impl(impl, q=None, k=None) -> str:
             from sfi_jax.kernels import prefill_attention_cudnn
 
             if not prefill_attention_cudnn.supported(q, k):
-                impl = "pallas_gpu"
+                impl = gpu_fallback()
     return impl
 
 

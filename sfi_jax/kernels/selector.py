@@ -7,7 +7,7 @@ from __future__ import annotations
 from jax import lax
 
 from sfi_jax.kernels import selector_reference as reference
-from sfi_jax.kernels.common import interpret_for, platform, sortable_keys
+from sfi_jax.kernels.common import interpret_for, platform, sortable_keys, triton_available
 from sfi_jax.kernels.selector_reference import ScoreParams
 
 SCORES = ("auto", "xla", "pallas_gpu")
@@ -27,7 +27,7 @@ def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, params: Scor
     if adjust not in ADJUST:
         raise ValueError(f"adjust={adjust!r}: expected one of {ADJUST}")
     by_kernel = adjust == "kernel"
-    if impl == "pallas_gpu" or (impl == "auto" and platform() == "gpu"):
+    if impl == "pallas_gpu" or (impl == "auto" and platform() == "gpu" and triton_available()):
         from sfi_jax.kernels import selector_gpu
 
         kw = dict(params=params, interpret=interpret_for("pallas_gpu"))

@@ -9,9 +9,15 @@ import jax
 
 from sfi_jax.kernels.common import compute_capability
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as plgpu_triton
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas import triton as plgpu_triton
+except ImportError as e:  # a jax after the Triton lowering's removal
+    raise ImportError(
+        f"jax {jax.__version__} has no Pallas Triton lowering, which this choice of kernel needs: "
+        "leave the EngineOptions at 'auto' (the Mosaic GPU and XLA forms) or pick 'mosaic_gpu' "
+        "or 'xla' for it") from e
 
 M_INIT = -1e30  # a finite running-max start: exp(m_old - m_new) is never NaN
 NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim at

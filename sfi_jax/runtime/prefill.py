@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sfi_jax.kernels.prefill_attention import XLA_BLOCK_K, XLA_BLOCK_Q, prefill_attention
+from sfi_jax.kernels.common import gpu_fallback
 from sfi_jax.kernels.prefill_attention_cudnn import supported as cudnn_supported
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (WeightLayout, attention_inputs, attention_output_and_mlp,
@@ -106,7 +107,7 @@ def attention_impl(options: EngineOptions, dtype, head_dim: int, group: int = 1,
     if impl == "cudnn":
         probe = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
         if platform() != "gpu" or not cudnn_supported(probe, probe):
-            return "pallas_gpu"
+            return gpu_fallback()
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import prefill_attention_mgpu
 
