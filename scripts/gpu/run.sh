@@ -15,6 +15,9 @@
 #   bash scripts/gpu/run.sh serve32 [sfi|dense] [slots] [new tokens]
 #                                      as many 32K requests as slots, sent at 4/s (throughput
 #                                      at equal p99 inter-token latency: benchmarks/serve.md)
+#   bash scripts/gpu/run.sh notriton [contexts] [batch]
+#                                      decode with the choices "auto" makes on a jax without the
+#                                      Triton lowering, beside the defaults (qwen3-4b; findings.md)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -88,5 +91,17 @@ PY
           2>&1 | grep "^| qwen" | tail -2
       done
     done; done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|cost" >&2; exit 2 ;;
+  notriton)
+    no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla --opt selector_topk=radix
+               --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla --opt matmul=xla
+               --opt epilogue=xla)
+    for ctx in ${2:-32768 131072}; do
+      for arm in defaults no_triton; do
+        extra=(); [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
+        timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
+          --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
+          --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
+      done
+    done ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|notriton|cost" >&2; exit 2 ;;
 esac
