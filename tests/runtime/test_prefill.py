@@ -81,6 +81,10 @@ def test_mosaic_gpu_prefill_in_generate(tmp_path, monkeypatch):
 
     for module in (generation, engine):
         monkeypatch.setattr(module, "cache_dtype", jnp.dtype)
+    # the one-warpgroup layout: interpret mode runs the warp-specialised default (three
+    # simulated warpgroups) far slower; tests/kernels covers both layouts
+    monkeypatch.setattr(prefill_attention_mgpu, "DEFAULT",
+                        prefill_attention_mgpu.Config(block_k=128, stages=2, warpgroups=1))
     calls = []
     kernel = prefill_attention_mgpu.prefill_attention
     monkeypatch.setattr(prefill_attention_mgpu, "prefill_attention",
