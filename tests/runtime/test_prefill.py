@@ -81,8 +81,10 @@ def test_mosaic_gpu_prefill_in_generate(tmp_path, monkeypatch):
 
     for module in (generation, engine):
         monkeypatch.setattr(module, "cache_dtype", jnp.dtype)
-    # the one-warpgroup layout: interpret mode runs the warp-specialised default (three
-    # simulated warpgroups) far slower; tests/kernels covers both layouts
+    # the one-warpgroup layout: the warp-specialised default's three simulated warpgroups
+    # stalled, waiting on each other, in interpret mode inside the engine's compiled program
+    # on a 2-core CPU (alone, the same call passes). tests/kernels covers both layouts in
+    # interpret mode; test_gpu_engine compiles the default inside the engine.
     monkeypatch.setattr(prefill_attention_mgpu, "DEFAULT",
                         prefill_attention_mgpu.Config(block_k=128, stages=2, warpgroups=1))
     calls = []
