@@ -101,11 +101,6 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
             out, logits, lse = multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
                                                   return_logits=True, impl=impl)
             return out, one_query_logits(logits, logits_query), lse
-    if impl == "xla":
-        from sfi_jax.kernels import multi_query_decode_reference as ref
-
-        return ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
-                                      return_logits=return_logits)
     if impl == "mosaic_gpu":
         from sfi_jax.kernels import multi_query_decode_mgpu as mgpu
 
@@ -113,11 +108,12 @@ def multi_query_decode(q, k, v, q_start, kv_len, *, layer=None, return_logits=Fa
             return mgpu.multi_query_decode(q, k, v, q_start, kv_len, layer,
                                            return_logits=return_logits,
                                            interpret=interpret_for("mosaic_gpu"))
-        impl = gpu_fallback()
-        if impl == "xla":  # no Triton lowering in this jax
-            return multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
-                                      return_logits=return_logits, logits_query=logits_query,
-                                      impl="xla")
+        impl = gpu_fallback()  # the Triton kernel, or XLA on a jax without it
+    if impl == "xla":
+        from sfi_jax.kernels import multi_query_decode_reference as ref
+
+        return ref.multi_query_decode(q, k, v, q_start, kv_len, layer=layer,
+                                      return_logits=return_logits)
     if impl == "pallas_gpu":
         from sfi_jax.kernels import multi_query_decode_gpu as gpu
 
