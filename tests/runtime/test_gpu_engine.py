@@ -217,9 +217,9 @@ def test_default_path_prints_no_deprecation_warning(tmp_path):
     _, d = make_hf_checkpoint(tmp_path, kind, seed=5, eos_token_id=TINY_EOS, **kw)
     code = ("import sfi_jax\n"
             f"m = sfi_jax.load_model({str(d)!r}, dtype='float32')\n"
-            f"r = sfi_jax.generate(m, [list(range(1, 150))], mode='sfi', max_new_tokens=8,\n"
-            f"                     stop_at_eos=False, sfi=sfi_jax.SFIConfig(n_sink=2, k_select=8,"
-            f" n_recent=8, t_max=6))\n"
+            "r = sfi_jax.generate(m, [list(range(1, 150))], mode='sfi', max_new_tokens=8,\n"
+            "                     stop_at_eos=False, sfi=sfi_jax.SFIConfig(n_sink=2, k_select=8,"
+            " n_recent=8, t_max=6))\n"
             "print(len(r.tokens[0]))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS",)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
