@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from sfi_jax.kernels.common import hopper, platform, triton_available
+from sfi_jax.kernels import common
+from sfi_jax.kernels.common import platform
 
 
 def on_gpu() -> bool:
@@ -156,11 +157,9 @@ class EngineOptions:
         p = _platform() if platform is None else platform
         gpu = p == "gpu"
         # a jax without the Triton lowering: the Mosaic GPU kernels (Hopper) and XLA for the rest
-        triton = not gpu or triton_available()
-        mosaic = gpu and hopper()
-        attention = self.attention if self.attention != "auto" else {
-            "gpu": "pallas_gpu" if triton else "mosaic_gpu" if mosaic else "xla",
-            "tpu": "pallas_tpu"}.get(p, "xla")
+        triton = not gpu or common.triton_available()
+        mosaic = gpu and common.hopper()
+        attention = self.attention if self.attention != "auto" else common.platform_kernel(p)
         gpu_kernels = attention in ("pallas_gpu", "mosaic_gpu")
         triton_kernels = gpu_kernels and triton
 
@@ -169,8 +168,7 @@ class EngineOptions:
 
         return dataclasses.replace(
             self, attention=attention,
-            prefill_attention=pick(self.prefill_attention, {
-                "gpu": "mosaic_gpu" if mosaic else "cudnn", "tpu": "pallas_tpu"}.get(p, "xla")),
+            prefill_attention=pick(self.prefill_attention, common.platform_prefill(p)),
             selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu and triton else "xla"),
             selector_topk=pick(self.selector_topk, ("radix_kernel" if triton else "radix")
                                if gpu else "lax"),

@@ -10,7 +10,7 @@ import re
 import pytest
 
 import sfi_jax
-from sfi_jax import options
+from sfi_jax.kernels import common
 from sfi_jax.options import EngineOptions, resolve
 
 
@@ -28,7 +28,7 @@ def test_bad_values_name_field_and_allowed(field, value):
 
 
 def test_resolved_per_platform(monkeypatch):
-    monkeypatch.setattr(options, "hopper", lambda: False)  # Hopper: test_prefill's choice test
+    monkeypatch.setattr(common, "hopper", lambda: False)  # Hopper: test_prefill's choice test
     gpu = EngineOptions().resolved(platform="gpu")
     assert gpu == EngineOptions(attention="pallas_gpu", prefill_attention="cudnn",
                                 selector_scores="pallas_gpu",

@@ -62,15 +62,22 @@ def row_end(q_start, kv_len, n_queries):
     return jnp.where(q_start < kv_len, jnp.maximum(end, 0), 0)
 
 
-def platform_kernel() -> str:
-    """The Pallas implementation of this platform ("xla" off GPUs and TPUs): what a kernel's
-    `impl="auto"` stands for when it is called directly (the engine passes concrete names,
-    from `EngineOptions.resolved`). On a jax without the Triton lowering: the Mosaic GPU
-    kernel on a Hopper, else "xla"."""
-    p = platform()
+def platform_kernel(p: str | None = None) -> str:
+    """The Pallas implementation of platform p (default: this one; "xla" off GPUs and TPUs):
+    what a decode kernel's `impl="auto"` stands for, here and in `EngineOptions.resolved`. On a
+    jax without the Triton lowering: the Mosaic GPU kernel on a Hopper, else "xla"."""
+    p = platform() if p is None else p
     if p == "gpu" and not triton_available():
         return "mosaic_gpu" if hopper() else "xla"
     return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(p, "xla")
+
+
+def platform_prefill(p: str | None = None) -> str:
+    """What the prefill attention's "auto" stands for on platform p (default: this one), before
+    the inputs are checked: the Mosaic GPU kernel on a Hopper GPU (it beats cuDNN there,
+    benchmarks/prefill_kernel.md), cuDNN on other GPUs, the Mosaic TPU kernel, else XLA."""
+    p = platform() if p is None else p
+    return {"gpu": "mosaic_gpu" if hopper() else "cudnn", "tpu": "pallas_tpu"}.get(p, "xla")
 
 
 def dot_precision(dtype):

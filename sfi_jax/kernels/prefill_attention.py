@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sfi_jax.kernels.common import dot_precision, gpu_fallback, hopper, interpret_for, platform
+from sfi_jax.kernels.common import (dot_precision, gpu_fallback, interpret_for, platform,
+                                    platform_prefill)
 
 IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 XLA_BLOCK_Q = 512
@@ -36,8 +37,7 @@ def resolve_impl(impl, q=None, k=None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        impl = {"gpu": "mosaic_gpu" if hopper() else "cudnn",
-                "tpu": "pallas_tpu"}.get(platform(), "xla")
+        impl = platform_prefill()
         if impl == "mosaic_gpu" and q is not None:
             from sfi_jax.kernels import prefill_attention_mgpu
 

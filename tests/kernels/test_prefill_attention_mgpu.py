@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sfi_jax.kernels import common
 from sfi_jax.kernels import prefill_attention_mgpu as mgpu
 from sfi_jax.kernels.prefill_attention import prefill_attention, resolve_impl
 from sfi_jax.kernels.prefill_attention_reference import prefill_attention as reference
@@ -161,7 +162,8 @@ def test_auto_takes_it_on_a_hopper_gpu(hopper, monkeypatch):
 
     module = sys.modules["sfi_jax.kernels.prefill_attention"]
     monkeypatch.setattr(module, "platform", lambda: "gpu")
-    monkeypatch.setattr(module, "hopper", lambda: hopper)
+    monkeypatch.setattr(common, "platform", lambda: "gpu")
+    monkeypatch.setattr(common, "hopper", lambda: hopper)
     sds = jax.ShapeDtypeStruct
     q, k = sds((2, 16, 8, 64), BF16), sds((2, 2, 64, 64), BF16)
     assert resolve_impl("auto", q, k) == ("mosaic_gpu" if hopper else "cudnn")

@@ -17,7 +17,7 @@ import sfi_jax
 from conftest import hf_logits, make_hf_checkpoint, rel_err
 from sfi_jax.models.modeling import (STACKED, attention_inputs, attention_output_and_mlp,
                                      embed_tokens, grouped_attention, run_layers)
-from sfi_jax import options
+from sfi_jax.kernels import common
 from sfi_jax.options import EngineOptions
 from sfi_jax.runtime import generation, prefill, programs
 from sfi_reference import assert_positions, sfi_reference
@@ -50,7 +50,7 @@ def gqa_models(tmp_path_factory):
 def test_prefill_attention_choice(hopper, monkeypatch):
     """On a GPU: the Mosaic GPU kernel on a Hopper, else "cudnn", where each takes the inputs;
     then cuDNN, then the Triton kernel; "xla" on a mesh."""
-    monkeypatch.setattr(options, "hopper", lambda: hopper)
+    monkeypatch.setattr(common, "hopper", lambda: hopper)
     gpu = EngineOptions().resolved(platform="gpu")
     assert gpu.prefill_attention == ("mosaic_gpu" if hopper else "cudnn")
     assert EngineOptions().resolved(platform="tpu").prefill_attention == "pallas_tpu"

@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 
-from sfi_jax import options
 from sfi_jax.kernels import common
 from sfi_jax.options import EngineOptions
 
@@ -26,8 +25,8 @@ TRITON_CHOICES = {"attention": "pallas_gpu", "selector_scores": "pallas_gpu",
 
 @pytest.mark.parametrize("hopper", [True, False])
 def test_auto_takes_no_triton_kernel(hopper, monkeypatch):
-    monkeypatch.setattr(options, "triton_available", lambda: False)
-    monkeypatch.setattr(options, "hopper", lambda: hopper)
+    monkeypatch.setattr(common, "triton_available", lambda: False)
+    monkeypatch.setattr(common, "hopper", lambda: hopper)
     gpu = EngineOptions().resolved(platform="gpu")
     for name, triton in TRITON_CHOICES.items():
         assert getattr(gpu, name) != triton, (name, gpu)
@@ -38,7 +37,7 @@ def test_auto_takes_no_triton_kernel(hopper, monkeypatch):
     # explicit choices stay as asked; CPU and TPU do not change
     assert EngineOptions(heads="kernel").resolved(platform="gpu").heads == "kernel"
     assert EngineOptions().resolved(platform="cpu") == EngineOptions().resolved(platform="cpu")
-    monkeypatch.setattr(options, "triton_available", lambda: True)
+    monkeypatch.setattr(common, "triton_available", lambda: True)
     with_triton = EngineOptions().resolved(platform="gpu")
     assert all(getattr(with_triton, n) == t for n, t in TRITON_CHOICES.items()), with_triton
 
@@ -62,14 +61,13 @@ NO_TRITON = textwrap.dedent("""
     import numpy as np
 
     import sfi_jax
-    from sfi_jax import options
     from sfi_jax.kernels import common
     from sfi_jax.models.config import ModelConfig
     from sfi_jax.models.modeling import Model
     from sfi_jax.models.params import random_params
 
     assert not common.triton_available()
-    options.hopper = common.hopper = lambda: True  # as on an H100 / H200
+    common.hopper = lambda: True  # as on an H100 / H200
     gpu = sfi_jax.EngineOptions().resolved(platform="gpu")
     cfg = ModelConfig(name="tiny-moe", num_layers=2, hidden_size=64, intermediate_size=128,
                       num_q_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256,
