@@ -15,9 +15,10 @@
 #   bash scripts/gpu/run.sh serve32 [sfi|dense] [slots] [new tokens]
 #                                      as many 32K requests as slots, sent at 4/s (throughput
 #                                      at equal p99 inter-token latency: benchmarks/serve.md)
-#   bash scripts/gpu/run.sh notriton [contexts] [batch]
+#   bash scripts/gpu/run.sh notriton [contexts] [batch] [arms]
 #                                      decode with the choices "auto" makes on a jax without the
-#                                      Triton lowering, beside the defaults (qwen3-4b; findings.md)
+#                                      Triton lowering, beside the defaults (qwen3-4b; findings.md);
+#                                      arms: defaults, no_triton, no_triton_mm (Mosaic matmul)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -96,8 +97,11 @@ PY
                --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla --opt matmul=xla
                --opt epilogue=xla)
     for ctx in ${2:-32768 131072}; do
-      for arm in defaults no_triton; do
-        extra=(); [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
+      for arm in ${4:-defaults no_triton}; do
+        extra=()
+        [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
+        # the same with the Mosaic GPU weight-streaming matmul in place of XLA's
+        [ "$arm" = no_triton_mm ] && extra=("${no_triton[@]}" --opt matmul=mosaic_gpu)
         timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
