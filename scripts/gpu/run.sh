@@ -18,7 +18,8 @@
 #   bash scripts/gpu/run.sh notriton [contexts] [batch] [arms]
 #                                      decode with the choices "auto" makes on a jax without the
 #                                      Triton lowering, beside the defaults (qwen3-4b; findings.md);
-#                                      arms: defaults, no_triton, no_triton_mm (Mosaic matmul)
+#                                      arms: defaults, no_triton, no_triton_mm (Mosaic matmul),
+#                                      mosaic_attention, xla_matmul, xla_small (one at a time)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -102,6 +103,11 @@ PY
         [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
         # the same with the Mosaic GPU weight-streaming matmul in place of XLA's
         [ "$arm" = no_triton_mm ] && extra=("${no_triton[@]}" --opt matmul=mosaic_gpu)
+        # one Triton-free choice at a time beside the defaults' others
+        [ "$arm" = mosaic_attention ] && extra=(--opt attention=mosaic_gpu)
+        [ "$arm" = xla_matmul ] && extra=(--opt matmul=xla --opt epilogue=xla)
+        [ "$arm" = xla_small ] && extra=(--opt selector_scores=xla --opt selector_topk=radix
+                                          --opt heads=xla --opt repack=xla)
         timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
