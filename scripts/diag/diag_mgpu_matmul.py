@@ -10,8 +10,9 @@ products). Microseconds per product over --reps rounds of all copies after a war
 one JSON line per (model, proj, rows): us per arm, the fraction of --bandwidth-tbs that the
 weight bytes need in that time, and the Mosaic result's max relative error against XLA's;
 --out writes all rows.
-An arm that raises is recorded (its error) and the rest go on; exits 1, after all rows, if the
-Mosaic arm failed or its error passed 1e-2. GPU only."""
+--configs adds one Mosaic arm per config (`mosaic:N:K:S:P`: block_n, block_k, stages, programs),
+a sweep in one call. An arm that raises is recorded (its error) and the rest go on; exits 1,
+after all rows, if the Mosaic arm failed or its error passed 1e-2. GPU only."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ TOL = 1e-2
 
 def _arm_fn(arm, mosaic_config):
     """arm(x, ws) -> a tuple of float32 [M, N], one per weight."""
+    if arm.startswith("mosaic:"):
+        mosaic_config = parse_config(arm.split(":", 1)[1])
+        arm = "mosaic"
     if arm == "mosaic":
         from sfi_jax.kernels import skinny_matmul_mgpu
 
@@ -54,6 +58,17 @@ def _arm_fn(arm, mosaic_config):
     return f
 
 
+def parse_config(text):
+    """A `skinny_matmul_mgpu.Config` from "block_n:block_k:stages:programs"."""
+    from sfi_jax.kernels import skinny_matmul_mgpu
+
+    try:
+        bn, bk, st, pr = map(int, text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--configs: expected block_n:block_k:stages:programs, got {text!r}")
+    return skinny_matmul_mgpu.Config(block_n=bn, block_k=bk, stages=st, programs=pr)
+
+
 def _timed(fn, x, groups, reps):
     """(microseconds per product, the first copy's products): fn runs one group of copies per
     call (one compile: the groups are alike); reps rounds over all groups after a warm-up."""
@@ -68,7 +83,7 @@ def _timed(fn, x, groups, reps):
     return (time.perf_counter() - t) / (reps * sum(map(len, groups))) * 1e6, first
 
 
-def run_shape(model, proj, rows, args, mosaic_config):
+def run_shape(model, proj, rows, args, mosaic_config, arms=ARMS):
     k, n, n_w = SHAPES[model][proj]
     w_bytes = n_w * k * n * 2
     n_copies = max(2, min(args.max_copies, math.ceil(args.stream_mb * 2**20 / w_bytes)))
@@ -85,7 +100,7 @@ def run_shape(model, proj, rows, args, mosaic_config):
     row = dict(model=model, proj=proj, rows=rows, k=k, n=n, weights=n_w, weight_bytes=w_bytes,
                copies=n_copies, per_call=per_call)
     results = {}
-    for arm in ARMS:
+    for arm in arms:
         f = _arm_fn(arm, mosaic_config)
         many = jax.jit(lambda x, cs, f=f: [f(x, ws) for ws in cs])
         try:
@@ -95,10 +110,11 @@ def run_shape(model, proj, rows, args, mosaic_config):
         except Exception as e:  # noqa: BLE001 (an arm that fails is a result of the A/B)
             row[f"{arm}_us"] = None
             row[f"{arm}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if "mosaic" in results and "xla" in results:
-        row["mosaic_max_rel_err"] = float(max(
-            np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-            for a, b in zip(results["mosaic"], results["xla"])))
+    for arm in (a for a in results if a.startswith("mosaic")):
+        if "xla" in results:
+            row[f"{arm}_max_rel_err"] = float(max(
+                np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+                for a, b in zip(results[arm], results["xla"])))
     del copies, groups
     return row
 
@@ -120,8 +136,13 @@ def main(argv=None):
     p.add_argument("--block-k", type=int, default=None, help="Mosaic Config.block_k")
     p.add_argument("--stages", type=int, default=None, help="Mosaic Config.stages")
     p.add_argument("--programs", type=int, default=None, help="Mosaic Config.programs")
+    p.add_argument("--configs", default="",
+                   help="comma-separated extra Mosaic arms, block_n:block_k:stages:programs each")
     p.add_argument("--out", default=None, help="JSON file for all rows")
     args = p.parse_args(argv)
+    extra = [f"mosaic:{c}" for c in args.configs.split(",") if c]
+    for c in extra:
+        parse_config(c.split(":", 1)[1])  # a bad config fails before any timing
 
     from sfi_jax.kernels import skinny_matmul_mgpu
 
@@ -134,13 +155,19 @@ def main(argv=None):
     for model in args.models.split(","):
         for proj in args.projs.split(","):
             for rows in map(int, args.rows.split(",")):
-                row = run_shape(model, proj, rows, args, mosaic_config)
+                row = run_shape(model, proj, rows, args, mosaic_config, (*ARMS, *extra))
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
-                err = row.get("mosaic_max_rel_err")
-                if row["mosaic_us"] is None or err is None or not err <= TOL:
-                    bad.append((model, proj, rows))
+                for arm in ("mosaic", *extra):
+                    err = row.get(f"{arm}_max_rel_err")
+                    if row[f"{arm}_us"] is None or err is None or not err <= TOL:
+                        bad.append((model, proj, rows, arm))
     print(f"{len(rows_out)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
+    arms = ("triton", "xla", "mosaic", *extra)
+    print("| model | proj | rows | " + " | ".join(arms) + " |  (us)")
+    for r in rows_out:
+        print(f"| {r['model']} | {r['proj']} | {r['rows']} | "
+              + " | ".join(f"{r.get(a + '_us') or '-'}" for a in arms) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
