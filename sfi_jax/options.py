@@ -29,7 +29,7 @@ MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
 HEADS = ("auto", "kernel", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
-MATMUL = ("auto", "by_shape", "kernel", "mosaic_gpu", "xla")
+MATMUL = ("auto", "by_shape", "kernel", "mosaic_gpu", "mosaic_by_shape", "xla")
 EPILOGUE = ("auto", "fused", "xla")
 
 CHOICES = {"attention": ATTENTION, "prefill_attention": PREFILL_ATTENTION,
@@ -94,7 +94,8 @@ class EngineOptions:
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows), "mosaic_gpu" (its Mosaic GPU twin,
         Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA, no fused
-        epilogues) or "xla". K-major weights
+        epilogues), "mosaic_by_shape" (the twin up to 4 rows, XLA's gemm beyond) or "xla".
+        K-major weights
         (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
@@ -109,8 +110,8 @@ class EngineOptions:
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
     variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too.
     On a jax without Pallas' Triton lowering (deprecated in jax 0.11) "auto" takes no Triton
-    kernel: the Mosaic GPU attention and MoE kernels on a Hopper, XLA for the rest (slower, not
-    broken; `kernels.common.triton_available`).
+    kernel: the Mosaic GPU attention, MoE and weight-streaming ("mosaic_by_shape") kernels on
+    a Hopper, XLA for the rest (slower, not broken; `kernels.common.triton_available`).
     """
 
     attention: str = "auto"
@@ -177,7 +178,8 @@ class EngineOptions:
             heads=pick(self.heads, "kernel" if triton_kernels else "xla"),
             repack=pick(self.repack, "kernel" if triton_kernels else "xla"),
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
-            matmul=pick(self.matmul, "by_shape" if triton_kernels else "xla"),
+            matmul=pick(self.matmul, "by_shape" if triton_kernels else
+                        "mosaic_by_shape" if gpu_kernels and mosaic else "xla"),
             epilogue=pick(self.epilogue, "fused" if triton_kernels else "xla"),
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 

@@ -18,7 +18,7 @@
 #   bash scripts/gpu/run.sh notriton [contexts] [batch] [arms]
 #                                      decode with the choices "auto" makes on a jax without the
 #                                      Triton lowering, beside the defaults (qwen3-4b; findings.md);
-#                                      arms: defaults, no_triton, no_triton_mm (Mosaic matmul),
+#                                      arms: defaults, no_triton, no_triton_xla (XLA matmuls),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
@@ -95,14 +95,14 @@ PY
     done; done ;;
   notriton)
     no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla --opt selector_topk=radix
-               --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla --opt matmul=xla
+               --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla --opt matmul=mosaic_by_shape
                --opt epilogue=xla)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
         extra=()
         [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
-        # the same with the Mosaic GPU weight-streaming matmul in place of XLA's
-        [ "$arm" = no_triton_mm ] && extra=("${no_triton[@]}" --opt matmul=mosaic_gpu)
+        # the same with XLA's matmuls in place of the Mosaic GPU twin (the choice before 2026-12-06)
+        [ "$arm" = no_triton_xla ] && extra=("${no_triton[@]}" --opt matmul=xla)
         # one Triton-free choice at a time beside the defaults' others
         [ "$arm" = mosaic_attention ] && extra=(--opt attention=mosaic_gpu)
         [ "$arm" = xla_matmul ] && extra=(--opt matmul=xla --opt epilogue=xla)

@@ -2,7 +2,8 @@
 `skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
 it was measured faster ("by_shape"), its Mosaic GPU twin ("mosaic_gpu", `skinny_matmul_mgpu`,
 Hopper: half-precision [K, N] weights, K and N multiples of 64; no fused epilogues; other
-weights take XLA) or XLA ("xla", `skinny_matmul_reference`). The input rows may be RMS-normed
+weights take XLA; "mosaic_by_shape": the twin for as few rows as "by_shape", the choice
+without the Triton lowering) or XLA ("xla", `skinny_matmul_reference`). The input rows may be RMS-normed
 first: the Triton kernel folds the norm into the product, so it costs no launch; before the
 Mosaic kernel XLA norms the rows."""
 
@@ -15,7 +16,7 @@ import jax
 from sfi_jax.kernels import skinny_matmul_reference as reference
 from sfi_jax.kernels.common import interpret_for
 
-IMPLS = ("by_shape", "kernel", "mosaic_gpu", "xla")
+IMPLS = ("by_shape", "kernel", "mosaic_gpu", "mosaic_by_shape", "xla")
 MAX_ROWS = 64  # skinny_matmul_gpu.MAX_ROWS (not imported here: Triton loads only when used)
 # by_shape: where the kernel beat XLA's gemm on the H200 in the decode loop
 # (benchmarks/e2e_batch1.md): a few rows, every weight size; XLA's gemm won from 6 rows
@@ -25,7 +26,7 @@ BY_SHAPE_ROWS = 4
 
 def uses_kernel(impl: str, rows: int) -> bool:
     """Whether `impl` runs the Triton kernel for `rows` rows: "kernel" up to MAX_ROWS rows,
-    "by_shape" up to BY_SHAPE_ROWS, "xla" and "mosaic_gpu" never."""
+    "by_shape" up to BY_SHAPE_ROWS, "xla" and the Mosaic twin's never."""
     if impl not in IMPLS:
         raise ValueError(f"matmul impl must be one of {IMPLS}, got {impl!r}")
     if impl == "by_shape":
@@ -55,7 +56,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
             x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"),
             config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
-    if impl == "mosaic_gpu" and rows <= MAX_ROWS:
+    if rows <= {"mosaic_gpu": MAX_ROWS, "mosaic_by_shape": BY_SHAPE_ROWS}.get(impl, 0):
         return _mosaic(x, weights, norm, eps, lead, rows, k)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)

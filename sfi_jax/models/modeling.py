@@ -371,8 +371,9 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
     rotates its heads in one Triton launch (interpret mode off the GPU).
     matmul: the projections' `kernels.skinny_matmul` impl: "xla", "kernel" (the
-    weight-streaming kernel for a decode step's few rows, the RMSNorm folded in) or
-    "by_shape" (the kernel where it was measured faster)."""
+    weight-streaming kernel for a decode step's few rows, the RMSNorm folded in), "by_shape"
+    (the kernel where it was measured faster) or a Mosaic GPU twin's ("mosaic_gpu",
+    "mosaic_by_shape")."""
     B, T, _ = x.shape
     norm = w["attn_norm"]
     if layout.fused_qkv:

@@ -159,3 +159,21 @@ def test_dispatch_norms_the_rows_then_runs_the_kernel(monkeypatch):
     out, = skinny_matmul.skinny_matmul(x, (odd,), impl="mosaic_gpu")
     assert len(calls) == 1
     assert rel_err(out, x64 @ np.asarray(odd.astype(jnp.float32), np.float64)) < 1e-2
+
+
+def test_by_shape_takes_the_kernel_for_a_few_rows_only(monkeypatch):
+    """`impl="mosaic_by_shape"` (the choice without the Triton lowering): the kernel for up to
+    BY_SHAPE_ROWS rows, XLA's gemm beyond (the kernel not called); both against float64."""
+    from sfi_jax.kernels import skinny_matmul
+
+    calls = []
+    kernel = mgpu.skinny_matmul_partials
+    monkeypatch.setattr(mgpu, "skinny_matmul_partials",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    for rows in (skinny_matmul.BY_SHAPE_ROWS, skinny_matmul.BY_SHAPE_ROWS + 1):
+        x, ws = _inputs(30 + rows, rows, 256, 128, 1)
+        out, = skinny_matmul.skinny_matmul(x, ws, impl="mosaic_by_shape")
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(
+            ws[0].astype(jnp.float32), np.float64)
+        assert out.shape == (rows, 128) and rel_err(out, want) < 1e-2
+    assert calls == [skinny_matmul.BY_SHAPE_ROWS]
