@@ -16,7 +16,8 @@ import pytest
 # the end of a run, where one worker ran them alone while the other had nothing left to do.
 LONG_FILES = ("tests/runtime/test_mesh.py", "tests/scripts/test_scripts.py",
               "tests/test_notebooks.py", "tests/runtime/test_decode_hlo.py",
-              "tests/scripts/test_bench_prefill.py")
+              "tests/scripts/test_bench_prefill.py", "tests/runtime/test_without_triton.py",
+              "tests/serve/test_serve_engine.py")
 
 
 # The JAX persistent compilation cache that the Python subprocesses of one test run share
@@ -129,6 +130,60 @@ def fast_compile():
 def xla_fast_compile():
     """fast_compile() for one test."""
     with fast_compile():
+        yield
+
+
+@contextlib.contextmanager
+def interpret_threads_compile_once():
+    """Pallas' interpret mode runs a kernel of several simulated threads (the Mosaic GPU
+    kernels' warpgroups) by compiling the threads' body anew for every thread at every grid
+    point (`thread_map._run_jaxpr`: a fresh jit, traced, lowered and compiled on each call):
+    ~2.5 s of compile for a few ms of work, most of a warp-specialised test's time. Inside the
+    block each body (the same jaxpr object, the same argument shapes) is compiled once and
+    its executable run for every thread and grid point: the same program on the same inputs.
+    Where jax has no such function, nothing changes."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - another jax
+        yield
+        return
+    real = getattr(thread_map, "_run_jaxpr", None)
+    if real is None:  # pragma: no cover - another jax
+        yield
+        return
+    import threading
+
+    import jax
+    from jax import core as jax_core
+
+    compiled, lock = {}, threading.Lock()
+
+    def _run(jaxpr, consts, *args):  # (thread_map's own)
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        key = (id(jaxpr), tuple((np.shape(x), x.dtype if hasattr(x, "dtype")
+                                 else np.result_type(x))
+                                for x in jax.tree.leaves((consts, args))))
+        with lock:  # the first thread compiles; the others wait for its executable
+            if key not in compiled:
+                exe = jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower()
+                compiled[key] = (jaxpr, exe.compile())  # (jaxpr kept: its id stays unique)
+            exe = compiled[key][1]
+        exe(consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+    try:
+        yield
+    finally:
+        thread_map._run_jaxpr = real
+        compiled.clear()
+
+
+@pytest.fixture
+def interpret_threads_once():
+    """interpret_threads_compile_once() for one test."""
+    with interpret_threads_compile_once():
         yield
 
 
@@ -332,10 +387,43 @@ def smol_hf():
     # one thread: torch's two-thread CPU kernels cost more than they save on small CI machines
     torch.set_num_threads(1)
     path = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF load parses the file twice (GGUFReader for the config, again for the
+    weights: 8 s each here, most of it the tokenizer's 49K strings) and builds gguf's tensor
+    name map once per module (~400 times, 9 s): inside the block the reader of a path and the
+    map of an (arch, layers) pair are made once and shared. Both are only read from, so the
+    model is the one transformers loads without the block."""
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - transformers will say so
+        yield
+        return
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers, maps = {}, {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = real_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", name_map)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from sfi_jax.kernels.prefill_attention_reference import prefill_attention as ref
 from conftest import gpu_interpret
 from test_prefill_attention import _assert_close, _inputs
 
-pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+pytestmark = pytest.mark.usefixtures("xla_fast_compile", "interpret_threads_once")
 BF16 = jnp.bfloat16
 
 

@@ -17,6 +17,10 @@ from sfi_jax.kernels import skinny_matmul_gpu as gpu
 
 from conftest import gpu_interpret, rel_err
 
+# compiling the kernel (interpret mode here) for each shape is most of this file's time
+# (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 EPS = 1e-6
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 

@@ -42,7 +42,7 @@ def _tokens(shape, seed=0, vocab=256):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_hf_parity_logits_and_greedy(name, tmp_path):
+def test_hf_parity_logits_and_greedy(name, tmp_path, xla_fast_compile):
     kind, overrides = CASES[name]
     hf, d = make_hf_checkpoint(tmp_path / name, kind, seed=1, **overrides)
     model = sfi_jax.load_model(d, dtype="float32")
@@ -156,7 +156,7 @@ def test_smollm2_greedy_matches_transformers(smol_model, smol_tokenizer, smol_hf
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-def test_split_layers_via_host_and_on_device(fuse):
+def test_split_layers_via_host_and_on_device(fuse, xla_fast_compile):
     """Both split paths give each layer's slice of the stacked weights (q/k/v concatenated when
     fused; the o and MLP weights transposed with fuse's K-major layout), on the stacked
     weights' device, and free the stacked tensors."""

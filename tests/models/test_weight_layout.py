@@ -42,7 +42,7 @@ def test_layout_is_stated_and_matches_the_weights(split, want):
     assert names == want.names(random_params(CFG, "float32", 4)["layers"])
 
 
-def test_layouts_compute_the_same_layer():
+def test_layouts_compute_the_same_layer(xla_fast_compile):
     """attention_inputs and attention_output_and_mlp give the stacked layout's values in every
     layout (the fused q/k/v split back, the K-major weights read transposed)."""
     stacked = _model().params["layers"]

@@ -12,6 +12,9 @@ from sfi_jax.models.modeling import Model
 from sfi_jax.models.params import random_params
 from sfi_jax.runtime import generation
 
+# the tiny model's programs compile with XLA's slower optimisations off (conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
 CFG = ModelConfig(name="tiny", num_layers=1, hidden_size=32, intermediate_size=64,
                   num_q_heads=2, num_kv_heads=1, head_dim=16, vocab_size=50,
                   max_position_embeddings=128, qk_norm=False, eos_token_ids=(1,))

@@ -372,7 +372,7 @@ def test_eval_acceptance_intervals():
     assert acc.interval([0, 0], [0, 0], 100) is None
 
 
-def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
+def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3, xla_fast_compile):
     """verify_refresh (t_max = draft_len + 1): a verify that ends a full draft selects from its
     own logits, so most of a row's verify steps refresh (a draft cut short by a trigger or a
     rejection waits for the next); plain SFI (t_max 64, its warm-up off) refreshes once here.
@@ -400,7 +400,8 @@ def test_verify_refresh_policy_refreshes_at_each_verify(tiny_qwen3):
     assert sum(runs["sfi"].stats["slow_steps"]) <= sum(s["slow_steps"]) / 4
 
 
-def test_bench_generate_times_each_case_through_generate(tiny_qwen3, tmp_path):
+def test_bench_generate_times_each_case_through_generate(tiny_qwen3, tmp_path,
+                                                         xla_fast_compile):
     """bench_generate on a tiny checkpoint: one row per case, SFI inside its budget reported
     as the dense path, exact mode's tokens per verify at least 1, the report written."""
     bench = load("bench/bench_generate.py")
