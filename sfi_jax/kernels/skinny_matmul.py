@@ -3,9 +3,9 @@
 it was measured faster ("by_shape"), its Mosaic GPU twin ("mosaic_gpu", `skinny_matmul_mgpu`,
 Hopper: half-precision [K, N] weights, K and N multiples of 64; no fused epilogues; other
 weights take XLA; "mosaic_by_shape": the twin for as few rows as "by_shape", the choice
-without the Triton lowering) or XLA ("xla", `skinny_matmul_reference`). The input rows may be RMS-normed
-first: the Triton kernel folds the norm into the product, so it costs no launch; before the
-Mosaic kernel XLA norms the rows."""
+without the Triton lowering) or XLA ("xla", `skinny_matmul_reference`). The input rows may be
+RMS-normed first: the Triton kernel folds the norm into the product, so it costs no launch;
+before the Mosaic kernel XLA norms the rows."""
 
 from __future__ import annotations
 

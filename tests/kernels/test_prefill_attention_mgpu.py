@@ -44,16 +44,11 @@ def test_offsets_and_ragged_rows():
 
 HEADS = {"g1-d64": (8, 8, 64), "g4-d128": (8, 2, 128), "g8-d64": (16, 2, 64),
          "g4-d256": (8, 2, 256)}
-# interpret mode runs the warp-specialised layout's three simulated warpgroups slowly (30 s a
-# case on 2 cores): on a CPU the default suite keeps two of its cases, the GPU suite all
-_SLOW_ON_CPU = {("g1-d64", 2), ("g8-d64", 2)}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, warpgroups", [
-    pytest.param(HEADS[name], wg, id=f"{name}-{wg}",
-                 marks=[pytest.mark.slow] if (name, wg) in _SLOW_ON_CPU else [])
-    for name in HEADS for wg in (1, 2)])
+    pytest.param(HEADS[name], wg, id=f"{name}-{wg}") for name in HEADS for wg in (1, 2)])
 def test_gqa_groups_and_head_dims(heads, warpgroups):
     """G = 1 (a 64-query block, longer than the chunk), 4 and 8 (8-query blocks), the default
     config through the dispatcher (two warpgroups, 128-key blocks, fewer stages at d 256,
