@@ -22,6 +22,7 @@ MAX_ROWS = 64  # skinny_matmul_gpu.MAX_ROWS (not imported here: Triton loads onl
 # (benchmarks/e2e_batch1.md): a few rows, every weight size; XLA's gemm won from 6 rows
 # (benchmarks/skinny_matmul.md)
 BY_SHAPE_ROWS = 4
+MOSAIC_ROWS = {"mosaic_gpu": MAX_ROWS, "mosaic_by_shape": BY_SHAPE_ROWS}  # the twin's row limits
 
 
 def uses_kernel(impl: str, rows: int) -> bool:
@@ -56,7 +57,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
             x.reshape(rows, k), (w,), norm, eps=eps, interpret=interpret_for("pallas_gpu"),
             config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
-    if rows <= {"mosaic_gpu": MAX_ROWS, "mosaic_by_shape": BY_SHAPE_ROWS}.get(impl, 0):
+    if rows <= MOSAIC_ROWS.get(impl, 0):
         return _mosaic(x, weights, norm, eps, lead, rows, k)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
