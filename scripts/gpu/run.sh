@@ -20,6 +20,9 @@
 #                                      Triton lowering, beside the defaults (qwen3-4b; findings.md);
 #                                      arms: defaults, no_triton, no_triton_xla (XLA matmuls),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time)
+#   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
+#                                      per arm (as notriton's; default: defaults mosaic_attention
+#                                      no_triton): each kernel's us and launches a step
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -33,6 +36,23 @@ fi
 export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
+# the bench_e2e options of a named arm (into the array `extra`): the choices "auto" makes on a
+# jax without the Triton lowering, or one of them at a time beside the defaults' others
+arm_opts() {
+  local no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla --opt selector_topk=radix
+                   --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla
+                   --opt matmul=mosaic_by_shape --opt epilogue=xla)
+  case "$1" in
+    defaults) extra=() ;;
+    no_triton) extra=("${no_triton[@]}") ;;
+    no_triton_xla) extra=("${no_triton[@]}" --opt matmul=xla) ;;  # XLA's matmuls (before 12-06)
+    mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;
+    xla_matmul) extra=(--opt matmul=xla --opt epilogue=xla) ;;
+    xla_small) extra=(--opt selector_scores=xla --opt selector_topk=radix --opt heads=xla
+                      --opt repack=xla) ;;
+    *) echo "unknown arm $1" >&2; extra=() ;;
+  esac
+}
 case "$1" in
   suite)
     timeout 480 python -m pytest -o addopts= -n 8 -ra -m gpu -q 2>&1 | tee "$OUT/gpu_suite.log" | tail -30 ;;
@@ -94,24 +114,29 @@ PY
       done
     done; done ;;
   notriton)
-    no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla --opt selector_topk=radix
-               --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla --opt matmul=mosaic_by_shape
-               --opt epilogue=xla)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
-        extra=()
-        [ "$arm" = no_triton ] && extra=("${no_triton[@]}")
-        # the same with XLA's matmuls in place of the Mosaic GPU twin (the choice before 2026-12-06)
-        [ "$arm" = no_triton_xla ] && extra=("${no_triton[@]}" --opt matmul=xla)
-        # one Triton-free choice at a time beside the defaults' others
-        [ "$arm" = mosaic_attention ] && extra=(--opt attention=mosaic_gpu)
-        [ "$arm" = xla_matmul ] && extra=(--opt matmul=xla --opt epilogue=xla)
-        [ "$arm" = xla_small ] && extra=(--opt selector_scores=xla --opt selector_topk=radix
-                                          --opt heads=xla --opt repack=xla)
+        arm_opts "$arm"
         timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
       done
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|notriton|cost" >&2; exit 2 ;;
+  profile)
+    for arm in ${2:-defaults mosaic_attention no_triton}; do
+      arm_opts "$arm"
+      timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts 32768 --batch 1 \
+        --new-tokens 64 --no-check --profile "${extra[@]}" --out "$OUT/profile_$arm" 2>&1 \
+        | grep "^| qwen" | tail -1
+      python - "$OUT/profile_$arm/e2e.json" "$arm" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    p = r.get("sfi_profile") or {}
+    print(f"== {sys.argv[2]}: busy {p.get('busy_ms_per_step', 0):.3f} ms/step, "
+          f"{p.get('kernels_per_step', 0):.1f} kernels/step")
+    for name, us, n in p.get("top_us_per_step", []):
+        print(f"{us:8.1f} us {n:6.2f}x  {name}")
+PY
+    done ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|notriton|profile|cost" >&2; exit 2 ;;
 esac
