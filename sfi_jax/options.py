@@ -52,8 +52,9 @@ class KernelTuning:
     fused_programs_per_sm: the fused matmul epilogues' grid aim in programs per SM, in place
         of the tuned configs'.
     kmajor: a `skinny_matmul_gpu.KMajorConfig` for every K-major matmul.
-    launch_dependents: whether the decode kernels signal `griddepcontrol.launch_dependents`
-        (None: on a Hopper or newer GPU).
+    launch_dependents: programmatic dependent launch (None: on a Hopper or newer GPU): the
+        Triton decode kernels signal `griddepcontrol.launch_dependents`, and the Mosaic GPU
+        matmul fetches its first weight blocks before its `griddepcontrol.wait`.
     """
 
     dense_attention: object = None

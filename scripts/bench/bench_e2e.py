@@ -683,10 +683,12 @@ def main(argv=None):
                    help="a sweep point: the K-major kernel's tiles for every weight, in place "
                         "of skinny_matmul_gpu.KMajorConfig's defaults (KernelTuning.kmajor)")
     p.add_argument("--no-launch-dependents", action="store_true",
-                   help="an A/B point: the Pallas kernels do not signal "
-                        "griddepcontrol.launch_dependents (KernelTuning.launch_dependents)")
+                   help="an A/B point: no programmatic dependent launch (the Triton kernels do "
+                        "not signal griddepcontrol.launch_dependents, the Mosaic GPU matmul "
+                        "does not fetch weights before griddepcontrol.wait; "
+                        "KernelTuning.launch_dependents)")
     args = p.parse_args(argv)
-    from sfi_jax.kernels import triton_lowering
+    from sfi_jax.kernels.common import signals_dependents
 
     try:
         args.draft_lens = [int(x) for x in args.draft_len.split(",") if x.strip()]
@@ -724,7 +726,7 @@ def main(argv=None):
                 sparse_config=args.sparse_config, dense_config=args.dense_config,
                 fused_programs=args.fused_programs,
                 kmajor_config=args.kmajor_config,
-                launch_dependents=triton_lowering.signals_dependents(
+                launch_dependents=signals_dependents(
                     engine_options(args).tuning.launch_dependents),
                 k_major=args.k_major == "on")
     if not args.smoke and not args.no_check:

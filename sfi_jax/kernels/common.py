@@ -35,6 +35,19 @@ def hopper() -> bool:
     return cc is not None and 9.0 <= cc < 10.0
 
 
+def signals_dependents(launch_dependents: bool | None = None, interpret: bool = False) -> bool:
+    """Whether a GPU kernel takes part in programmatic dependent launch (`griddepcontrol`,
+    Hopper and newer): never in interpret mode; `launch_dependents` None: on a GPU of compute
+    capability 9.0 or more (the instruction's minimum); True / False: always / never (tests,
+    A/B runs)."""
+    if interpret:
+        return False
+    if launch_dependents is None:
+        cc = compute_capability()
+        return cc is not None and cc >= 9.0
+    return bool(launch_dependents)
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether this jax still has Pallas' Triton lowering (deprecated in jax 0.11, to be removed

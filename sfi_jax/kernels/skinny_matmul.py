@@ -45,7 +45,8 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     the same). config: the kernel's `skinny_matmul_gpu.Config` (None: its default).
     Transposed weights take the K-major kernel for up to FUSED_MAX_ROWS rows (its products
     rounded to x's dtype) and XLA for more: kmajor_config its `KMajorConfig` (None: the
-    defaults), launch_dependents its signal (`triton_lowering.signals_dependents`)."""
+    defaults), launch_dependents its signal (`common.signals_dependents`; the Mosaic twin's
+    programmatic dependent launch too)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if transposed:
@@ -58,7 +59,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
             config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
     if rows <= MOSAIC_ROWS.get(impl, 0):
-        return _mosaic(x, weights, norm, eps, lead, rows, k)
+        return _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
@@ -73,9 +74,10 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     return tuple((p.sum(axis=0) * scale).reshape(*lead, p.shape[-1]) for p in parts)
 
 
-def _mosaic(x, weights, norm, eps, lead, rows, k):
+def _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents=None):
     """The Mosaic GPU kernel's partial sums, added up, for the weights it takes (else XLA);
-    the rows RMS-normed (and rounded) first as in the reference."""
+    the rows RMS-normed (and rounded) first as in the reference. launch_dependents: the
+    kernel's programmatic dependent launch (`skinny_matmul_mgpu.skinny_matmul_partials`)."""
     from sfi_jax.kernels import skinny_matmul_mgpu  # Mosaic GPU's Pallas, only when used
     from sfi_jax.kernels.common import rms_norm
 
@@ -83,7 +85,8 @@ def _mosaic(x, weights, norm, eps, lead, rows, k):
     if not skinny_matmul_mgpu.supported(h, weights[0]):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     parts = skinny_matmul_mgpu.skinny_matmul_partials(
-        h, tuple(weights), interpret=interpret_for("mosaic_gpu"))
+        h, tuple(weights), interpret=interpret_for("mosaic_gpu"),
+        launch_dependents=launch_dependents)
     return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)
 
 

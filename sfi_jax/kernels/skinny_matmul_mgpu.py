@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, interpret_params
+from sfi_jax.kernels.common import signals_dependents
 
 _M = 64  # wgmma's M per warpgroup: the rows are computed as 64
 _NUM_SMS = 132
@@ -153,12 +154,19 @@ def plan(m, k, n, n_w, config=None, itemsize=2) -> Plan:
                 n_splits=-(-n_kb // steps), n_blocks=n_blocks)
 
 
-def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype):
+def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype,
+                   weights_first=False, pdl=False):
     """Float32 accumulators [64, bn], one per weight: the sum over blocks i < n (traced, at
     most the static `steps`) of x_block(i) [rows8, bk] times w_blocks[w](i) [bk, bn], both
     GMEM refs. The n row blocks are copied once (stacked in shared memory, see x_rows); the
     weight blocks stream through `stages` slots, each refilled as soon as its wgmma has read
-    it."""
+    it.
+
+    weights_first: the first `stages` weight blocks are asked for before any row block; with
+    pdl (programmatic dependent launch, on the GPU only) a `griddepcontrol.wait` then holds
+    the row copies until the kernel ahead, which writes the rows, has finished, and
+    `griddepcontrol.launch_dependents` follows the main loop. The weights are never written
+    by a decode step, so a kernel launched early streams them while the kernel ahead ends."""
 
     def main_loop(x_smem, w_smem, x_bar, w_bar):
         def fetch_x(i):
@@ -168,16 +176,20 @@ def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype)
             for w_block, w_slot in zip(w_blocks, w_smem):
                 plgpu.copy_gmem_to_smem(w_block(i), w_slot.at[slot], w_bar.at[slot])
 
-        # the first blocks' rows and weights, then the rest of the rows
-        for i in range(stages):
-            @pl.when(i < n)
-            def _first():
-                fetch_x(i)
-                fetch_w(i, i)
+        if weights_first:  # the first weight blocks, then (after the kernel ahead) the rows
+            for i in range(stages):
+                pl.when(i < n)(functools.partial(fetch_w, i, i))
+            if pdl:
+                plgpu.griddepcontrol_wait()
+            pl.loop(0, n)(fetch_x)
+        else:  # the first blocks' rows and weights, then the rest of the rows
+            for i in range(stages):
+                @pl.when(i < n)
+                def _first():
+                    fetch_x(i)
+                    fetch_w(i, i)
 
-        @pl.loop(stages, n)
-        def _rest(i):
-            fetch_x(i)
+            pl.loop(stages, n)(fetch_x)
 
         def accumulate(*acc_refs):  # (registers: a scope of their own)
             @pl.loop(0, n)
@@ -194,6 +206,8 @@ def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype)
                 def _refill():
                     fetch_w(i + stages, slot)
 
+            if pdl:  # the main loop's reads are done: the next kernel may be scheduled
+                plgpu.griddepcontrol_launch_dependents()
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         return pl.run_scoped(accumulate,
@@ -208,7 +222,7 @@ def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype)
     )
 
 
-def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
+def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, weights_first, pdl):
     """Program (j, s): columns [j * bn, +bn) over K blocks [s * steps, +steps) (fewer in the
     last split). refs: the weights [K, N], then the partials [n_splits, m, N]."""
     w_refs, o_refs = refs[:n_w], refs[n_w:]
@@ -224,7 +238,8 @@ def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p):
     accs = stream_product(
         lambda i: x_ref.at[:, pl.ds(k0(i), bk)],
         [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
-        n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype)
+        n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype,
+        weights_first=weights_first, pdl=pdl)
 
     def store(o_smem):
         for acc, o_buf in zip(accs, o_smem):
@@ -248,11 +263,14 @@ def _check(x, weights):
                          f"{x.shape} and weights {weights[0].shape} {weights[0].dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def skinny_matmul_partials(x, weights, *, interpret=False, config=None):
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "launch_dependents"))
+def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_dependents=None):
     """Float32 partial sums of x [M, K] (M <= 64) times each weight [K, N] (one or two of one
     shape, half precision; x is cast to their dtype): a tuple of [n_splits, M, N], one per
-    weight, whose sums over axis 0 are the products. config: a Config (None: DEFAULT)."""
+    weight, whose sums over axis 0 are the products. config: a Config (None: DEFAULT).
+    launch_dependents: programmatic dependent launch (`common.signals_dependents`; None: on a
+    Hopper): the first weight blocks are fetched before waiting for the kernel ahead (see
+    `stream_product`). True in interpret mode takes the same order without the waits."""
     weights = tuple(weights)
     _check(x, weights)
     m, k = x.shape
@@ -263,7 +281,9 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None):
     xp = x.astype(dtype)
     if rows8 != m:
         xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
-    kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p)
+    pdl = signals_dependents(launch_dependents, interpret)
+    kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
+                               weights_first=pdl or launch_dependents is True, pdl=pdl)
     out = plgpu.kernel(
         kernel,
         out_type=[jax.ShapeDtypeStruct((p.n_splits, m, n), jnp.float32)] * len(weights),

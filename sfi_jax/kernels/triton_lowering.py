@@ -7,7 +7,7 @@ import warnings
 
 import jax
 
-from sfi_jax.kernels.common import compute_capability
+from sfi_jax.kernels.common import signals_dependents
 
 try:
     with warnings.catch_warnings():
@@ -30,21 +30,6 @@ NUM_SMS = 132  # streaming multiprocessors of the H100/H200 the grid sizes aim a
 # still waits for this one to end). The kernels take it as a static `launch_dependents`
 # argument: None (the default) on a GPU of compute capability 9.0 or more (the instruction's
 # minimum); True / False: always / never (tests, A/B runs).
-
-
-def _hopper_or_newer() -> bool:
-    cc = compute_capability()
-    return cc is not None and cc >= 9.0
-
-
-def signals_dependents(launch_dependents: bool | None = None, interpret: bool = False) -> bool:
-    """Whether a kernel signals its dependents: never in interpret mode; `launch_dependents`
-    None: on a Hopper or newer GPU."""
-    if interpret:
-        return False
-    if launch_dependents is None:
-        return _hopper_or_newer()
-    return bool(launch_dependents)
 
 
 def launch_dependents(idx, signal: bool, after):

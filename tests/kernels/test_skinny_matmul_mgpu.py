@@ -72,6 +72,21 @@ def test_partials_match_numpy(case):
         assert rel_err(np.asarray(part).sum(axis=0), ref) <= TOL
 
 
+@pytest.mark.parametrize("case", ["1row", "6rows-pair", "16rows-ragged"])
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_weights_first_under_dependent_launch(case):
+    """With programmatic dependent launch the first weight blocks are asked for before the rows
+    (and, compiled, before `griddepcontrol.wait`): the same products, including a last split
+    shorter than the stages and two weights."""
+    rows, k, n, n_w, cfg = _CASES[case]
+    x, ws = _inputs(7 + sum(map(ord, case)), rows, k, n, n_w)
+    parts = mgpu.skinny_matmul_partials(x, ws, interpret=gpu_interpret(), config=cfg,
+                                        launch_dependents=True)
+    for part, ref in zip(parts, _reference(x, ws)):
+        assert rel_err(np.asarray(part).sum(axis=0), ref) <= TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("xla_fast_compile")
 def test_default_config_on_a_decode_shape():
@@ -115,6 +130,10 @@ def test_kernel_lowers_for_cuda(name, k, n, n_w):
         text = jax.jit(lambda x, ws: mgpu.skinny_matmul_partials(x, ws)).trace(x, ws).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    # with programmatic dependent launch: the wait and the signal lower too
+    text = jax.jit(lambda x, ws: mgpu.skinny_matmul_partials(
+        x, ws, launch_dependents=True)).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
 
 
 def test_refuses_what_it_cannot_tile():
