@@ -43,6 +43,9 @@ ARMS = {
     "sfi+succ7+warm32+mem0+recent64": ("sfi", {**_PAPER, "successor_radius": 7,
                                                "warmup_steps": 32, "selection_memory": 0.0,
                                                "n_recent": 64}),
+    "sfi+succ7+warm32+mem0+recent25pct": ("sfi", {**_PAPER, "successor_radius": 7,
+                                                  "warmup_steps": 32, "selection_memory": 0.0,
+                                                  "recent_share": 0.25}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
@@ -65,6 +68,8 @@ ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
                                               "(alpha_soft=0.25)",
               "sfi+succ7+warm32+mem0+recent64": "the defaults with a recent window of 64 "
                                                 "(the rest of the budget selected)",
+              "sfi+succ7+warm32+mem0+recent25pct": "the defaults with a recent window of a "
+                                                   "quarter of the budget (at most 256)",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
               "oracle": "oracle (dense top-k every step)", "dense": "dense",
@@ -84,8 +89,8 @@ def budget_config(policy: str, retention: float, context: int, t_max: int = 64, 
     """SFIConfig for `policy` with n_sink + k_select + n_recent = round(retention * context).
 
     Selecting policies keep the paper's recent window of 256 positions (half the budget when
-    that is smaller; an `n_recent` override in place of the 256); streaming spends everything
-    but the sink on the recent window.
+    that is smaller; an `n_recent` override in place of the 256, or a `recent_share` of the
+    budget, at most 256); streaming spends everything but the sink on the recent window.
     """
     from sfi_jax import SFIConfig
 
@@ -93,7 +98,10 @@ def budget_config(policy: str, retention: float, context: int, t_max: int = 64, 
     if policy == "streaming":
         return SFIConfig(n_sink=N_SINK, k_select=1, n_recent=budget - N_SINK - 1, t_max=t_max,
                          policy=policy)
+    share = overrides.pop("recent_share", None)
     n_recent = min(overrides.pop("n_recent", 256), budget // 2)
+    if share is not None:
+        n_recent = min(256, int(round(share * budget)))
     return SFIConfig(n_sink=N_SINK, k_select=budget - N_SINK - n_recent, n_recent=n_recent,
                      t_max=t_max, policy=policy, **overrides)
 

@@ -133,6 +133,9 @@ def test_budget_config_is_equal_budget():
             assert cfg.budget == round(r * 2048), (arm, r)
             assert cfg.policy == policy
             for key, v in over.items():  # a recent window is at most half the budget
+                if key == "recent_share":  # or a share of it, at most 256
+                    assert cfg.n_recent == min(256, round(v * cfg.budget)), (arm, r)
+                    continue
                 want = min(v, cfg.budget // 2) if key == "n_recent" else v
                 assert getattr(cfg, key) == want, (arm, r, key)
     # the paper arm is SFIConfig.paper(); the defaults are one arm's pinned extensions
