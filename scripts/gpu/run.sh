@@ -123,6 +123,7 @@ PY
         timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
+        rm -f "$OUT/notriton_${ctx}_$arm"/e2e.{md,png}  # (a call returns a few files: JSON only)
       done
     done ;;
   profile)
@@ -131,6 +132,7 @@ PY
       timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts 32768 --batch 1 \
         --new-tokens 64 --no-check --profile "${extra[@]}" --out "$OUT/profile_$arm" 2>&1 \
         | grep "^| qwen" | tail -1
+      rm -f "$OUT/profile_$arm"/e2e.{md,png}  # (a call returns a few files: JSON only)
       python - "$OUT/profile_$arm/e2e.json" "$arm" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
