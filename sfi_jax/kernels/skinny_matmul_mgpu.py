@@ -10,15 +10,16 @@ deprecated from jax 0.11 on, Mosaic GPU being JAX's supported GPU backend for Pa
 
 Layout: program (j, s) (one warpgroup) owns column block j (block_n columns) over K split s
 (`steps` blocks of block_k). It copies its split of the rows once, as `steps` [rows8, block_k]
-blocks (rows8: the rows rounded up to 8, a whole swizzle atom) stacked in shared memory, and
-streams the split's weight blocks [block_k, block_n] through `stages` shared-memory slots, each
-slot refilled as soon as its wgmma has read it, accumulating in float32 registers. wgmma's A
-operand is 64 rows: step i's tile is the 64 rows from row block i on, so its rows past rows8
-are the next blocks' rows (or never-written memory), which feed only accumulator rows that are
-never stored; the row blocks thus take rows8 / 64 of the shared memory of padded tiles. The
-split length keeps each CTA within its share of an SM's shared memory, so the grid's
-`programs` CTAs run in one wave (`plan`). The accumulators go out through shared memory with
-TMA, the real rows only (the same memory, reused).
+blocks (rows8: the rows rounded up to 8, a whole swizzle atom; the copy engine fills the rows
+past the array's end with zeros, so no padded copy of the rows is made) stacked in shared
+memory, and streams the split's weight blocks [block_k, block_n] through `stages` shared-memory
+slots, each slot refilled as soon as its wgmma has read it, accumulating in float32 registers.
+wgmma's A operand is 64 rows: step i's tile is the 64 rows from row block i on, so its rows
+past rows8 are the next blocks' rows (or never-written memory), which feed only accumulator
+rows that are never stored; the row blocks thus take rows8 / 64 of the shared memory of padded
+tiles. The split length keeps each CTA within its share of an SM's shared memory, so the
+grid's `programs` CTAs run in one wave (`plan`). The accumulators go out through shared memory
+with TMA, the real rows only (the same memory, reused).
 
 `supported`: half-precision weights with K and N multiples of 64 (the 128-byte swizzled tiles
 of wgmma's operands): a block that does not divide K or N is halved down to 64. Off a GPU the
@@ -235,8 +236,11 @@ def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, weights_first, pdl):
     def k0(i):
         return pl.multiple_of((first + i) * bk, bk)
 
+    # the rows from a traced 0: rows8 of them, those past m (TMA reads past the array's end)
+    # filled with zeros (a static slice past the end fails the static bounds check)
+    row0 = pl.multiple_of(j * 0, 8)
     accs = stream_product(
-        lambda i: x_ref.at[:, pl.ds(k0(i), bk)],
+        lambda i: x_ref.at[pl.ds(row0, rows8), pl.ds(k0(i), bk)],
         [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
         n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype,
         weights_first=weights_first, pdl=pdl)
@@ -278,9 +282,6 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     dtype = weights[0].dtype
     p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
     rows8 = rows8_of(m)
-    xp = x.astype(dtype)
-    if rows8 != m:
-        xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
     pdl = signals_dependents(launch_dependents, interpret)
     kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
                                weights_first=pdl or launch_dependents is True, pdl=pdl)
@@ -290,5 +291,5 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else False,
-    )(xp, *weights)
+    )(x.astype(dtype), *weights)
     return tuple(out)
