@@ -293,3 +293,163 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
         interpret=interpret_params() if interpret else False,
     )(x.astype(dtype), *weights)
     return tuple(out)
+
+
+# -- the fused epilogues ----------------------------------------------------------------------
+
+EPILOGUES = ("residual", "silu")
+
+
+def epilogue_smem_bytes(rows8, bn, n_w, itemsize=2):
+    """The last split's shared memory for the epilogue: its own accumulators, the residual's
+    block and the output's (the other splits' partials are read from global memory)."""
+    return n_w * _M * bn * 4 + 2 * rows8 * bn * itemsize
+
+
+def fused_plan(m, k, n, n_w, config=None, itemsize=2) -> Plan | None:
+    """`plan`, or None where the grid would not be resident at once: the K splits' last
+    program waits for the others, so every program of the grid must fit the SMs together
+    (one wave, counted by shared memory: one warpgroup a CTA leaves registers to spare)."""
+    p = plan(m, k, n, n_w, config, itemsize)
+    r8 = rows8_of(m)
+    per_cta = max(smem_bytes(r8, p.steps, p.bn, p.bk, p.stages, n_w, itemsize),
+                  epilogue_smem_bytes(r8, p.bn, n_w, itemsize)) + 2048
+    if per_cta > SMEM_BYTES or p.n_blocks * p.n_splits > _NUM_SMS * (SM_SMEM_BYTES // per_cta):
+        return None
+    return p
+
+
+def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, weights_first, pdl, sync):
+    """Program (j, s) as in `_kernel`; then every split but the last writes its float32
+    partials [rows8, bn] and signals column block j's semaphore (sync: on the GPU; interpret
+    mode runs the grid in order, s fastest, so the last split comes after the others), and the
+    last split waits for the others, adds their partials to its own, applies the epilogue
+    and writes the block's m output rows. refs: the weights, the residual ("residual"), the
+    output [m, N], the partials [column blocks, n_splits - 1 (at least 1), rows8, bn] per
+    weight (each block's contiguous: the last split loads them straight into registers)."""
+    w_refs, refs = refs[:n_w], refs[n_w:]
+    res_ref, refs = (refs[0], refs[1:]) if epilogue == "residual" else (None, refs)
+    out_ref, part_refs = refs[0], refs[1:1 + n_w]
+    bn, bk, last = p.bn, p.bk, p.n_splits - 1
+    j, s = lax.axis_index("j"), lax.axis_index("s")
+    first = s * p.steps
+    n = jnp.minimum(p.steps, n_kb - first)
+    col = pl.multiple_of(j * bn, bn)
+    row0 = pl.multiple_of(j * 0, 8)  # (a traced 0: see `_kernel`)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR((p.n_blocks,))) if sync else None
+
+    def k0(i):
+        return pl.multiple_of((first + i) * bk, bk)
+
+    accs = stream_product(
+        lambda i: x_ref.at[pl.ds(row0, rows8), pl.ds(k0(i), bk)],
+        [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
+        n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype,
+        weights_first=weights_first, pdl=pdl)
+
+    def write_partials(o_smem):
+        for acc, o_buf in zip(accs, o_smem):
+            o_buf[...] = acc
+        plgpu.commit_smem()
+        for part_ref, o_buf in zip(part_refs, o_smem):
+            plgpu.copy_smem_to_gmem(o_buf.at[pl.ds(0, rows8)], part_ref.at[j, s])
+        plgpu.wait_smem_to_gmem(0)  # (the writes done, not only read: then the signal)
+
+    def finish(acc_smem, res_smem, out_smem, bar):
+        for acc, a_buf in zip(accs, acc_smem):
+            a_buf[...] = acc
+        if res_ref is not None:
+            plgpu.copy_gmem_to_smem(res_ref.at[pl.ds(row0, rows8), pl.ds(col, bn)], res_smem,
+                                    bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+        plgpu.commit_smem()  # (the accumulators' stores seen by every thread)
+        f32, dt = jnp.float32, out_ref.dtype
+
+        def load(ref):  # [rows8, bn], every dtype in one register layout (2 elements a vector)
+            if not sync:  # (interpret mode has no layouts)
+                return ref[...]
+            return plgpu.load(ref, (), layout=plgpu.Layout.WG_STRIDED((rows8, bn), 2))
+
+        def total(a_buf, part_ref):  # the product, rounded as the unfused path rounds it
+            t = load(a_buf.at[pl.ds(0, rows8)])
+            for i in range(last):
+                t = t + load(part_ref.at[j, i])
+            return t.astype(dt).astype(f32)
+
+        tots = [total(a, r) for a, r in zip(acc_smem, part_refs)]
+        if epilogue == "residual":  # x + o(attn) or x + down(h)
+            y = load(res_smem).astype(f32) + tots[0]
+        else:  # silu(gate) * up
+            g, u = tots
+            y = g / (1.0 + jnp.exp(-g)) * u
+        out_smem[...] = y.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_ref.at[:, pl.ds(col, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(s < last)
+    def _partials():
+        pl.run_scoped(write_partials, [plgpu.SMEM((_M, bn), jnp.float32) for _ in range(n_w)])
+        if sync:
+            pl.semaphore_signal(sem.at[j])
+
+    @pl.when(s == last)
+    def _epilogue():
+        if sync and last:
+            pl.semaphore_wait(sem.at[j], last)  # (back to 0 for the next call)
+        pl.run_scoped(
+            finish,
+            [plgpu.SMEM((_M, bn), jnp.float32) for _ in range(n_w)],
+            plgpu.SMEM((rows8, bn), out_ref.dtype),
+            plgpu.SMEM((rows8, bn), out_ref.dtype),
+            plgpu.Barrier(num_barriers=1))
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "interpret", "config",
+                                             "launch_dependents"))
+def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False, config=None,
+                        launch_dependents=None):
+    """x [M, K] (M <= 64) times each weight [K, N] (half precision) with the epilogue applied
+    in the kernel, in x's dtype [M, N]:
+      "residual": residual [M, N] + x @ w;
+      "silu": silu(x @ w_gate) * (x @ w_up).
+    Each product is rounded to x's dtype first, as the unfused path rounds it. Each column
+    block's K splits meet in its last split (a semaphore per block, `_fused_kernel`), so no
+    XLA fusion adds the partials up after the kernel. ValueError where the grid would not be
+    resident at once (`fused_plan`); config and launch_dependents as in
+    `skinny_matmul_partials`."""
+    weights = tuple(weights)
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if len(weights) != (2 if epilogue == "silu" else 1):
+        raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
+                         f"weight(s), got {len(weights)}")
+    _check(x, weights)
+    m, k = x.shape
+    n = weights[0].shape[1]
+    dtype = weights[0].dtype
+    extra = ()
+    if epilogue == "residual":
+        if residual is None or residual.shape != (m, n):
+            raise ValueError(f"the residual epilogue takes residual [{m}, {n}], got "
+                             f"{None if residual is None else residual.shape}")
+        extra = (residual.astype(x.dtype),)
+    p = fused_plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
+    if p is None:
+        raise ValueError(f"mosaic_gpu skinny_matmul_fused: the grid for x {x.shape} times "
+                         f"{len(weights)} x {weights[0].shape} does not fit the SMs at once")
+    rows8 = rows8_of(m)
+    pdl = signals_dependents(launch_dependents, interpret)
+    kernel = functools.partial(_fused_kernel, n_w=len(weights), m=m, rows8=rows8,
+                               n_kb=k // p.bk, p=p, epilogue=epilogue,
+                               weights_first=pdl or launch_dependents is True, pdl=pdl,
+                               sync=not interpret)
+    parts = jax.ShapeDtypeStruct((p.n_blocks, max(1, p.n_splits - 1), rows8, p.bn), jnp.float32)
+    out = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((m, n), x.dtype)] + [parts] * len(weights),
+        grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(x.astype(dtype), *weights, *extra)
+    return out[0]

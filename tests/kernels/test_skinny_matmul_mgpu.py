@@ -136,6 +136,83 @@ def test_kernel_lowers_for_cuda(name, k, n, n_w):
     assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
 
 
+# rows, K, N, config of the fused epilogues: a block's splits meet in its last split
+_FUSED_CASES = {
+    "1row-2splits": (1, 256, 384, mgpu.Config(block_n=128, block_k=64, stages=2, programs=6)),
+    # 7 K blocks in 4 splits (the last one shorter), block_n halved to 64
+    "3rows-4splits": (3, 448, 192, mgpu.Config(block_n=128, block_k=64, stages=2, programs=12)),
+    "4rows-1split": (4, 128, 256, mgpu.Config(block_n=128, block_k=128, stages=2, programs=2)),
+}
+
+
+def _rounded_products(x, ws):
+    """float64 products of the bf16 inputs, rounded to bf16 as the unfused path rounds them."""
+    return [np.asarray(jnp.asarray(r, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32),
+                       np.float64) for r in _reference(x, ws)]
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "silu"])
+@pytest.mark.parametrize("case", list(_FUSED_CASES))
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_fused_epilogue_matches_numpy(case, epilogue):
+    """`skinny_matmul_fused`: residual + x @ w, or silu(x @ w_gate) * (x @ w_up), each product
+    rounded to bf16 first, against float64 on fresh inputs; one to four K splits meeting in
+    the last (on the GPU through the block's semaphore, which must come back to 0: a second
+    call gives the same result)."""
+    rows, k, n, cfg = _FUSED_CASES[case]
+    n_w = 2 if epilogue == "silu" else 1
+    x, ws = _inputs(40 + sum(map(ord, case + epilogue)), rows, k, n, n_w)
+    res = jnp.asarray(host_rng(5).standard_normal((rows, n), dtype=np.float32), jnp.bfloat16)
+    p = mgpu.fused_plan(rows, k, n, n_w, cfg)
+    assert p is not None and p.n_splits == {"1row-2splits": 2, "3rows-4splits": 4,
+                                            "4rows-1split": 1}[case]
+    prods = _rounded_products(x, ws)
+    if epilogue == "residual":
+        want = np.asarray(res.astype(jnp.float32), np.float64) + prods[0]
+    else:
+        g, u = prods
+        want = g / (1 + np.exp(-g)) * u
+    for _ in range(2):
+        out = mgpu.skinny_matmul_fused(x, ws, epilogue=epilogue, residual=res,
+                                       interpret=gpu_interpret(), config=cfg)
+        assert out.shape == (rows, n) and out.dtype == jnp.bfloat16
+        assert rel_err(out, want) <= 4e-3  # the output's bf16 rounding
+
+
+@pytest.mark.parametrize("name, k, n, n_w", DECODE_SHAPES)
+def test_fused_kernel_plans_and_lowers_for_cuda(name, k, n, n_w):
+    """The fused epilogues at the decode shapes: a grid resident at once (its last splits wait
+    for the others) and the Mosaic GPU lowering, semaphores and dependent launch included."""
+    if name.endswith("qkv"):
+        return  # (the heads' epilogue is XLA's)
+    p = mgpu.fused_plan(4, k, n, n_w)
+    assert p is not None
+    per_cta = max(mgpu.smem_bytes(8, p.steps, p.bn, p.bk, p.stages, n_w),
+                  mgpu.epilogue_smem_bytes(8, p.bn, n_w)) + 2048
+    assert p.n_blocks * p.n_splits <= 132 * (mgpu.SM_SMEM_BYTES // per_cta)
+    epilogue = "silu" if n_w == 2 else "residual"
+    x = jax.ShapeDtypeStruct((4, k), jnp.bfloat16)
+    ws = tuple(jax.ShapeDtypeStruct((k, n), jnp.bfloat16) for _ in range(n_w))
+    r = jax.ShapeDtypeStruct((4, n), jnp.bfloat16)
+    text = jax.jit(lambda x, ws, r: mgpu.skinny_matmul_fused(
+        x, ws, epilogue=epilogue, residual=r if epilogue == "residual" else None,
+        launch_dependents=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_fused_refuses_bad_arguments():
+    bf = jnp.bfloat16
+    x, w = jnp.zeros((2, 256), bf), jnp.zeros((256, 128), bf)
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        mgpu.skinny_matmul_fused(x, (w,), epilogue="heads", interpret=True)
+    with pytest.raises(ValueError, match="takes 2 weight"):
+        mgpu.skinny_matmul_fused(x, (w,), epilogue="silu", interpret=True)
+    with pytest.raises(ValueError, match="residual \\[2, 128\\]"):
+        mgpu.skinny_matmul_fused(x, (w,), epilogue="residual", residual=jnp.zeros((2, 64), bf),
+                                 interpret=True)
+
+
 def test_refuses_what_it_cannot_tile():
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
