@@ -94,14 +94,16 @@ class EngineOptions:
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows), "mosaic_gpu" (its Mosaic GPU twin,
-        Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA, no fused
-        epilogues), "mosaic_by_shape" (the twin up to 4 rows, XLA's gemm beyond) or "xla".
+        Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA; the residual
+        and SiLU epilogues in its kernel with epilogue="fused"), "mosaic_by_shape" (the twin
+        up to 4 rows, XLA's gemm beyond) or "xla".
         K-major weights
         (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
-        heads' norm + rope, the residual add, the SiLU product; one launch per matmul) or
-        "xla" (XLA's fusions after each kernel).
+        heads' norm + rope, the residual add, the SiLU product; one launch per matmul; the
+        Mosaic twin, for as many rows as it takes: the residual adds and the SiLU product,
+        the heads by XLA) or "xla" (XLA's fusions after each kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
     tuning: the GPU kernels' sweep points (`KernelTuning`; the defaults: the tuned kernels).

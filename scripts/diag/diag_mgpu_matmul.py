@@ -12,7 +12,12 @@ weight bytes need in that time, and the Mosaic result's max relative error again
 --out writes all rows.
 --configs adds one Mosaic arm per config (`mosaic:N:K:S:P`: block_n, block_k, stages, programs),
 a sweep in one call. An arm that raises is recorded (its error) and the rest go on; exits 1,
-after all rows, if the Mosaic arm failed or its error passed 1e-2. GPU only."""
+after all rows, if the Mosaic arm failed or its error passed 1e-2.
+--epilogues: each arm also applies the decode step's epilogue (a residual add for one weight,
+silu(gate) * up for two; the products rounded to bf16 first, the output bf16), and two arms
+apply it in their kernel: "mosaic_fused" (`skinny_matmul_mgpu.skinny_matmul_fused`) and
+"triton_fused" (`skinny_matmul_gpu.skinny_matmul_fused`, up to 4 rows); the others run it as
+XLA's fusion after theirs. GPU only."""
 
 from __future__ import annotations
 
@@ -36,7 +41,40 @@ ARMS = ("mosaic", "triton", "xla")
 TOL = 1e-2
 
 
-def _arm_fn(arm, mosaic_config):
+def _epilogue(ys, r):
+    """The decode step's epilogue on products ys (float32): rounded to bf16, then r + y (one
+    weight) or silu(gate) * up (two)."""
+    ys = [y.astype(jnp.bfloat16) for y in ys]
+    return (r + ys[0],) if len(ys) == 1 else (jax.nn.silu(ys[0]) * ys[1],)
+
+
+def _many_fn(arm, mosaic_config, epilogues=False):
+    """arm's products over a group of weight copies: many(x, r, copies) -> per copy a tuple of
+    float32 [M, N], one per weight; with epilogues the epilogue's bf16 output [M, N] (r: the
+    residual). The Triton fused kernel's counters pass from product to product, as in the
+    decode step."""
+    if arm in ("mosaic_fused", "triton_fused"):
+        from sfi_jax.kernels import skinny_matmul_gpu, skinny_matmul_mgpu
+
+        def many(x, r, copies):
+            outs, sync = [], skinny_matmul_gpu.new_sync() if arm == "triton_fused" else None
+            for ws in copies:
+                ep = "residual" if len(ws) == 1 else "silu"
+                if arm == "mosaic_fused":
+                    out = skinny_matmul_mgpu.skinny_matmul_fused(x, ws, epilogue=ep, residual=r,
+                                                                 config=mosaic_config)
+                else:
+                    out, sync = skinny_matmul_gpu.skinny_matmul_fused(
+                        x, ws, None, sync, epilogue=ep, residual=r if ep == "residual" else None)
+                outs.append((out,))
+            return outs
+        return jax.jit(many)
+    g = _products_fn(arm, mosaic_config)
+    f = (lambda x, ws, r: _epilogue(g(x, ws), r)) if epilogues else (lambda x, ws, r: g(x, ws))
+    return jax.jit(lambda x, r, copies: [f(x, ws, r) for ws in copies])
+
+
+def _products_fn(arm, mosaic_config):
     """arm(x, ws) -> a tuple of float32 [M, N], one per weight."""
     if arm.startswith("mosaic:"):
         mosaic_config = parse_config(arm.split(":", 1)[1])
@@ -69,16 +107,16 @@ def parse_config(text):
     return skinny_matmul_mgpu.Config(block_n=bn, block_k=bk, stages=st, programs=pr)
 
 
-def _timed(fn, x, groups, reps):
+def _timed(fn, x, r, groups, reps):
     """(microseconds per product, the first copy's products): fn runs one group of copies per
     call (one compile: the groups are alike); reps rounds over all groups after a warm-up."""
-    first = [np.asarray(o) for o in jax.block_until_ready(fn(x, groups[0]))[0]]
+    first = [np.asarray(o.astype(jnp.float32)) for o in jax.block_until_ready(fn(x, r, groups[0]))[0]]
     for g in groups[1:]:
-        out = fn(x, g)
+        out = fn(x, r, g)
     t = time.perf_counter()
     for _ in range(reps):
         for g in groups:
-            out = fn(x, g)
+            out = fn(x, r, g)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / (reps * sum(map(len, groups))) * 1e6, first
 
@@ -92,6 +130,7 @@ def run_shape(model, proj, rows, args, mosaic_config, arms=ARMS):
     key = jax.random.key(sum(map(ord, model + proj)))
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (rows, k), jnp.float32).astype(jnp.bfloat16)
+    r = jax.random.normal(jax.random.fold_in(kx, 1), (rows, n), jnp.float32).astype(jnp.bfloat16)
     copies = [tuple((jax.random.normal(jax.random.fold_in(kw, c * 2 + i), (k, n), jnp.float32)
                      / np.sqrt(k)).astype(jnp.bfloat16) for i in range(n_w))
               for c in range(n_copies)]
@@ -101,16 +140,15 @@ def run_shape(model, proj, rows, args, mosaic_config, arms=ARMS):
                copies=n_copies, per_call=per_call)
     results = {}
     for arm in arms:
-        f = _arm_fn(arm, mosaic_config)
-        many = jax.jit(lambda x, cs, f=f: [f(x, ws) for ws in cs])
+        many = _many_fn(arm, mosaic_config, args.epilogues)
         try:
-            us, results[arm] = _timed(many, x, groups, args.reps)
+            us, results[arm] = _timed(many, x, r, groups, args.reps)
             row[f"{arm}_us"] = round(us, 2)
             row[f"{arm}_of_bandwidth"] = round(floor_us / us, 3)
         except Exception as e:  # noqa: BLE001 (an arm that fails is a result of the A/B)
             row[f"{arm}_us"] = None
             row[f"{arm}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    for arm in (a for a in results if a.startswith("mosaic")):
+    for arm in (a for a in results if a != "xla"):
         if "xla" in results:
             row[f"{arm}_max_rel_err"] = float(max(
                 np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
@@ -138,9 +176,13 @@ def main(argv=None):
     p.add_argument("--programs", type=int, default=None, help="Mosaic Config.programs")
     p.add_argument("--configs", default="",
                    help="comma-separated extra Mosaic arms, block_n:block_k:stages:programs each")
+    p.add_argument("--epilogues", action="store_true",
+                   help="every arm with the decode step's epilogue; adds the fused arms")
     p.add_argument("--out", default=None, help="JSON file for all rows")
     args = p.parse_args(argv)
     extra = [f"mosaic:{c}" for c in args.configs.split(",") if c]
+    if args.epilogues:
+        extra = ["mosaic_fused", "triton_fused", *extra]
     for c in extra:
         parse_config(c.split(":", 1)[1])  # a bad config fails before any timing
 
@@ -159,6 +201,8 @@ def main(argv=None):
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
                 for arm in ("mosaic", *extra):
+                    if arm == "triton_fused" and rows > 4:
+                        continue  # (its kernel takes up to 4 rows: the raise is recorded)
                     err = row.get(f"{arm}_max_rel_err")
                     if row[f"{arm}_us"] is None or err is None or not err <= TOL:
                         bad.append((model, proj, rows, arm))
@@ -171,6 +215,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
+                       "epilogues": args.epilogues,
                        "mosaic_config": str(mosaic_config or skinny_matmul_mgpu.DEFAULT),
                        "bandwidth_tbs": args.bandwidth_tbs, "rows": rows_out}, f, indent=1)
     if bad:

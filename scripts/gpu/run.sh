@@ -20,6 +20,7 @@
 #                                      Triton lowering, beside the defaults (qwen3-4b; findings.md);
 #                                      arms: defaults, no_triton, no_triton_xla (XLA matmuls),
 #                                      no_triton_nopdl (no dependent launch),
+#                                      no_triton_fused (the Mosaic matmul's epilogues fused),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time)
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
@@ -49,6 +50,8 @@ arm_opts() {
     no_triton_xla) extra=("${no_triton[@]}" --opt matmul=xla) ;;  # XLA's matmuls (before 12-06)
     # without programmatic dependent launch (the Mosaic matmul's early weight fetches)
     no_triton_nopdl) extra=("${no_triton[@]}" --no-launch-dependents) ;;
+    # the Mosaic matmul's residual and SiLU epilogues in its kernel
+    no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
     mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;
     xla_matmul) extra=(--opt matmul=xla --opt epilogue=xla) ;;
     xla_small) extra=(--opt selector_scores=xla --opt selector_topk=radix --opt heads=xla

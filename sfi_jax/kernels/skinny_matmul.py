@@ -1,8 +1,8 @@
 """A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
 `skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
 it was measured faster ("by_shape"), its Mosaic GPU twin ("mosaic_gpu", `skinny_matmul_mgpu`,
-Hopper: half-precision [K, N] weights, K and N multiples of 64; no fused epilogues; other
-weights take XLA; "mosaic_by_shape": the twin for as few rows as "by_shape", the choice
+Hopper: half-precision [K, N] weights, K and N multiples of 64, the residual and SiLU
+epilogues fused on request (`matmul_epilogue`); other weights take XLA; "mosaic_by_shape": the twin for as few rows as "by_shape", the choice
 without the Triton lowering) or XLA ("xla", `skinny_matmul_reference`). The input rows may be
 RMS-normed first: the Triton kernel folds the norm into the product, so it costs no launch;
 before the Mosaic kernel XLA norms the rows."""
@@ -88,6 +88,40 @@ def _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents=None):
         h, tuple(weights), interpret=interpret_for("mosaic_gpu"),
         launch_dependents=launch_dependents)
     return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)
+
+
+def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
+                    impl: str = "xla", fuse: bool = False, transposed: bool = False,
+                    launch_dependents=None, **kwargs):
+    """`skinny_matmul`'s products (each rounded to x's dtype) followed by the epilogue, in
+    x's dtype: "residual": residual + x @ w; "silu": silu(x @ w_gate) * (x @ w_up).
+    fuse: the Mosaic GPU twin applies it in the kernel (`skinny_matmul_mgpu.skinny_matmul_fused`)
+    where it takes the call (a Mosaic impl for these rows, [K, N] weights it supports, a grid
+    resident at once); everything else runs the products, then XLA's fusion. kwargs: the
+    products' `skinny_matmul` options."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    if fuse and not transposed and rows <= MOSAIC_ROWS.get(impl, 0):
+        from sfi_jax.kernels import skinny_matmul_mgpu
+        from sfi_jax.kernels.common import rms_norm
+
+        h = (x if norm is None else rms_norm(x, norm, eps)).reshape(rows, k)
+        n = weights[0].shape[1]
+        if (skinny_matmul_mgpu.supported(h, weights[0])
+                and skinny_matmul_mgpu.fused_plan(rows, k, n, len(weights)) is not None):
+            out = skinny_matmul_mgpu.skinny_matmul_fused(
+                h, tuple(weights), epilogue=epilogue,
+                residual=None if residual is None else residual.reshape(rows, n),
+                interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
+            return out.reshape(*lead, n)
+    ys = tuple(y.astype(x.dtype) for y in skinny_matmul(
+        x, weights, norm, eps=eps, impl=impl, transposed=transposed,
+        launch_dependents=launch_dependents, **kwargs))
+    if epilogue == "residual":
+        return residual + ys[0]
+    if epilogue == "silu":
+        return jax.nn.silu(ys[0]) * ys[1]
+    raise ValueError(f"epilogue must be 'residual' or 'silu', got {epilogue!r}")
 
 
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS

@@ -357,12 +357,6 @@ def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=
         **_kmajor_tuning(tuning)))
 
 
-def _proj(x, w: dict, layout: WeightLayout, name: str, matmul: str, tuning=None):
-    weight, transposed = layout.weight(w, name)
-    return skinny_matmul(x, (weight,), impl=matmul, transposed=transposed,
-                         **_kmajor_tuning(tuning))[0].astype(x.dtype)
-
-
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
                      matmul: str = "xla", layout: WeightLayout = STACKED):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x;
@@ -400,19 +394,25 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
 
 
 def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla",
-                             matmul: str = "xla", tuning=None, layout: WeightLayout = STACKED):
+                             matmul: str = "xla", tuning=None, layout: WeightLayout = STACKED,
+                             epilogue: str = "xla"):
     """Output projection + residual, then the (dense or MoE) MLP + residual. attn [B,T,Hq,D].
     moe: see `moe_mlp`; matmul: see `attention_inputs`; tuning: the GPU kernels' sweep points
-    (`options.KernelTuning`; None: the tuned kernels)."""
+    (`options.KernelTuning`; None: the tuned kernels); epilogue: "fused" lets the Mosaic GPU
+    matmul apply the residual adds and the SiLU product in its kernel
+    (`skinny_matmul.matmul_epilogue`), "xla" leaves them to XLA's fusions."""
     B, T = attn.shape[:2]
-    x = x + _proj(attn.reshape(B, T, -1).astype(x.dtype), w, layout, "wo", matmul, tuning)
+    mm = functools.partial(skinny_matmul_kernels.matmul_epilogue, impl=matmul,
+                           fuse=epilogue == "fused", **_kmajor_tuning(tuning))
+    wo, t = layout.weight(w, "wo")
+    x = mm(attn.reshape(B, T, -1).astype(x.dtype), (wo,), epilogue="residual", residual=x,
+           transposed=t)
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
-    (wg, t), (wu, _) = layout.weight(w, "w_gate"), layout.weight(w, "w_up")
-    gate, up = _normed_matmuls(x, w["mlp_norm"], (wg, wu), cfg, matmul, transposed=t,
-                               tuning=tuning)
-    return x + _proj(jax.nn.silu(gate) * up, w, layout, "w_down", matmul, tuning)
+    (wg, t), (wu, _), (wd, _) = (layout.weight(w, n) for n in ("w_gate", "w_up", "w_down"))
+    h = mm(x, (wg, wu), w["mlp_norm"], epilogue="silu", eps=cfg.rms_norm_eps, transposed=t)
+    return mm(h, (wd,), epilogue="residual", residual=x, transposed=t)
 
 
 def fused_decode_layer(layout: WeightLayout, cfg: ModelConfig, rows: int, heads: str,

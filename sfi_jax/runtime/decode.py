@@ -312,7 +312,7 @@ def layer_step(carry: LayerCarry, xs, *, cfg, layout, options, attend, fused,
         else:
             x = attention_output_and_mlp(w, cfg, x, a.attn[:, None], moe=options.moe,
                                          matmul=options.matmul, tuning=options.tuning,
-                                         layout=layout)
+                                         layout=layout, epilogue=options.epilogue)
     carry = LayerCarry(x, a.k, a.v, a.sfi, carry.diag, a.slow_logits, a.q_hist, sync)
     if carry.diag is None:
         return carry, None

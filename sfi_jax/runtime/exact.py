@@ -183,7 +183,7 @@ def _verify(params, k, v, key_norms, tokens, q_start, kv_len, slots, select_quer
         with jax.named_scope("mlp"):
             x = attention_output_and_mlp(w, cfg, x, attn.astype(x.dtype), moe=options.moe,
                                          matmul=options.matmul, tuning=options.tuning,
-                                         layout=layout)
+                                         layout=layout, epilogue=options.epilogue)
         return (x, k, v, norms, buf), None
 
     with jax.named_scope("embed"):

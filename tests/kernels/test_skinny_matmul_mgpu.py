@@ -257,6 +257,41 @@ def test_dispatch_norms_the_rows_then_runs_the_kernel(monkeypatch):
     assert rel_err(out, x64 @ np.asarray(odd.astype(jnp.float32), np.float64)) < 1e-2
 
 
+@pytest.mark.parametrize("epilogue", ["residual", "silu"])
+def test_matmul_epilogue_fuses_for_the_twin_only(monkeypatch, epilogue):
+    """`skinny_matmul.matmul_epilogue` (the decode step's output projection and MLP): with
+    fuse and a Mosaic impl, the rows RMS-normed (silu) and the fused kernel, once; without
+    fuse, or with more rows than "mosaic_by_shape" takes, the products then XLA's epilogue,
+    the fused kernel not called. All against float64."""
+    from sfi_jax.kernels import skinny_matmul
+
+    calls = []
+    kernel = mgpu.skinny_matmul_fused
+    monkeypatch.setattr(mgpu, "skinny_matmul_fused",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    n_w = 2 if epilogue == "silu" else 1
+    rng = host_rng(50)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(256, dtype=np.float32), jnp.bfloat16)
+    for rows, impl, fuse in ((3, "mosaic_by_shape", True), (3, "mosaic_by_shape", False),
+                             (5, "mosaic_by_shape", True), (5, "xla", True)):
+        x, ws = _inputs(51 + rows, rows, 256, 192, n_w)
+        res = jnp.asarray(rng.standard_normal((rows, 1, 192), dtype=np.float32), jnp.bfloat16)
+        x = x.reshape(rows, 1, 256)
+        got = skinny_matmul.matmul_epilogue(
+            x, ws, norm if epilogue == "silu" else None, epilogue=epilogue, residual=res,
+            eps=1e-6, impl=impl, fuse=fuse)
+        x64 = np.asarray(x.astype(jnp.float32), np.float64)
+        if epilogue == "silu":
+            x64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(
+                norm.astype(jnp.float32), np.float64)
+        prods = [x64 @ np.asarray(w.astype(jnp.float32), np.float64) for w in ws]
+        want = (np.asarray(res.astype(jnp.float32), np.float64) + prods[0]
+                if epilogue == "residual" else prods[0] / (1 + np.exp(-prods[0])) * prods[1])
+        assert got.shape == (rows, 1, 192) and got.dtype == jnp.bfloat16
+        assert rel_err(got, want) < 1e-2, (rows, impl, fuse)  # (bf16 rows, products, output)
+    assert calls == [3]
+
+
 def test_by_shape_takes_the_kernel_for_a_few_rows_only(monkeypatch):
     """`impl="mosaic_by_shape"` (the choice without the Triton lowering): the kernel for up to
     BY_SHAPE_ROWS rows, XLA's gemm beyond (the kernel not called); both against float64."""

@@ -161,8 +161,9 @@ def test_mosaic_gpu_prefill_in_generate(tmp_path):
 @pytest.mark.parametrize("batch", [1, 6])
 def test_mosaic_gpu_matmuls_in_generate(tmp_path, batch):
     """matmul="mosaic_gpu" compiled: every decode projection of a bfloat16 model (dims
-    multiples of 64) through the Mosaic kernel gives the XLA matmuls' greedy tokens and
-    logits up to bfloat16 rounding, at one row and at six."""
+    multiples of 64) through the Mosaic kernel, with its residual and SiLU epilogues in the
+    kernel (epilogue="fused") or XLA's, gives the XLA matmuls' greedy tokens and logits up
+    to bfloat16 rounding, at one row and at six."""
     _, d = make_hf_checkpoint(tmp_path, "qwen3", seed=13, eos_token_id=TINY_EOS,
                               hidden_size=256, intermediate_size=512, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64)
@@ -170,18 +171,20 @@ def test_mosaic_gpu_matmuls_in_generate(tmp_path, batch):
     rng = np.random.default_rng(14)
     prompts = [rng.integers(0, TINY_EOS, 40 + 7 * i).tolist() for i in range(batch)]
     out = {}
-    for matmul in ("xla", "mosaic_gpu"):
-        out[matmul] = sfi_jax.generate(model, prompts, mode="dense", max_new_tokens=8,
-                                       return_logits=True, stop_at_eos=False,
-                                       options=EngineOptions(matmul=matmul, epilogue="xla"))
-    ref, got = out["xla"], out["mosaic_gpu"]
-    for b in range(batch):
-        # (a bfloat16 model rounds each projection's output to 8 bits: summed in another
-        # order, a top-2 gap of 3e-4 flipped on the H100 in row 4, so near-ties are taken
-        # at bfloat16's 1e-2, not float32's 1e-4)
-        assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b], rel=1e-2,
-                           what=f"row {b}")
-        assert rel_err(got.stats["logits"][b][0], ref.stats["logits"][b][0]) < 2e-2
+    for matmul, epilogue in (("xla", "xla"), ("mosaic_gpu", "xla"), ("mosaic_gpu", "fused")):
+        out[matmul, epilogue] = sfi_jax.generate(
+            model, prompts, mode="dense", max_new_tokens=8, return_logits=True,
+            stop_at_eos=False, options=EngineOptions(matmul=matmul, epilogue=epilogue))
+    ref = out["xla", "xla"]
+    for epilogue in ("xla", "fused"):
+        got = out["mosaic_gpu", epilogue]
+        for b in range(batch):
+            # (a bfloat16 model rounds each projection's output to 8 bits: summed in another
+            # order, a top-2 gap of 3e-4 flipped on the H100 in row 4, so near-ties are taken
+            # at bfloat16's 1e-2, not float32's 1e-4)
+            assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b], rel=1e-2,
+                               what=f"{epilogue} row {b}")
+            assert rel_err(got.stats["logits"][b][0], ref.stats["logits"][b][0]) < 2e-2
 
 
 def test_mosaic_gpu_moe_in_generate(tmp_path):
