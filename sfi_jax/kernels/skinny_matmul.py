@@ -124,6 +124,31 @@ def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
     raise ValueError(f"epilogue must be 'residual' or 'silu', got {epilogue!r}")
 
 
+def matmul_heads(x, w_qkv, norm, cos, sin, q_norm, k_norm, *, eps, num_q_heads, num_kv_heads,
+                 impl: str, launch_dependents=None):
+    """A decode step's q, k, v heads [R, H, D] from rows x [R, K] (RMS-normed by `norm` first)
+    times the fused q/k/v weight, the heads' norms and rope in the Mosaic GPU twin's kernel
+    (`skinny_matmul_mgpu.skinny_matmul_heads`; cos, sin [R, D / 2]); None where the twin does
+    not take the call (impl, rows, shapes, a grid not resident at once): the caller's unfused
+    path then."""
+    rows, k = x.shape
+    if rows > MOSAIC_ROWS.get(impl, 0):
+        return None
+    from sfi_jax.kernels import skinny_matmul_mgpu
+    from sfi_jax.kernels.common import rms_norm
+
+    n = w_qkv.shape[1]
+    d = n // (num_q_heads + 2 * num_kv_heads)
+    h = rms_norm(x, norm, eps)
+    if (not skinny_matmul_mgpu.supported(h, w_qkv) or d % 64
+            or skinny_matmul_mgpu.fused_plan(rows, k, n, 1, skinny_matmul_mgpu.Config(block_n=d),
+                                             epilogue="heads") is None):
+        return None
+    return skinny_matmul_mgpu.skinny_matmul_heads(
+        h, w_qkv, cos, sin, q_norm, k_norm, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        eps=eps, interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
+
+
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS
 
 

@@ -297,39 +297,47 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
 
 # -- the fused epilogues ----------------------------------------------------------------------
 
-EPILOGUES = ("residual", "silu")
+EPILOGUES = ("residual", "silu", "heads")
 
 
-def epilogue_smem_bytes(rows8, bn, n_w, itemsize=2):
-    """The last split's shared memory for the epilogue: its own accumulators, the residual's
-    block and the output's (the other splits' partials are read from global memory)."""
+def epilogue_smem_bytes(rows8, bn, n_w, itemsize=2, epilogue="residual"):
+    """The last split's shared memory for the epilogue: its own accumulators, then the
+    residual's block and the output's, or ("heads") the rope's cos and sin, the head norm's
+    rows and the head (the other splits' partials are read from global memory)."""
+    if epilogue == "heads":
+        return _M * bn * 4 + _M * bn * 4 + 2 * _M * bn * itemsize
     return n_w * _M * bn * 4 + 2 * rows8 * bn * itemsize
 
 
-def fused_plan(m, k, n, n_w, config=None, itemsize=2) -> Plan | None:
+def fused_plan(m, k, n, n_w, config=None, itemsize=2, epilogue="residual") -> Plan | None:
     """`plan`, or None where the grid would not be resident at once: the K splits' last
     program waits for the others, so every program of the grid must fit the SMs together
     (one wave, counted by shared memory: one warpgroup a CTA leaves registers to spare)."""
     p = plan(m, k, n, n_w, config, itemsize)
     r8 = rows8_of(m)
     per_cta = max(smem_bytes(r8, p.steps, p.bn, p.bk, p.stages, n_w, itemsize),
-                  epilogue_smem_bytes(r8, p.bn, n_w, itemsize)) + 2048
+                  epilogue_smem_bytes(r8, p.bn, n_w, itemsize, epilogue)) + 2048
     if per_cta > SMEM_BYTES or p.n_blocks * p.n_splits > _NUM_SMS * (SM_SMEM_BYTES // per_cta):
         return None
     return p
 
 
-def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, weights_first, pdl, sync):
+def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights_first, pdl,
+                  sync):
     """Program (j, s) as in `_kernel`; then every split but the last writes its float32
     partials [rows8, bn] and signals column block j's semaphore (sync: on the GPU; interpret
     mode runs the grid in order, s fastest, so the last split comes after the others), and the
     last split waits for the others, adds their partials to its own, applies the epilogue
-    and writes the block's m output rows. refs: the weights, the residual ("residual"), the
-    output [m, N], the partials [column blocks, n_splits - 1 (at least 1), rows8, bn] per
-    weight (each block's contiguous: the last split loads them straight into registers)."""
+    and writes the block's m output rows. refs: the weights; the epilogue's inputs (the
+    residual; or cos, sin and, with qk_norm, the q and k norms); its outputs ([m, N]; or q, k,
+    v as [m, heads * d]); the partials [column blocks, n_splits - 1 (at least 1), rows8, bn]
+    per weight (each block's contiguous: the last split loads them straight into registers).
+    heads ("heads"): hq, hkv, d (= bn: a column block is one head), qk_norm, eps."""
     w_refs, refs = refs[:n_w], refs[n_w:]
-    res_ref, refs = (refs[0], refs[1:]) if epilogue == "residual" else (None, refs)
-    out_ref, part_refs = refs[0], refs[1:1 + n_w]
+    n_in = {"residual": 1, "silu": 0, "heads": 4 if heads and heads["qk_norm"] else 2}[epilogue]
+    n_out = 3 if epilogue == "heads" else 1
+    in_refs, out_refs = refs[:n_in], refs[n_in:n_in + n_out]
+    part_refs = refs[n_in + n_out:n_in + n_out + n_w]
     bn, bk, last = p.bn, p.bk, p.n_splits - 1
     j, s = lax.axis_index("j"), lax.axis_index("s")
     first = s * p.steps
@@ -337,6 +345,7 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, weights_first,
     col = pl.multiple_of(j * bn, bn)
     row0 = pl.multiple_of(j * 0, 8)  # (a traced 0: see `_kernel`)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((p.n_blocks,))) if sync else None
+    f32, dt = jnp.float32, out_refs[0].dtype
 
     def k0(i):
         return pl.multiple_of((first + i) * bk, bk)
@@ -355,37 +364,91 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, weights_first,
             plgpu.copy_smem_to_gmem(o_buf.at[pl.ds(0, rows8)], part_ref.at[j, s])
         plgpu.wait_smem_to_gmem(0)  # (the writes done, not only read: then the signal)
 
-    def finish(acc_smem, res_smem, out_smem, bar):
-        for acc, a_buf in zip(accs, acc_smem):
+    def load(ref, layout=None):  # every dtype in one register layout (interpret mode: none)
+        if not sync:
+            return ref[...]
+        layout = layout or plgpu.Layout.WG_STRIDED(tuple(ref.shape), 2)
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def totals(acc_smem):  # the products [rows8, bn], rounded as the unfused path rounds them
+        out = []
+        for acc, a_buf, part_ref in zip(accs, acc_smem, part_refs):
             a_buf[...] = acc
-        if res_ref is not None:
-            plgpu.copy_gmem_to_smem(res_ref.at[pl.ds(row0, rows8), pl.ds(col, bn)], res_smem,
-                                    bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
-        plgpu.commit_smem()  # (the accumulators' stores seen by every thread)
-        f32, dt = jnp.float32, out_ref.dtype
-
-        def load(ref):  # [rows8, bn], every dtype in one register layout (2 elements a vector)
-            if not sync:  # (interpret mode has no layouts)
-                return ref[...]
-            return plgpu.load(ref, (), layout=plgpu.Layout.WG_STRIDED((rows8, bn), 2))
-
-        def total(a_buf, part_ref):  # the product, rounded as the unfused path rounds it
+            plgpu.commit_smem()  # (the accumulators' stores seen by every thread)
             t = load(a_buf.at[pl.ds(0, rows8)])
             for i in range(last):
                 t = t + load(part_ref.at[j, i])
-            return t.astype(dt).astype(f32)
+            out.append(t.astype(dt).astype(f32))
+        return out
 
-        tots = [total(a, r) for a, r in zip(acc_smem, part_refs)]
+    def store(out_smem, out_ref, c):  # the block's m rows, from shared memory
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_ref.at[:, pl.ds(c, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def finish(acc_smem, res_smem, out_smem, bar):
+        if epilogue == "residual":
+            plgpu.copy_gmem_to_smem(in_refs[0].at[pl.ds(row0, rows8), pl.ds(col, bn)],
+                                    res_smem, bar.at[0])
+        tots = totals(acc_smem)
         if epilogue == "residual":  # x + o(attn) or x + down(h)
+            plgpu.barrier_wait(bar.at[0])
             y = load(res_smem).astype(f32) + tots[0]
         else:  # silu(gate) * up
             g, u = tots
             y = g / (1.0 + jnp.exp(-g)) * u
         out_smem[...] = y.astype(dt)
+        store(out_smem, out_refs[0], col)
+
+    def finish_heads(acc_smem, cs_smem, nw_smem, out_smem, bar):
+        """Head j: q and k heads RMS-normed over d (their norm's weight) and rotated
+        (rotate-half), v heads as they are, each step rounded as `modeling.attention_inputs`
+        rounds it. The row reductions run in wgmma's register layout on [64, d / 2] halves
+        (rows past rows8 are never stored)."""
+        hq, hkv, d, qk_norm, eps = (heads[k] for k in ("hq", "hkv", "d", "qk_norm", "eps"))
+        half = d // 2
+        is_qk = j < hq + hkv
+        wl = plgpu.Layout.WGMMA
+
+        @pl.when(is_qk)
+        def _inputs():  # cos, sin and (each of rows8 rows) the head's norm weight
+            for i, ref in enumerate(in_refs[:2]):
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds(row0, rows8)],
+                                        cs_smem.at[i, pl.ds(0, rows8)], bar.at[0])
+            if qk_norm:
+                for norm_ref, this in ((in_refs[2], j < hq), (in_refs[3], j >= hq)):
+                    @pl.when(this)
+                    def _norm_rows():
+                        for r in range(rows8):
+                            plgpu.copy_gmem_to_smem(norm_ref, nw_smem.at[r], bar.at[0])
+
+        acc_smem[0].at[pl.ds(0, rows8)][...] = totals(acc_smem)[0]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_ref.at[:, pl.ds(col, bn)])
-        plgpu.wait_smem_to_gmem(0)
+        x1, x2 = (load(acc_smem[0].at[:, pl.ds(h * half, half)], wl) for h in (0, 1))
+
+        @pl.when(is_qk)
+        def _norm_rope():
+            plgpu.barrier_wait(bar.at[0])
+            y1, y2 = x1, x2
+            if qk_norm:
+                ss = jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)
+                inv = lax.broadcast_in_dim(lax.rsqrt(ss / d + eps), x1.shape, [0])
+                y1, y2 = ((y * inv * load(nw_smem.at[:, pl.ds(h * half, half)], wl).astype(f32))
+                          .astype(dt).astype(f32) for h, y in ((0, x1), (1, x2)))
+            cos, sin = (load(cs_smem.at[i], wl) for i in (0, 1))
+            out_smem.at[:, pl.ds(0, half)][...] = (y1 * cos - y2 * sin).astype(dt)
+            out_smem.at[:, pl.ds(half, half)][...] = (y2 * cos + y1 * sin).astype(dt)
+
+        @pl.when(~is_qk)
+        def _v():
+            out_smem.at[:, pl.ds(0, half)][...] = x1.astype(dt)
+            out_smem.at[:, pl.ds(half, half)][...] = x2.astype(dt)
+
+        for out_ref, lo, hi in ((out_refs[0], 0, hq), (out_refs[1], hq, hq + hkv),
+                                (out_refs[2], hq + hkv, hq + 2 * hkv)):
+            @pl.when((j >= lo) & (j < hi))
+            def _store():
+                store(out_smem, out_ref, pl.multiple_of((j - lo) * d, d))
 
     @pl.when(s < last)
     def _partials():
@@ -397,12 +460,43 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, weights_first,
     def _epilogue():
         if sync and last:
             pl.semaphore_wait(sem.at[j], last)  # (back to 0 for the next call)
-        pl.run_scoped(
-            finish,
-            [plgpu.SMEM((_M, bn), jnp.float32) for _ in range(n_w)],
-            plgpu.SMEM((rows8, bn), out_ref.dtype),
-            plgpu.SMEM((rows8, bn), out_ref.dtype),
-            plgpu.Barrier(num_barriers=1))
+        if epilogue == "heads":
+            n_copies = 2 + (rows8 if heads["qk_norm"] else 0)
+            pl.run_scoped(finish_heads, [plgpu.SMEM((_M, bn), jnp.float32)],
+                          plgpu.SMEM((2, _M, bn // 2), jnp.float32),
+                          plgpu.SMEM((_M, bn), in_refs[-1].dtype if heads["qk_norm"] else dt),
+                          plgpu.SMEM((_M, bn), dt),
+                          plgpu.Barrier(num_arrivals=n_copies, num_barriers=1))
+            return
+        pl.run_scoped(finish, [plgpu.SMEM((_M, bn), jnp.float32) for _ in range(n_w)],
+                      plgpu.SMEM((rows8, bn), dt), plgpu.SMEM((rows8, bn), dt),
+                      plgpu.Barrier(num_barriers=1))
+
+
+def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launch_dependents):
+    _check(x, weights)
+    m, k = x.shape
+    n = weights[0].shape[1]
+    dtype = weights[0].dtype
+    p = fused_plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize, epilogue)
+    if p is None or (heads and p.bn != heads["d"]):
+        raise ValueError(f"mosaic_gpu skinny_matmul_fused: the grid for x {x.shape} times "
+                         f"{len(weights)} x {weights[0].shape} does not fit the SMs at once"
+                         + (f" in blocks of one head ({heads['d']} columns)" if heads else ""))
+    rows8 = rows8_of(m)
+    pdl = signals_dependents(launch_dependents, interpret)
+    kernel = functools.partial(_fused_kernel, n_w=len(weights), m=m, rows8=rows8,
+                               n_kb=k // p.bk, p=p, epilogue=epilogue, heads=heads,
+                               weights_first=pdl or launch_dependents is True, pdl=pdl,
+                               sync=not interpret)
+    parts = jax.ShapeDtypeStruct((p.n_blocks, max(1, p.n_splits - 1), rows8, p.bn), jnp.float32)
+    out = plgpu.kernel(
+        kernel, out_type=list(outs) + [parts] * len(weights),
+        grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(x.astype(dtype), *weights, *ins)
+    return out[:len(outs)]
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "interpret", "config",
@@ -417,39 +511,55 @@ def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False,
     block's K splits meet in its last split (a semaphore per block, `_fused_kernel`), so no
     XLA fusion adds the partials up after the kernel. ValueError where the grid would not be
     resident at once (`fused_plan`); config and launch_dependents as in
-    `skinny_matmul_partials`."""
+    `skinny_matmul_partials`. The heads' epilogue: `skinny_matmul_heads`."""
     weights = tuple(weights)
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue not in ("residual", "silu"):
+        raise ValueError(f"epilogue must be one of ('residual', 'silu'), got {epilogue!r}")
     if len(weights) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
                          f"weight(s), got {len(weights)}")
     _check(x, weights)
-    m, k = x.shape
-    n = weights[0].shape[1]
-    dtype = weights[0].dtype
-    extra = ()
+    m, n = x.shape[0], weights[0].shape[1]
+    ins = ()
     if epilogue == "residual":
         if residual is None or residual.shape != (m, n):
             raise ValueError(f"the residual epilogue takes residual [{m}, {n}], got "
                              f"{None if residual is None else residual.shape}")
-        extra = (residual.astype(x.dtype),)
-    p = fused_plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
-    if p is None:
-        raise ValueError(f"mosaic_gpu skinny_matmul_fused: the grid for x {x.shape} times "
-                         f"{len(weights)} x {weights[0].shape} does not fit the SMs at once")
-    rows8 = rows8_of(m)
-    pdl = signals_dependents(launch_dependents, interpret)
-    kernel = functools.partial(_fused_kernel, n_w=len(weights), m=m, rows8=rows8,
-                               n_kb=k // p.bk, p=p, epilogue=epilogue,
-                               weights_first=pdl or launch_dependents is True, pdl=pdl,
-                               sync=not interpret)
-    parts = jax.ShapeDtypeStruct((p.n_blocks, max(1, p.n_splits - 1), rows8, p.bn), jnp.float32)
-    out = plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct((m, n), x.dtype)] + [parts] * len(weights),
-        grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=interpret_params() if interpret else False,
-    )(x.astype(dtype), *weights, *extra)
-    return out[0]
+        ins = (residual.astype(x.dtype),)
+    out, = _fused_call(x, weights, epilogue, ins, [jax.ShapeDtypeStruct((m, n), x.dtype)],
+                       None, config, interpret, launch_dependents)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "num_kv_heads", "eps", "interpret",
+                                             "config", "launch_dependents"))
+def skinny_matmul_heads(x, w_qkv, cos, sin, q_norm=None, k_norm=None, *, num_q_heads,
+                        num_kv_heads, eps=1e-6, interpret=False, config=None,
+                        launch_dependents=None):
+    """A decode step's heads from x [M, K] times the fused q/k/v weight [K, (Hq + 2 Hkv) D]
+    in one kernel: q [M, Hq, D] and k [M, Hkv, D] RMS-normed per head by q_norm / k_norm [D]
+    (both or neither) and rotated by cos, sin [M, D / 2] (float32, rotate-half), v as it is;
+    each step rounded to x's dtype as `modeling.attention_inputs` rounds it. One column block
+    per head (block_n = D, a multiple of 64). config, launch_dependents: as in
+    `skinny_matmul_fused`."""
+    _check(x, (w_qkv,))
+    m, n = x.shape[0], w_qkv.shape[1]
+    hq, hkv = num_q_heads, num_kv_heads
+    d = n // (hq + 2 * hkv)
+    if (hq + 2 * hkv) * d != n or d % _GRAIN:
+        raise ValueError(f"w_qkv's {n} columns are not {hq} + 2 x {hkv} heads of a multiple "
+                         f"of {_GRAIN}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together (or neither)")
+    if cos.shape != (m, d // 2) or sin.shape != (m, d // 2):
+        raise ValueError(f"cos and sin must be [{m}, {d // 2}], got {cos.shape}, {sin.shape}")
+    qk_norm = q_norm is not None
+    ins = (cos.astype(jnp.float32), sin.astype(jnp.float32))
+    if qk_norm:
+        ins += (q_norm, k_norm)
+    cfg = dataclasses.replace(config or DEFAULT, block_n=d)
+    heads = dict(hq=hq, hkv=hkv, d=d, qk_norm=qk_norm, eps=eps)
+    outs = [jax.ShapeDtypeStruct((m, h * d), x.dtype) for h in (hq, hkv, hkv)]
+    q, k, v = _fused_call(x, (w_qkv,), "heads", ins, outs, heads, cfg, interpret,
+                          launch_dependents)
+    return q.reshape(m, hq, d), k.reshape(m, hkv, d), v.reshape(m, hkv, d)

@@ -358,7 +358,8 @@ def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
-                     matmul: str = "xla", layout: WeightLayout = STACKED):
+                     matmul: str = "xla", layout: WeightLayout = STACKED,
+                     epilogue: str = "xla"):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x;
     w: the layer's weights, stored as `layout` says.
 
@@ -367,9 +368,19 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     matmul: the projections' `kernels.skinny_matmul` impl: "xla", "kernel" (the
     weight-streaming kernel for a decode step's few rows, the RMSNorm folded in), "by_shape"
     (the kernel where it was measured faster) or a Mosaic GPU twin's ("mosaic_gpu",
-    "mosaic_by_shape")."""
+    "mosaic_by_shape"); epilogue "fused" with a Mosaic twin: a decode step's heads' norms
+    and rope in its kernel (`skinny_matmul.matmul_heads`)."""
     B, T, _ = x.shape
     norm = w["attn_norm"]
+    if layout.fused_qkv and epilogue == "fused" and T == 1:
+        cos, sin = rope_cos_sin(positions, cfg)
+        out = skinny_matmul_kernels.matmul_heads(
+            x[:, 0], w["wqkv"], norm, cos[:, 0], sin[:, 0],
+            w.get("q_norm") if cfg.qk_norm else None, w.get("k_norm") if cfg.qk_norm else None,
+            eps=cfg.rms_norm_eps, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+            impl=matmul)
+        if out is not None:
+            return tuple(a[:, None] for a in out)
     if layout.fused_qkv:
         qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul)
         if _heads_kernel(heads, cfg, layout, T):

@@ -300,7 +300,8 @@ def layer_step(carry: LayerCarry, xs, *, cfg, layout, options, attend, fused,
                                                             tuning=options.tuning)
         else:
             q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None], heads=options.heads,
-                                               matmul=options.matmul, layout=layout)
+                                               matmul=options.matmul, layout=layout,
+                                               epilogue=options.epilogue)
     with jax.named_scope("attend"):
         a = attend(q[:, 0], k_new[:, 0], v_new[:, 0], carry.k, carry.v, carry.sfi,
                    carry.slow_logits, l, pos, inputs.dense_rows, inputs.slots,

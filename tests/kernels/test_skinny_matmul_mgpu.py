@@ -184,21 +184,72 @@ def test_fused_epilogue_matches_numpy(case, epilogue):
 def test_fused_kernel_plans_and_lowers_for_cuda(name, k, n, n_w):
     """The fused epilogues at the decode shapes: a grid resident at once (its last splits wait
     for the others) and the Mosaic GPU lowering, semaphores and dependent launch included."""
-    if name.endswith("qkv"):
-        return  # (the heads' epilogue is XLA's)
-    p = mgpu.fused_plan(4, k, n, n_w)
+    epilogue = "heads" if name.endswith("qkv") else "silu" if n_w == 2 else "residual"
+    cfg = mgpu.Config(block_n=128) if epilogue == "heads" else None  # (one head of 128)
+    p = mgpu.fused_plan(4, k, n, n_w, cfg, epilogue=epilogue)
     assert p is not None
     per_cta = max(mgpu.smem_bytes(8, p.steps, p.bn, p.bk, p.stages, n_w),
-                  mgpu.epilogue_smem_bytes(8, p.bn, n_w)) + 2048
+                  mgpu.epilogue_smem_bytes(8, p.bn, n_w, epilogue=epilogue)) + 2048
     assert p.n_blocks * p.n_splits <= 132 * (mgpu.SM_SMEM_BYTES // per_cta)
-    epilogue = "silu" if n_w == 2 else "residual"
-    x = jax.ShapeDtypeStruct((4, k), jnp.bfloat16)
-    ws = tuple(jax.ShapeDtypeStruct((k, n), jnp.bfloat16) for _ in range(n_w))
-    r = jax.ShapeDtypeStruct((4, n), jnp.bfloat16)
-    text = jax.jit(lambda x, ws, r: mgpu.skinny_matmul_fused(
-        x, ws, epilogue=epilogue, residual=r if epilogue == "residual" else None,
-        launch_dependents=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, r = sds((4, k), bf), sds((4, n), bf)
+    ws = tuple(sds((k, n), bf) for _ in range(n_w))
+    if epilogue == "heads":
+        hq = n // 128 * 2 // 3 if name.startswith("4b") else n // 128 // 2  # 32/8, 16/8
+        cs, nw = sds((4, 64), jnp.float32), sds((128,), bf)
+        fn = jax.jit(lambda x, ws, cs, nw: mgpu.skinny_matmul_heads(
+            x, ws[0], cs, cs, nw, nw, num_q_heads=hq, num_kv_heads=(n // 128 - hq) // 2,
+            launch_dependents=True))
+        text = fn.trace(x, ws, cs, nw).lower(lowering_platforms=("cuda",)).as_text()
+    else:
+        text = jax.jit(lambda x, ws, r: mgpu.skinny_matmul_fused(
+            x, ws, epilogue=epilogue, residual=r if epilogue == "residual" else None,
+            launch_dependents=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def _bf(a):
+    """float64 rounded to bf16 and back."""
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32),
+                      np.float64)
+
+
+@pytest.mark.parametrize("rows, qk_norm", [(1, True), (3, True), (2, False)])
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_heads_epilogue_matches_numpy(rows, qk_norm):
+    """`skinny_matmul_heads`: the fused q/k/v product (rounded to bf16), q and k heads
+    RMS-normed by their norms (rounded), rotated (rotate-half, rounded), v heads as they are,
+    against float64 on fresh inputs: 2 q heads and 1 KV head of 64, K in two splits."""
+    hq, hkv, d, k = 2, 1, 64, 256
+    n = (hq + 2 * hkv) * d
+    x, (w,) = _inputs(60 + rows + qk_norm, rows, k, n, 1)
+    rng = host_rng(61 + rows)
+    ang = rng.uniform(0, 100, (rows, 1)) * (1e4 ** (-np.arange(d // 2) / (d // 2)))[None]
+    cos, sin = (jnp.asarray(f(ang), jnp.float32) for f in (np.cos, np.sin))
+    qn, kn = (jnp.asarray(1 + 0.2 * rng.standard_normal(d, dtype=np.float32), jnp.bfloat16)
+              for _ in range(2))
+    cfg = mgpu.Config(block_k=64, stages=2, programs=8)
+    assert mgpu.fused_plan(rows, k, n, 1, mgpu.Config(block_n=d, block_k=64, stages=2,
+                                                      programs=8), epilogue="heads").n_splits == 2
+    q, kk, v = mgpu.skinny_matmul_heads(x, w, cos, sin, qn if qk_norm else None,
+                                        kn if qk_norm else None, num_q_heads=hq,
+                                        num_kv_heads=hkv, eps=1e-6, interpret=gpu_interpret(),
+                                        config=cfg)
+    qkv = _rounded_products(x, (w,))[0].reshape(rows, hq + 2 * hkv, d)
+    c64, s64 = (np.asarray(a, np.float64)[:, None] for a in (cos, sin))
+
+    def norm_rope(h, weight):
+        if qk_norm:
+            h = _bf(h / np.sqrt((h ** 2).mean(-1, keepdims=True) + 1e-6)
+                    * np.asarray(weight.astype(jnp.float32), np.float64))
+        h1, h2 = h[..., :d // 2], h[..., d // 2:]
+        return np.concatenate([h1 * c64 - h2 * s64, h2 * c64 + h1 * s64], -1)
+
+    want = (norm_rope(qkv[:, :hq], qn), norm_rope(qkv[:, hq:hq + hkv], kn), qkv[:, hq + hkv:])
+    for got, ref, shape in zip((q, kk, v), want, ((rows, hq, d), (rows, hkv, d), (rows, hkv, d))):
+        assert got.shape == shape and got.dtype == jnp.bfloat16
+        assert rel_err(got, ref) <= 8e-3  # (the norm's and the output's bf16 roundings)
 
 
 def test_fused_refuses_bad_arguments():
@@ -290,6 +341,40 @@ def test_matmul_epilogue_fuses_for_the_twin_only(monkeypatch, epilogue):
         assert got.shape == (rows, 1, 192) and got.dtype == jnp.bfloat16
         assert rel_err(got, want) < 1e-2, (rows, impl, fuse)  # (bf16 rows, products, output)
     assert calls == [3]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_fused_layer_equals_the_unfused_one():
+    """A decode step's layer through `modeling.attention_inputs` and
+    `attention_output_and_mlp` with the Mosaic twin's epilogues in its kernel
+    (matmul="mosaic_gpu", epilogue="fused": the heads' norms and rope, the residual adds, the
+    SiLU product) gives XLA's q, k, v and residual stream up to bf16 rounding: random Qwen3
+    weights (4 q and 2 KV heads of 64, fused q/k/v), 3 rows at their own positions."""
+    from sfi_jax.models.config import ModelConfig
+    from sfi_jax.models.modeling import (attention_inputs, attention_output_and_mlp,
+                                         split_layers, WeightLayout)
+    from sfi_jax.models.params import random_params
+
+    cfg = ModelConfig(name="t", num_layers=1, hidden_size=256, intermediate_size=512,
+                      num_q_heads=4, num_kv_heads=2, head_dim=64, vocab_size=128,
+                      max_position_embeddings=4096, qk_norm=True)
+    params = random_params(cfg, "bfloat16", 3)
+    w = split_layers(params["layers"], fuse_qkv=True)[0]
+    layout = WeightLayout(split=True, fused_qkv=True)
+    rng = host_rng(70)
+    x = jnp.asarray(rng.standard_normal((3, 1, 256), dtype=np.float32), jnp.bfloat16)
+    pos = jnp.asarray([[5], [700], [3000]], jnp.int32)
+    out = {}
+    for matmul, epilogue in (("xla", "xla"), ("mosaic_gpu", "fused")):
+        q, k, v = attention_inputs(w, cfg, x, pos, matmul=matmul, layout=layout,
+                                   epilogue=epilogue)
+        y = attention_output_and_mlp(w, cfg, x, q,
+                                     matmul=matmul, layout=layout, epilogue=epilogue)
+        out[epilogue] = (q, k, v, y)
+    for got, want, name in zip(out["fused"], out["xla"], "qkvx"):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert rel_err(got, np.asarray(want.astype(jnp.float32))) < 1e-2, name
 
 
 def test_by_shape_takes_the_kernel_for_a_few_rows_only(monkeypatch):
