@@ -111,7 +111,8 @@ class EngineOptions:
     "auto": attention and prefill_attention per platform (prefill: "mosaic_gpu" on a Hopper
     GPU, where it beats cuDNN, benchmarks/prefill_kernel.md; "cudnn" on other GPUs); scores and
     top-k the GPU kernels on a GPU; moe, heads, repack, refresh and matmul ("by_shape") the GPU
-    variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too.
+    variants when attention is "pallas_gpu" or "mosaic_gpu"; epilogue "fused" then too, but
+    "xla" with a Mosaic matmul (its fused epilogues are taken only when asked for).
     On a jax without Pallas' Triton lowering (deprecated in jax 0.11) "auto" takes no Triton
     kernel: the Mosaic GPU attention, MoE and weight-streaming ("mosaic_by_shape") kernels on
     a Hopper, XLA for the rest (slower, not broken; `kernels.common.triton_available`).
@@ -170,6 +171,11 @@ class EngineOptions:
         def pick(value, auto):
             return auto if value == "auto" else value
 
+        matmul = pick(self.matmul, "by_shape" if triton_kernels else
+                      "mosaic_by_shape" if gpu_kernels and mosaic else "xla")
+        # the Mosaic twin's fused epilogues only when asked for, until measured on a GPU
+        epilogue = pick(self.epilogue, "fused" if triton_kernels
+                        and matmul not in ("mosaic_gpu", "mosaic_by_shape") else "xla")
         return dataclasses.replace(
             self, attention=attention,
             prefill_attention=pick(self.prefill_attention, common.platform_prefill(p)),
@@ -181,9 +187,7 @@ class EngineOptions:
             heads=pick(self.heads, "kernel" if triton_kernels else "xla"),
             repack=pick(self.repack, "kernel" if triton_kernels else "xla"),
             refresh=pick(self.refresh, "unconditional" if gpu_kernels else "cond"),
-            matmul=pick(self.matmul, "by_shape" if triton_kernels else
-                        "mosaic_by_shape" if gpu_kernels and mosaic else "xla"),
-            epilogue=pick(self.epilogue, "fused" if triton_kernels else "xla"),
+            matmul=matmul, epilogue=epilogue,
             layer_unroll=(6 if gpu else 1) if self.layer_unroll is None else self.layer_unroll)
 
     @property

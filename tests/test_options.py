@@ -49,6 +49,10 @@ def test_resolved_per_platform(monkeypatch):
     assert (forced.moe, forced.heads, forced.repack, forced.refresh, forced.matmul,
             forced.epilogue) == ("tokens", "kernel", "kernel", "unconditional", "by_shape", "fused")
     assert forced.selector_scores == "xla"  # the selector's defaults follow the platform
+    # a Mosaic matmul's fused epilogues are taken only when asked for
+    twin = EngineOptions(attention="pallas_gpu", matmul="mosaic_gpu").resolved(platform="gpu")
+    assert twin.epilogue == "xla"
+    assert EngineOptions(matmul="mosaic_gpu", epilogue="fused").resolved("gpu").epilogue == "fused"
     mosaic = EngineOptions(attention="mosaic_gpu").resolved(platform="gpu")  # the same variants
     assert mosaic == dataclasses.replace(gpu, attention="mosaic_gpu")
     # explicit values are kept; resolving twice changes nothing; resolved objects hash
