@@ -223,27 +223,36 @@ def stream_product(x_block, w_blocks, n, *, steps, stages, rows8, bk, bn, dtype,
     )
 
 
-def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, weights_first, pdl):
-    """Program (j, s): columns [j * bn, +bn) over K blocks [s * steps, +steps) (fewer in the
-    last split). refs: the weights [K, N], then the partials [n_splits, m, N]."""
-    w_refs, o_refs = refs[:n_w], refs[n_w:]
+def _block_product(x_ref, w_refs, *, rows8, n_kb, p, weights_first, pdl):
+    """Program (j, s)'s float32 accumulators [64, bn], one per weight: columns [j * bn, +bn)
+    over K blocks [s * steps, +steps) (fewer in the last split); with j, s, the first column
+    and the rows' first row (a traced 0: rows8 rows are read, those past the array's end
+    filled with zeros by TMA; a static slice past the end fails the static bounds check)."""
     bn, bk = p.bn, p.bk
     j, s = lax.axis_index("j"), lax.axis_index("s")
     first = s * p.steps
     n = jnp.minimum(p.steps, n_kb - first)  # this split's K blocks (>= 1)
     col = pl.multiple_of(j * bn, bn)
+    row0 = pl.multiple_of(j * 0, 8)
 
     def k0(i):
         return pl.multiple_of((first + i) * bk, bk)
 
-    # the rows from a traced 0: rows8 of them, those past m (TMA reads past the array's end)
-    # filled with zeros (a static slice past the end fails the static bounds check)
-    row0 = pl.multiple_of(j * 0, 8)
     accs = stream_product(
         lambda i: x_ref.at[pl.ds(row0, rows8), pl.ds(k0(i), bk)],
         [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
         n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype,
         weights_first=weights_first, pdl=pdl)
+    return accs, j, s, col, row0
+
+
+def _kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, weights_first, pdl):
+    """Program (j, s) (`_block_product`) writes its partials. refs: the weights [K, N], then
+    the partials [n_splits, m, N]."""
+    w_refs, o_refs = refs[:n_w], refs[n_w:]
+    bn = p.bn
+    accs, j, s, col, _ = _block_product(x_ref, w_refs, rows8=rows8, n_kb=n_kb, p=p,
+                                        weights_first=weights_first, pdl=pdl)
 
     def store(o_smem):
         for acc, o_buf in zip(accs, o_smem):
@@ -324,7 +333,7 @@ def fused_plan(m, k, n, n_w, config=None, itemsize=2, epilogue="residual") -> Pl
 
 def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights_first, pdl,
                   sync):
-    """Program (j, s) as in `_kernel`; then every split but the last writes its float32
+    """Program (j, s) (`_block_product`); then every split but the last writes its float32
     partials [rows8, bn] and signals column block j's semaphore (sync: on the GPU; interpret
     mode runs the grid in order, s fastest, so the last split comes after the others), and the
     last split waits for the others, adds their partials to its own, applies the epilogue
@@ -338,23 +347,11 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights
     n_out = 3 if epilogue == "heads" else 1
     in_refs, out_refs = refs[:n_in], refs[n_in:n_in + n_out]
     part_refs = refs[n_in + n_out:n_in + n_out + n_w]
-    bn, bk, last = p.bn, p.bk, p.n_splits - 1
-    j, s = lax.axis_index("j"), lax.axis_index("s")
-    first = s * p.steps
-    n = jnp.minimum(p.steps, n_kb - first)
-    col = pl.multiple_of(j * bn, bn)
-    row0 = pl.multiple_of(j * 0, 8)  # (a traced 0: see `_kernel`)
+    bn, last = p.bn, p.n_splits - 1
+    accs, j, s, col, row0 = _block_product(x_ref, w_refs, rows8=rows8, n_kb=n_kb, p=p,
+                                           weights_first=weights_first, pdl=pdl)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((p.n_blocks,))) if sync else None
     f32, dt = jnp.float32, out_refs[0].dtype
-
-    def k0(i):
-        return pl.multiple_of((first + i) * bk, bk)
-
-    accs = stream_product(
-        lambda i: x_ref.at[pl.ds(row0, rows8), pl.ds(k0(i), bk)],
-        [lambda i, w=w: w.at[pl.ds(k0(i), bk), pl.ds(col, bn)] for w in w_refs],
-        n, steps=p.steps, stages=p.stages, rows8=rows8, bk=bk, bn=bn, dtype=w_refs[0].dtype,
-        weights_first=weights_first, pdl=pdl)
 
     def write_partials(o_smem):
         for acc, o_buf in zip(accs, o_smem):
