@@ -5,6 +5,7 @@ see docs/DESIGN.md for the layouts that made XLA copy them)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -22,6 +23,12 @@ from sfi_jax.runtime.state import DecodeState, cache_dtype, empty_sfi_state
 
 # compiling many briefly-run programs is most of this file's time (conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_fast_compile")
+
+# The HLO checked here is compiled with XLA:CPU's default fusion emitters, which the rest of the
+# suite turns off for its compile time (xla_cpu_flags.py): that setting changes XLA:CPU's pass
+# pipeline (e.g. scatters expanded into loops, with more small copies)
+XLA_DEFAULT = ({"xla_cpu_use_fusion_emitters": True}
+               if "xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "") else None)
 
 CFG = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
                           intermediate_size=128, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -47,7 +54,8 @@ def _big_copies(sfi, split: bool, options: EngineOptions = EngineOptions(), cfg=
     forced = jnp.zeros((B, N), jnp.int32)
     text = decode.decode_chunk.lower(params, state, mask, mask, forced, cfg=cfg, sfi=sfi,
                                      sampling=SamplingConfig(), n_steps=N,
-                                     options=options.resolved()).compile().as_text()
+                                     options=options.resolved()) \
+        .compile(compiler_options=XLA_DEFAULT).as_text()
     dims = [("bf16", shape)]
     if sfi is not None:
         dims.append(("bf16", (cfg.num_layers, B, cfg.num_kv_heads, sfi.compact_size,
@@ -88,7 +96,8 @@ def test_cpu_caches_keep_the_token_write_in_place():
     mask = jnp.zeros((CFG.vocab_size,), bool)
     text = decode.decode_chunk.lower(params, state, mask, mask, jnp.zeros((B, N), jnp.int32),
                                      cfg=CFG, sfi=None, sampling=SamplingConfig(), n_steps=N,
-                                     options=EngineOptions().resolved()).compile().as_text()
+                                     options=EngineOptions().resolved()) \
+        .compile(compiler_options=XLA_DEFAULT).as_text()
     cache = ",".join(map(str, shape)) + "]"
     converts = [line for line in text.splitlines() if " convert(" in line and cache in line]
     assert converts == []
@@ -235,7 +244,8 @@ def _exact_big_copies(sfi: SFIConfig):
     mask = jnp.zeros((CFG.vocab_size,), bool)
     text = exact.exact_chunk.lower(params, state, counts, mask, mask, cfg=CFG, sfi=sfi,
                                    sampling=SamplingConfig(), n_rounds=2,
-                                   options=EngineOptions().resolved()).compile().as_text()
+                                   options=EngineOptions().resolved()) \
+        .compile(compiler_options=XLA_DEFAULT).as_text()
     return _copies_of(text, [("bf16", shape), ("bf16", (CFG.num_layers, B, CFG.num_kv_heads,
                                                         sfi.compact_size, CFG.head_dim))])
 
