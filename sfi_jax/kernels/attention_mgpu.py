@@ -2,9 +2,8 @@
 
 The Mosaic GPU twins of the dense and sparse decode kernels of attention_gpu (Triton).
 Layout: one CTA (one warpgroup) per (query row, KV head, split). The KV head's query group is
-the M dimension of wgmma: 64 rows, those past the group read as zeros (`copy_q`). The CTA
-streams the key and value blocks of its split that lie inside the row's valid range from
-global to shared memory with TMA, `stages`
+the M dimension of wgmma, padded to 64 rows. The CTA streams the key and value blocks of its
+split that lie inside the row's valid range from global to shared memory with TMA, `stages`
 blocks in flight, runs q·Kᵀ and P·V on the tensor cores and keeps the online softmax in
 registers. Each split writes a partial (acc, m, l) through shared memory that reuses the main
 loop's (so a 64-key, two-stage CTA takes 88 KiB at head dim 128: two fit an SM); an exact
@@ -288,7 +287,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     n = lax.div(jnp.maximum(hi - start, 0) + (bk - 1), bk)
     kv = (layer, row, h)
 
-    copy_q(q_ref, r, h, q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
 
     def fetch(i, slot):
         blk = (*kv, pl.ds(aligned(start + i * bk, bk), bk))
@@ -342,7 +341,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     n = jnp.clip(n_all - first, 0, chunk)
     at = (layer, r, h)
 
-    copy_q(q_ref, r, h, q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
 
     def fetch(i, slot):
         b = first + i
@@ -385,20 +384,11 @@ def _combine(o, m, l, group, dtype):
     return out.astype(dtype), lse
 
 
-def _grouped_q(q, hkv):
-    """q [R, Hq, D] -> [R, Hkv, G, D] (a free reshape): each KV head's query group, which
-    `copy_q` reads as wgmma's 64 rows."""
+def _pad_q(q, hkv):
+    """q [R, Hq, D] -> [R, Hkv, 64, D]: each KV head's query group, zero rows below."""
     n_rows, hq, d = q.shape
-    return q.reshape(n_rows, hkv, hq // hkv, d)
-
-
-def copy_q(q_ref, r, h, q_smem, q_bar):
-    """Start the TMA copy of row r's query group for KV head h (q_ref [R, Hkv, G, D]) into the
-    64 rows of q_smem: from a traced 0, so the rows past G, read past the group axis's end,
-    come as zeros (a static slice past the end fails the static bounds check) and no padded
-    copy of q is made."""
-    row0 = aligned(lax.axis_index("j") * 0)
-    plgpu.copy_gmem_to_smem(q_ref.at[r, h, pl.ds(row0, _M)], q_smem, q_bar)
+    qg = q.reshape(n_rows, hkv, hq // hkv, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
 
 
 def logits_length(s_len, bk):
@@ -492,7 +482,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)
         extra_scratch = (score_scratch(cfg),)
     res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
-                           _grouped_q(q.astype(k.dtype), hkv), k, v),
+                           _pad_q(q.astype(k.dtype), hkv), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
                   extra_out=extra_out, extra_scratch=extra_scratch)
@@ -527,7 +517,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
         interpret=interpret)
     heads_c = ck.shape[:2] + (hkv * c_size, d)  # the heads' buffers as one key axis
     res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
-                           lengths.astype(jnp.int32), _grouped_q(q.astype(k.dtype), hkv),
+                           lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group)

@@ -10,9 +10,9 @@ deprecated from jax 0.11 on, Mosaic GPU being JAX's supported GPU backend for Pa
 
 Layout: program (j, s) (one warpgroup) owns column block j (block_n columns) over K split s
 (`steps` blocks of block_k). It copies its split of the rows once, as `steps` [rows8, block_k]
-blocks (rows8: the rows rounded up to 8, a whole swizzle atom; the copy engine fills the rows
-past the array's end with zeros, so no padded copy of the rows is made) stacked in shared
-memory, and streams the split's weight blocks [block_k, block_n] through `stages` shared-memory
+blocks (rows8: the rows rounded up to 8, a whole swizzle atom; `skinny_matmul_partials` pads
+the rows to rows8, the fused kernels let the copy engine fill the rows past the array's end
+with zeros, which has not yet run on a GPU) stacked in shared memory, and streams the split's weight blocks [block_k, block_n] through `stages` shared-memory
 slots, each slot refilled as soon as its wgmma has read it, accumulating in float32 registers.
 wgmma's A operand is 64 rows: step i's tile is the 64 rows from row block i on, so its rows
 past rows8 are the next blocks' rows (or never-written memory), which feed only accumulator
@@ -291,6 +291,9 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     dtype = weights[0].dtype
     p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
     rows8 = rows8_of(m)
+    xp = x.astype(dtype)
+    if rows8 != m:  # (unpadded, TMA's zero fill past the end: not yet run on a GPU here)
+        xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
     pdl = signals_dependents(launch_dependents, interpret)
     kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
                                weights_first=pdl or launch_dependents is True, pdl=pdl)
@@ -300,7 +303,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else False,
-    )(x.astype(dtype), *weights)
+    )(xp, *weights)
     return tuple(out)
 
 
