@@ -110,7 +110,8 @@ def parse_config(text):
 def _timed(fn, x, r, groups, reps):
     """(microseconds per product, the first copy's products): fn runs one group of copies per
     call (one compile: the groups are alike); reps rounds over all groups after a warm-up."""
-    first = [np.asarray(o.astype(jnp.float32)) for o in jax.block_until_ready(fn(x, r, groups[0]))[0]]
+    first = [np.asarray(o.astype(jnp.float32))
+             for o in jax.block_until_ready(fn(x, r, groups[0]))[0]]
     for g in groups[1:]:
         out = fn(x, r, g)
     t = time.perf_counter()

@@ -1,9 +1,10 @@
 """A decode step's weight matmuls, dispatched: the weight-streaming Triton kernel ("kernel",
 `skinny_matmul_gpu`; interpret mode off the GPU) for up to MAX_ROWS rows, the kernel only where
 it was measured faster ("by_shape"), its Mosaic GPU twin ("mosaic_gpu", `skinny_matmul_mgpu`,
-Hopper: half-precision [K, N] weights, K and N multiples of 64, the residual and SiLU
-epilogues fused on request (`matmul_epilogue`); other weights take XLA; "mosaic_by_shape": the twin for as few rows as "by_shape", the choice
-without the Triton lowering) or XLA ("xla", `skinny_matmul_reference`). The input rows may be
+Hopper: half-precision [K, N] weights, K and N multiples of 64, its epilogues fused on
+request (`matmul_epilogue`, `matmul_heads`); other weights take XLA; "mosaic_by_shape": the
+twin for as few rows as "by_shape", the choice without the Triton lowering) or XLA ("xla",
+`skinny_matmul_reference`). The input rows may be
 RMS-normed first: the Triton kernel folds the norm into the product, so it costs no launch;
 before the Mosaic kernel XLA norms the rows."""
 

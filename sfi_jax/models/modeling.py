@@ -421,9 +421,9 @@ def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla
     if cfg.is_moe:
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         return x + moe_mlp(w, cfg, h.reshape(B * T, -1), impl=moe).reshape(B, T, -1)
-    (wg, t), (wu, _), (wd, _) = (layout.weight(w, n) for n in ("w_gate", "w_up", "w_down"))
+    (wg, t), (wu, _), (wd, td) = (layout.weight(w, n) for n in ("w_gate", "w_up", "w_down"))
     h = mm(x, (wg, wu), w["mlp_norm"], epilogue="silu", eps=cfg.rms_norm_eps, transposed=t)
-    return mm(h, (wd,), epilogue="residual", residual=x, transposed=t)
+    return mm(h, (wd,), epilogue="residual", residual=x, transposed=td)
 
 
 def fused_decode_layer(layout: WeightLayout, cfg: ModelConfig, rows: int, heads: str,
