@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from sfi_jax.kernels import common
+from sfi_jax.kernels import common, skinny_matmul
 from sfi_jax.kernels.common import platform
 
 
@@ -94,16 +94,16 @@ class EngineOptions:
     matmul: a decode step's weight matmuls (`kernels.skinny_matmul`): "kernel" (Triton,
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows), "mosaic_gpu" (its Mosaic GPU twin,
-        Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA; the residual
-        and SiLU epilogues in its kernel with epilogue="fused"), "mosaic_by_shape" (the twin
+        Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA; its epilogues in
+        its kernel with epilogue="fused"), "mosaic_by_shape" (the twin
         up to 4 rows, XLA's gemm beyond) or "xla".
         K-major weights
         (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
         heads' norm + rope, the residual add, the SiLU product; one launch per matmul; the
-        Mosaic twin, for as many rows as it takes: the residual adds and the SiLU product,
-        the heads by XLA) or "xla" (XLA's fusions after each kernel).
+        Mosaic twin, for as many rows as it takes: the same three, through a semaphore per
+        column block) or "xla" (XLA's fusions after each kernel).
     layer_unroll: layers unrolled per decode-scan iteration over stacked weights: an integer
         >= 1 or "all" (None: per platform).
     tuning: the GPU kernels' sweep points (`KernelTuning`; the defaults: the tuned kernels).
@@ -175,7 +175,7 @@ class EngineOptions:
                       "mosaic_by_shape" if gpu_kernels and mosaic else "xla")
         # the Mosaic twin's fused epilogues only when asked for, until measured on a GPU
         epilogue = pick(self.epilogue, "fused" if triton_kernels
-                        and matmul not in ("mosaic_gpu", "mosaic_by_shape") else "xla")
+                        and matmul not in skinny_matmul.MOSAIC_ROWS else "xla")
         return dataclasses.replace(
             self, attention=attention,
             prefill_attention=pick(self.prefill_attention, common.platform_prefill(p)),

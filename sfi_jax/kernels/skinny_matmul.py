@@ -106,12 +106,12 @@ def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
         from sfi_jax.kernels import skinny_matmul_mgpu
         from sfi_jax.kernels.common import rms_norm
 
-        h = (x if norm is None else rms_norm(x, norm, eps)).reshape(rows, k)
         n = weights[0].shape[1]
-        if (skinny_matmul_mgpu.supported(h, weights[0])
+        if (skinny_matmul_mgpu.supported(x.reshape(rows, k), weights[0])
                 and skinny_matmul_mgpu.fused_plan(rows, k, n, len(weights)) is not None):
+            h = x if norm is None else rms_norm(x, norm, eps)
             out = skinny_matmul_mgpu.skinny_matmul_fused(
-                h, tuple(weights), epilogue=epilogue,
+                h.reshape(rows, k), tuple(weights), epilogue=epilogue,
                 residual=None if residual is None else residual.reshape(rows, n),
                 interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
             return out.reshape(*lead, n)
@@ -140,14 +140,13 @@ def matmul_heads(x, w_qkv, norm, cos, sin, q_norm, k_norm, *, eps, num_q_heads, 
 
     n = w_qkv.shape[1]
     d = n // (num_q_heads + 2 * num_kv_heads)
-    h = rms_norm(x, norm, eps)
-    if (not skinny_matmul_mgpu.supported(h, w_qkv) or d % 64
+    if (not skinny_matmul_mgpu.supported(x, w_qkv) or d % 64
             or skinny_matmul_mgpu.fused_plan(rows, k, n, 1, skinny_matmul_mgpu.Config(block_n=d),
                                              epilogue="heads") is None):
         return None
     return skinny_matmul_mgpu.skinny_matmul_heads(
-        h, w_qkv, cos, sin, q_norm, k_norm, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        eps=eps, interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
+        rms_norm(x, norm, eps), w_qkv, cos, sin, q_norm, k_norm, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, eps=eps, interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
 
 
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS

@@ -298,7 +298,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
     rows8 = rows8_of(m)
     xp = x.astype(dtype)
-    if rows8 != m:  # (unpadded, TMA's zero fill past the end: not yet run on a GPU here)
+    if rows8 != m:  # (the fused kernels rely on TMA's zero fill instead)
         xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
     pdl = signals_dependents(launch_dependents, interpret)
     kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
@@ -315,7 +315,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
 
 # -- the fused epilogues ----------------------------------------------------------------------
 
-EPILOGUES = ("residual", "silu", "heads")
+EPILOGUES = ("residual", "silu")  # skinny_matmul_fused's (the heads: skinny_matmul_heads)
 
 
 def epilogue_smem_bytes(rows8, bn, n_w, itemsize=2, epilogue="residual"):
@@ -519,8 +519,8 @@ def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False,
     resident at once (`fused_plan`); config and launch_dependents as in
     `skinny_matmul_partials`. The heads' epilogue: `skinny_matmul_heads`."""
     weights = tuple(weights)
-    if epilogue not in ("residual", "silu"):
-        raise ValueError(f"epilogue must be one of ('residual', 'silu'), got {epilogue!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if len(weights) != (2 if epilogue == "silu" else 1):
         raise ValueError(f"epilogue {epilogue!r} takes {2 if epilogue == 'silu' else 1} "
                          f"weight(s), got {len(weights)}")
