@@ -25,6 +25,10 @@
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
 #                                      no_triton): each kernel's us and launches a step
+#   bash scripts/gpu/run.sh fused      the Mosaic matmul's fused epilogues compiled: their tests, the
+#                                      kernels fused against unfused (qwen3-4b, 1 and 4 rows), then
+#                                      decode at 32K batch 1 without Triton, fused and not
+#                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -119,6 +123,14 @@ PY
           2>&1 | grep "^| qwen" | tail -2
       done
     done; done ;;
+  fused)
+    timeout 170 python -m pytest -o addopts= -p no:xdist -q -ra -m gpu \
+      tests/kernels/test_skinny_matmul_mgpu.py \
+      tests/runtime/test_gpu_engine.py::test_mosaic_gpu_matmuls_in_generate 2>&1 \
+      | tee "$OUT/fused_tests.log" | tail -15
+    timeout 150 python scripts/diag/diag_mgpu_matmul.py --epilogues --models qwen3-4b --rows 1,4 \
+      --reps 20 --out "$OUT/fused_ab.json" 2>&1 | tail -20
+    bash "$0" notriton 32768 1 "no_triton_fused no_triton" ;;
   notriton)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
@@ -146,5 +158,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|fused|notriton|profile|cost" >&2; exit 2 ;;
 esac
