@@ -95,10 +95,9 @@ class EngineOptions:
         streams each weight once for up to 64 rows, the RMSNorm folded in), "by_shape" (the
         kernel where it beat XLA's gemm: up to 4 rows), "mosaic_gpu" (its Mosaic GPU twin,
         Hopper: up to 64 rows of half-precision weights, the RMSNorm by XLA; its epilogues in
-        its kernel with epilogue="fused"), "mosaic_by_shape" (the twin
-        up to 4 rows, XLA's gemm beyond) or "xla".
-        K-major weights
-        (`load_model(k_major=True)`) take the K-major kernel for up to 4 rows, XLA beyond.
+        its kernel with epilogue="fused"), "mosaic_by_shape" (the twin up to 4 rows, XLA's
+        gemm beyond) or "xla". K-major weights (`load_model(k_major=True)`) take the K-major
+        kernel for up to 4 rows, XLA beyond.
     epilogue: what follows the kernel's matmuls in a decode step of up to 4 rows: "fused" (each
         column block's last program adds up the K splits and applies the next operation: the
         heads' norm + rope, the residual add, the SiLU product; one launch per matmul; the

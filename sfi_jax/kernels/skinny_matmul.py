@@ -146,7 +146,8 @@ def matmul_heads(x, w_qkv, norm, cos, sin, q_norm, k_norm, *, eps, num_q_heads, 
         return None
     return skinny_matmul_mgpu.skinny_matmul_heads(
         rms_norm(x, norm, eps), w_qkv, cos, sin, q_norm, k_norm, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, eps=eps, interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
+        num_kv_heads=num_kv_heads, eps=eps, interpret=interpret_for("mosaic_gpu"),
+        launch_dependents=launch_dependents)
 
 
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS
