@@ -23,7 +23,7 @@ def on_gpu() -> bool:
 ATTENTION = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
-SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel")
+SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel", "radix_mosaic_gpu")
 SELECTOR_ADJUST = ("xla", "kernel")
 MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
 HEADS = ("auto", "kernel", "xla")
@@ -81,7 +81,7 @@ class EngineOptions:
     selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
         lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix
-        search one Triton kernel).
+        search one Triton kernel), "radix_mosaic_gpu" (one Mosaic GPU kernel, Hopper).
     selector_adjust: the selector's steps 5-6: "xla" (jnp) or "kernel" (one Triton pass).
     moe: expert matmuls: "tokens" (Triton, per-expert tiles of all of a step's tokens),
         "kernel" (Triton, grouped over expert-sorted rows), "xla" (`lax.ragged_dot`) or

@@ -3,7 +3,7 @@ threshold paths, each checked to select lax.top_k's set) over rows x S scores, a
 selector (scores + top-k) for one layer.
 
     python scripts/bench/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
-    python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2
+    python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2
     python scripts/bench/bench_selector.py --smoke    # tiny sizes, for a CPU check
 """
 

@@ -21,7 +21,9 @@
 #                                      arms: defaults, no_triton, no_triton_xla (XLA matmuls),
 #                                      no_triton_nopdl (no dependent launch),
 #                                      no_triton_fused (the Mosaic matmul's epilogues fused),
-#                                      mosaic_attention, xla_matmul, xla_small (one at a time)
+#                                      no_triton_topk (the top-k's Mosaic GPU twin),
+#                                      mosaic_attention, xla_matmul, xla_small (one at a time);
+#                                      MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
 #                                      no_triton): each kernel's us and launches a step
@@ -29,6 +31,9 @@
 #                                      kernels fused against unfused (qwen3-4b, 1 and 4 rows), then
 #                                      decode at 32K batch 1 without Triton, fused and not
 #                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
+#   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
+#                                      (224 x 32K and 288 x 128K rows), then qwen3-0.6b decode at
+#                                      32K without Triton, with and without the twin
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -56,6 +61,8 @@ arm_opts() {
     no_triton_nopdl) extra=("${no_triton[@]}" --no-launch-dependents) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
+    # the top-k's radix search in its Mosaic GPU kernel
+    no_triton_topk) extra=("${no_triton[@]}" --opt selector_topk=radix_mosaic_gpu) ;;
     mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;
     xla_matmul) extra=(--opt matmul=xla --opt epilogue=xla) ;;
     xla_small) extra=(--opt selector_scores=xla --opt selector_topk=radix --opt heads=xla
@@ -131,11 +138,16 @@ PY
     timeout 150 python scripts/diag/diag_mgpu_matmul.py --epilogues --models qwen3-4b --rows 1,4 \
       --reps 20 --out "$OUT/fused_ab.json" 2>&1 | tail -20
     bash "$0" notriton 32768 1 "no_triton_fused no_triton" ;;
+  topk)
+    timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
+      --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/1,radix_mosaic_gpu/2,radix_mosaic_gpu/4 \
+      --json "$OUT/topk_ab.json" 2>&1 | tail -14
+    MODEL=qwen3-0.6b bash "$0" notriton 32768 "${2:-16}" "no_triton no_triton_topk" ;;
   notriton)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
         arm_opts "$arm"
-        timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts "$ctx" \
+        timeout 200 python scripts/bench/bench_e2e.py --models "${MODEL:-qwen3-4b}" --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
         rm -f "$OUT/notriton_${ctx}_$arm"/e2e.{md,png}  # (a call returns a few files: JSON only)
@@ -158,5 +170,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|fused|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|notriton|profile|cost" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """The selector's compute, dispatched: its scores (steps 1-6 of SFI_METHOD.md §4) by jnp or the
-Triton kernels, and the k-th largest key of the radix top-k by jnp or one kernel per row.
+Triton kernels, and the k-th largest key of the radix top-k by jnp or one kernel per row
+(Triton or Mosaic GPU).
 `selector.select` builds the selector on these."""
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, params: Scor
     return reference.adjust_scores(z, lo, hi, params, cross_head_reduce)
 
 
-def kth_largest(scores, k: int, radix_bits: int, kernel: bool):
-    """The k-th largest sortable key of each row of scores [..., S]: by jnp, or with kernel by
-    one Triton-lowered Pallas program per row (kernels.selector_gpu; interpret mode off the
-    GPU), which reads a row once per round instead of once per candidate digit."""
-    if not kernel:
+def kth_largest(scores, k: int, radix_bits: int, kernel: str | None):
+    """The k-th largest sortable key of each row of scores [..., S]: by jnp (kernel None), or
+    by one Pallas program per row (interpret mode off the GPU), which reads a row once per
+    round instead of once per candidate digit: Triton's (kernel "pallas_gpu",
+    kernels.selector_gpu) or Mosaic GPU's ("mosaic_gpu", kernels.selector_mgpu)."""
+    if kernel is None:
         return reference.kth_largest_key(sortable_keys(scores), k, radix_bits)
-    from sfi_jax.kernels import selector_gpu  # Triton's Pallas lowering, imported when used
-
+    if kernel == "mosaic_gpu":
+        from sfi_jax.kernels import selector_mgpu as mod
+    elif kernel == "pallas_gpu":
+        from sfi_jax.kernels import selector_gpu as mod  # Triton's Pallas lowering, when used
+    else:
+        raise ValueError(f"kernel={kernel!r}: expected None, 'pallas_gpu' or 'mosaic_gpu'")
     rows = scores.reshape(-1, scores.shape[-1])
-    t = selector_gpu.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=interpret_for("pallas_gpu"))
+    t = mod.kth_largest_key(rows, k, radix_bits=radix_bits, interpret=interpret_for(kernel))
     return t.reshape(scores.shape[:-1])

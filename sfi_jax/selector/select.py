@@ -74,7 +74,7 @@ def _count_prefix(mask):
     return out.reshape(mask.shape[:-1] + (nb * blk,))[..., :size]
 
 
-def _topk_threshold(scores, k: int, out_k: int, radix_bits: int, kernel: bool = False):
+def _topk_threshold(scores, k: int, out_k: int, radix_bits: int, kernel: str | None = None):
     keys = sortable_keys(scores)
     t = selector_kernels.kth_largest(scores, k, radix_bits, kernel)[..., None]
     gt = keys > t
@@ -108,7 +108,8 @@ def _prefilter_plan(size: int, k: int):
     return stride, rank, cap
 
 
-def _prefilter(rows, k: int, plan, radix_bits: int | None = None, kernel: bool = False):
+def _prefilter(rows, k: int, plan, radix_bits: int | None = None,
+               kernel: str | None = None):
     """Candidates of the k largest: the positions (ascending, -1 padded) of the values at or
     above a threshold read off a strided sample, and whether every row kept between k and cap.
     The sample's threshold comes from lax.top_k (a sort), or with radix_bits from the radix
@@ -136,13 +137,13 @@ def _compact_true(mask, out_k: int):
 
 
 def _topk_prefiltered(scores, k: int, out_k: int, radix_bits: int, rank_by_radix: bool,
-                      kernel: bool = False):
+                      kernel: str | None = None):
     """The exact top-k of long rows from a few passes: a sampled threshold keeps ~1.4 k
     candidates per row, which are ranked (in position order, so ties go to the lowest
     positions as in lax.top_k) by lax.top_k and a sort, or with rank_by_radix by the radix
     threshold (no sort at all); when any row kept fewer than k or more than the cap, the radix
-    threshold runs over the whole rows instead. kernel: the radix searches by
-    kernels.selector_gpu.kth_largest_key."""
+    threshold runs over the whole rows instead. kernel: the radix searches by a kernel
+    ("pallas_gpu" or "mosaic_gpu", `selector_kernels.kth_largest`) instead of jnp."""
     size = scores.shape[-1]
     plan = _prefilter_plan(size, k)
     if plan is None:
@@ -176,6 +177,9 @@ def _topk_lax(scores, k: int, out_k: int):
     return idx
 
 
+_RADIX_KERNELS = {"radix_kernel": "pallas_gpu", "radix_mosaic_gpu": "mosaic_gpu"}
+
+
 @functools.partial(jax.jit, static_argnames=("k", "impl", "radix_bits"))
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None = None):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
@@ -186,22 +190,24 @@ def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None 
     largest value by a radix search on the float bits and compacts the positions above it.
     "radix" is "threshold" with no sort left: the sample's threshold and the candidates' k-th
     largest come from the radix search too. "radix_kernel" is "radix" with each radix search
-    in one Triton-lowered Pallas kernel (interpret mode off the GPU; radix_bits 1, 2 or 4).
-    radix_bits: bits fixed per radix round (None: 2 for "radix_kernel", its fastest, else 4).
+    in one Triton-lowered Pallas kernel (interpret mode off the GPU; radix_bits 1, 2 or 4);
+    "radix_mosaic_gpu" the same in its Mosaic GPU twin (Hopper).
+    radix_bits: bits fixed per radix round (None: 2 for the kernels, else 4).
     Ties go to the lowest positions in every path. All return the same set.
     """
     impl = resolve("selector_topk", impl)
+    kernel = _RADIX_KERNELS.get(impl)
     if radix_bits is None:
-        radix_bits = 2 if impl == "radix_kernel" else 4
-    if radix_bits not in ((1, 2, 4) if impl == "radix_kernel" else (1, 2, 4, 8)):
-        raise ValueError(f"radix_bits must be 1, 2, 4{'' if impl == 'radix_kernel' else ' or 8'}"
+        radix_bits = 2 if kernel else 4
+    if radix_bits not in ((1, 2, 4) if kernel else (1, 2, 4, 8)):
+        raise ValueError(f"radix_bits must be 1, 2, 4{'' if kernel else ' or 8'}"
                          f" with topk impl {impl!r}, got {radix_bits!r}")
     kk = min(k, scores.shape[-1])
     scores = scores.astype(jnp.float32)
     if impl == "lax":
         return _topk_lax(scores, kk, k)
     return _topk_prefiltered(scores, kk, k, radix_bits, rank_by_radix=impl != "threshold",
-                             kernel=impl == "radix_kernel")
+                             kernel=kernel)
 
 
 def select(logits, key_norms, allowed_lo, allowed_hi, sfi: SFIConfig, *, topk_impl: str = "lax",

@@ -211,8 +211,10 @@ def test_topk_impls_match_reference(k, kind):
         scores[rng.random(shape) < 0.6] = -np.inf
         scores[0, 0] = -np.inf
     ref = ref_topk_sets(scores, k)
-    for impl in ("lax", "threshold", "radix", "radix_kernel"):
-        many = (1, 2, 4) if impl == "radix_kernel" else (2, 4, 8)
+    for impl in ("lax", "threshold", "radix", "radix_kernel", "radix_mosaic_gpu"):
+        if impl == "radix_mosaic_gpu" and k != 64 and gpu_interpret():
+            continue  # (slow in interpret mode: k = 64 takes every radix width)
+        many = (1, 2, 4) if impl.startswith("radix_") else (2, 4, 8)
         for bits in (many if k == 64 else (4,)) if impl != "lax" else (4,):
             got = np.asarray(topk_positions(jnp.asarray(scores), k, impl=impl, radix_bits=bits))
             assert got.shape == shape[:-1] + (k,)
@@ -228,21 +230,25 @@ def test_topk_threshold_matches_lax_on_long_rows():
     scores = jnp.asarray(rng.standard_normal((4, 20000)).astype(np.float32))
     scores = scores.at[:, 5000:5100].set(1.5)  # a block of exact ties straddling the threshold
     a = topk_positions(scores, 2048, impl="lax")
-    for impl in ("threshold", "radix", "radix_kernel"):
+    for impl in ("threshold", "radix", "radix_kernel", "radix_mosaic_gpu"):
         b = topk_positions(scores, 2048, impl=impl)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("kernel", ["selector_gpu", "selector_mgpu"])
 @pytest.mark.gpu
-def test_kth_largest_key_kernel_matches_jnp(bits):
-    """The Triton radix search (compiled on a GPU) against the jnp one on fresh rows: distinct
-    values, ties, -0.0 and -inf padding, a length that is no multiple of the block, k = 1 and
-    k = the row length."""
-    from sfi_jax.kernels import selector_gpu
+def test_kth_largest_key_kernel_matches_jnp(bits, kernel):
+    """The radix search's kernels, Triton's and Mosaic GPU's (compiled on a GPU), against the
+    jnp one on fresh rows: distinct values, ties, -0.0 and -inf padding, a length that is no
+    multiple of the block (Mosaic GPU's: of 128, so the row is padded), k = 1 and k = the row
+    length."""
+    import importlib
+
     from sfi_jax.kernels.common import sortable_keys
     from sfi_jax.kernels.selector_reference import kth_largest_key
 
+    selector_gpu = importlib.import_module(f"sfi_jax.kernels.{kernel}")
     rng = np.random.default_rng(30 + bits)
     x = rng.standard_normal((5, 3001)).astype(np.float32) * 100
     x[1] = np.round(x[1] / 50)  # heavy ties

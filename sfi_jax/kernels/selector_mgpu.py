@@ -1,0 +1,121 @@
+"""The selector's radix top-k threshold on NVIDIA Hopper GPUs: Pallas with the Mosaic GPU
+lowering (the twin of selector_gpu's `kth_largest_key`, Triton).
+
+One CTA (one warpgroup) per row. Each radix round streams the row from global to shared
+memory with TMA (`stages` blocks in flight; after the first round the row comes from L2) and
+counts, for each of the round's candidate digits, the keys at or above it in per-thread
+registers; one reduction per digit ends the round. So a round reads the row once, whatever
+the number of digits. A row whose length no block divides is padded with zeros, whose keys
+are then taken off the counts, so no position mask is needed in the loop.
+
+Off a GPU the kernel runs in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sfi_jax.kernels.attention_mgpu import interpret_params
+from sfi_jax.kernels.common import sortable_keys
+
+RADIX_BITS = (1, 2, 4)  # as the Triton twin: 1, 3 or 15 counters per thread and position
+_LANES = 128  # threads of the warpgroup: a block is a multiple of them
+_COUNTERS = 8192  # candidate counters of a block (digits x positions): 64 registers a thread
+_MAX_BLOCK = 4096
+_ZERO_KEY = 0x80000000  # sortable_keys(0.0): the key of a pad
+
+
+def block_of(s_len: int, radix_bits: int) -> int:
+    """Positions per pipeline step: the largest power of two up to the counters' budget that
+    divides the (padded) row, at least one key per thread."""
+    digits = (1 << radix_bits) - 1
+    blk = _LANES
+    while (blk * 2 <= min(_MAX_BLOCK, _COUNTERS // digits) and s_len % (blk * 2) == 0):
+        blk *= 2
+    return blk
+
+
+def _layout(shape):
+    """The register layout of a block and its counters: each thread holds runs of 4 (one
+    128-bit shared-memory load) where the block has enough of them."""
+    vec = 4 if shape[0] * shape[1] % (_LANES * 4) == 0 else 1
+    return plgpu.Layout.WG_STRIDED(shape, vec_size=vec)
+
+
+def _zeros(shape, interpret):
+    """A zero counter block in the block's layout (interpret mode has no layouts)."""
+    z = jnp.zeros(shape, jnp.int32)
+    return z if interpret else plgpu.layout_cast(z, _layout(shape))
+
+
+def _load(x_smem, interpret):
+    return x_smem[...] if interpret else plgpu.load(x_smem, (), layout=_layout(x_smem.shape))
+
+
+def _kernel(x_ref, out_ref, *, k, radix_bits, n_blocks, blk, pad, stages, interpret):
+    """Row n's k-th largest key, radix_bits per round, written to out[n, :] (all lanes)."""
+    n = lax.axis_index("n")
+    digits = range(1, 1 << radix_bits)
+    shape = (blk // _LANES, _LANES)  # a TMA box has at most 256 elements a dimension
+    prefix = jnp.uint32(0)  # count(keys >= prefix) >= k holds throughout
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        cands = [prefix + jnp.uint32(d << shift) for d in digits]
+
+        def count(_, x_smem, counters, cands=cands):
+            keys = sortable_keys(_load(x_smem, interpret))
+            return tuple(c + jnp.where(keys >= cand, 1, 0) for c, cand in zip(counters, cands))
+
+        counters = plgpu.emit_pipeline(
+            count, grid=(n_blocks,), in_specs=[pl.BlockSpec(shape, lambda i: (i, 0))],
+            max_concurrent_steps=stages,
+            init_carry=tuple(_zeros(shape, interpret) for _ in digits),
+        )(x_ref.at[n])
+        step = jnp.int32(0)
+        for c, cand in zip(counters, cands):
+            total = jnp.sum(c)
+            if pad:  # the pads' zeros counted where 0.0 is at or above the digit
+                total = total - jnp.where(jnp.uint32(_ZERO_KEY) >= cand, pad, 0)
+            step = step + jnp.where(total >= k, 1, 0)
+        prefix = prefix + (step.astype(jnp.uint32) << shift)
+
+    def store(o_smem):
+        o_smem[...] = jnp.broadcast_to(prefix, (_LANES,))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[n])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((_LANES,), jnp.uint32))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "radix_bits", "interpret", "stages"))
+def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, stages=3):
+    """The k-th largest sortable key (`kernels.common.sortable_keys`) of each row of float32
+    scores [N, S], uint32 [N]: selector_gpu.kth_largest_key's radix search on Mosaic GPU."""
+    if radix_bits not in RADIX_BITS:
+        raise ValueError(f"radix_bits must be one of {RADIX_BITS}, got {radix_bits!r}")
+    n_rows, s_len = scores.shape
+    if not 1 <= k <= s_len:
+        raise ValueError(f"k={k} must be in [1, {s_len}] (the row length)")
+    x = scores.astype(jnp.float32)
+    pad = -s_len % _LANES
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)))
+    blk = block_of(s_len + pad, radix_bits)
+    n_blocks = (s_len + pad) // blk
+    x = x.reshape(n_rows, (s_len + pad) // _LANES, _LANES)  # [N, S / 128, 128]: no copy
+    out = plgpu.kernel(
+        functools.partial(_kernel, k=k, radix_bits=radix_bits, n_blocks=n_blocks, blk=blk,
+                          pad=pad, stages=max(1, min(stages, n_blocks)),
+                          interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((n_rows, _LANES), jnp.uint32),
+        grid=(n_rows,), grid_names=("n",),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=interpret_params() if interpret else False,
+    )(x)
+    return out[:, 0]
