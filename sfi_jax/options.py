@@ -55,6 +55,10 @@ class KernelTuning:
     launch_dependents: programmatic dependent launch (None: on a Hopper or newer GPU): the
         Triton decode kernels signal `griddepcontrol.launch_dependents`, and the Mosaic GPU
         matmul fetches its first weight blocks before its `griddepcontrol.wait`.
+    zero_fill: the Mosaic GPU kernels read their few rows (the decode attention's query
+        groups, the matmul twin's rows) unpadded, TMA filling the rows past an array's end
+        with zeros, instead of after an XLA pad to the tile (64 and 8 rows): fewer launches a
+        step. Off until measured on a GPU.
     """
 
     dense_attention: object = None
@@ -62,6 +66,7 @@ class KernelTuning:
     fused_programs_per_sm: int | None = None
     kmajor: object = None
     launch_dependents: bool | None = None
+    zero_fill: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

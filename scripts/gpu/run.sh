@@ -21,6 +21,8 @@
 #                                      arms: defaults, no_triton, no_triton_xla (XLA matmuls),
 #                                      no_triton_nopdl (no dependent launch),
 #                                      no_triton_fused (the Mosaic matmul's epilogues fused),
+#                                      no_triton_zf, no_triton_fused_zf (rows unpadded: TMA's
+#                                      zero fill, KernelTuning.zero_fill),
 #                                      no_triton_topk (the top-k's Mosaic GPU twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
 #                                      MODEL=qwen3-0.6b for another model
@@ -29,7 +31,8 @@
 #                                      no_triton): each kernel's us and launches a step
 #   bash scripts/gpu/run.sh fused      the Mosaic matmul's fused epilogues compiled: their tests, the
 #                                      kernels fused against unfused (qwen3-4b, 1 and 4 rows), then
-#                                      decode at 32K batch 1 without Triton, fused and not
+#                                      decode at 32K batch 1 without Triton, fused and not, rows
+#                                      padded and not
 #                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows), then qwen3-0.6b decode at
@@ -59,6 +62,9 @@ arm_opts() {
     no_triton_xla) extra=("${no_triton[@]}" --opt matmul=xla) ;;  # XLA's matmuls (before 12-06)
     # without programmatic dependent launch (the Mosaic matmul's early weight fetches)
     no_triton_nopdl) extra=("${no_triton[@]}" --no-launch-dependents) ;;
+    # the Mosaic kernels' rows unpadded (TMA's zero fill), with and without the fused epilogues
+    no_triton_zf) extra=("${no_triton[@]}" --zero-fill) ;;
+    no_triton_fused_zf) extra=("${no_triton[@]}" --opt epilogue=fused --zero-fill) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
     # the top-k's radix search in its Mosaic GPU kernel
@@ -132,12 +138,12 @@ PY
     done; done ;;
   fused)
     timeout 170 python -m pytest -o addopts= -p no:xdist -q -ra -m gpu \
-      tests/kernels/test_skinny_matmul_mgpu.py \
+      tests/kernels/test_skinny_matmul_mgpu.py tests/kernels/test_kernels.py::test_mosaic_zero_fill_matches_reference \
       tests/runtime/test_gpu_engine.py::test_mosaic_gpu_matmuls_in_generate 2>&1 \
       | tee "$OUT/fused_tests.log" | tail -15
     timeout 150 python scripts/diag/diag_mgpu_matmul.py --epilogues --models qwen3-4b --rows 1,4 \
       --reps 20 --out "$OUT/fused_ab.json" 2>&1 | tail -20
-    bash "$0" notriton 32768 1 "no_triton_fused no_triton" ;;
+    bash "$0" notriton 32768 1 "no_triton_fused no_triton no_triton_zf no_triton_fused_zf" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/1,radix_mosaic_gpu/2,radix_mosaic_gpu/4 \

@@ -51,7 +51,7 @@ def _check(q, k, v, lengths, layer, n_rows=None):
 
 def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=None, rows=None,
                  logits_into=None, out_into=None, gather_q=False, config=None,
-                 launch_dependents=None):
+                 launch_dependents=None, zero_fill=False):
     """Decode attention of q [B, Hq, D] over k, v [B, Hkv, S, D], positions < lengths[b].
 
     layer: with k, v stacked [L, B, Hkv, S, D], read that layer in place (no copy).
@@ -69,7 +69,8 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
     gather_q: q has one row per cache row and row i of the result uses q[rows[i]] (the kernel
     reads it there: no gathered copy); lengths, the outputs and buffers then have R rows.
     config, launch_dependents: the GPU kernel's (`attention_gpu.dense_decode`; other
-    implementations ignore them).
+    implementations ignore them); zero_fill: the Mosaic GPU kernel's
+    (`attention_mgpu.dense_decode`).
     """
     if gather_q and rows is None:
         raise ValueError("gather_q=True needs rows")
@@ -112,7 +113,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
                                      return_logits=with_logits)
     elif impl == "mosaic_gpu":
         res = mgpu.dense_decode(q, k, v, lengths, layer, rows, return_logits=with_logits,
-                                interpret=interpret_for(impl))
+                                interpret=interpret_for(impl), zero_fill=zero_fill)
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 
@@ -128,7 +129,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
                   window=None, new_kv=None, key_norms=None, config=None,
-                  launch_dependents=None):
+                  launch_dependents=None, zero_fill=False):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -142,7 +143,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention
     ("mosaic_gpu": an XLA scatter, then the kernel).
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
-    config, launch_dependents: the GPU kernel's (`attention_gpu.sparse_decode`).
+    config, launch_dependents: the GPU kernel's (`attention_gpu.sparse_decode`); zero_fill:
+    the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -189,7 +191,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
                                       layer=layer, window=window)
     elif impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
         out = mgpu.sparse_decode(q, ck, cv, c_len_in, k, v, recent_start, lengths, layer,
-                                 window=window, interpret=interpret_for(impl))
+                                 window=window, interpret=interpret_for(impl),
+                                 zero_fill=zero_fill)
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 

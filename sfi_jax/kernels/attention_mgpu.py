@@ -2,7 +2,8 @@
 
 The Mosaic GPU twins of the dense and sparse decode kernels of attention_gpu (Triton).
 Layout: one CTA (one warpgroup) per (query row, KV head, split). The KV head's query group is
-the M dimension of wgmma, padded to 64 rows. The CTA streams the key and value blocks of its
+the M dimension of wgmma: 64 rows, padded with zeros (with zero_fill: those past the group
+read as TMA's zeros, `copy_q`). The CTA streams the key and value blocks of its
 split that lie inside the row's valid range from global to shared memory with TMA, `stages`
 blocks in flight, runs q·Kᵀ and P·V on the tensor cores and keeps the online softmax in
 registers. Each split writes a partial (acc, m, l) through shared memory that reuses the main
@@ -266,7 +267,7 @@ def store_neg_inf(s_smem, store, lo, hi, interpret):
 
 def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
                   *rest, group, split, n_splits, by_length, s_len, bk, stages, scale, logits,
-                  interpret):
+                  interpret, zero_fill):
     """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h
     (by_length: split = the row's length over n_splits, in whole blocks).
     Partials: o [R, n, Hq, D] (the group's rows), m, l [R, n, Hkv, 64] (padded rows too).
@@ -287,7 +288,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
     n = lax.div(jnp.maximum(hi - start, 0) + (bk - 1), bk)
     kv = (layer, row, h)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
+    copy_q(q_ref, r, h, q_smem, q_bar, zero_fill)
 
     def fetch(i, slot):
         blk = (*kv, pl.ds(aligned(start + i * bk, bk), bk))
@@ -316,7 +317,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
                    o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
                    *, group, n_splits, s_len, c_size, bk, stages, scale, clen_stacked,
-                   interpret):
+                   interpret, zero_fill):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
     on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
@@ -341,7 +342,7 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     n = jnp.clip(n_all - first, 0, chunk)
     at = (layer, r, h)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[r, h], q_smem, q_bar)
+    copy_q(q_ref, r, h, q_smem, q_bar, zero_fill)
 
     def fetch(i, slot):
         b = first + i
@@ -384,11 +385,26 @@ def _combine(o, m, l, group, dtype):
     return out.astype(dtype), lse
 
 
-def _pad_q(q, hkv):
-    """q [R, Hq, D] -> [R, Hkv, 64, D]: each KV head's query group, zero rows below."""
+def _grouped_q(q, hkv, zero_fill):
+    """q [R, Hq, D] -> [R, Hkv, G, D], each KV head's query group (a free reshape), which
+    `copy_q` reads as wgmma's 64 rows; without zero_fill padded with zero rows to 64 (an XLA
+    pad)."""
     n_rows, hq, d = q.shape
     qg = q.reshape(n_rows, hkv, hq // hkv, d)
+    if zero_fill:
+        return qg
     return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
+
+
+def copy_q(q_ref, r, h, q_smem, q_bar, zero_fill):
+    """Start the TMA copy of row r's query group for KV head h into the 64 rows of q_smem.
+    zero_fill: q_ref [R, Hkv, G, D] is read from a traced 0, so the rows past G, read past
+    the group axis's end, come as TMA's zeros (a static slice past the end fails the static
+    bounds check); else q_ref is padded to 64 rows."""
+    src = q_ref.at[r, h]
+    if zero_fill:
+        src = q_ref.at[r, h, pl.ds(aligned(lax.axis_index("j") * 0), _M)]
+    plgpu.copy_gmem_to_smem(src, q_smem, q_bar)
 
 
 def logits_length(s_len, bk):
@@ -454,12 +470,15 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config",
+                                             "zero_fill"))
 def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False,
-                 interpret=False, config=None):
+                 interpret=False, config=None, zero_fill=False):
     """Dense decode attention (see kernels.attention.dense_decode) of q [R, Hq, D] over cache
     rows `rows` (default: row r) of k, v [(L,) B, Hkv, S, D], half precision. Returns out, or
-    (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq])."""
+    (out, logits [R, Hq, S] float32 with -inf from each row's length on, lse [R, Hq]).
+    zero_fill: the query group's rows past G come from TMA's zero fill past the array's end
+    instead of a padded copy of q (`copy_q`)."""
     cfg = config or fit(DENSE_LOGITS if return_logits else DENSE, q.shape[-1], return_logits)
     k, v, layer_arr = as_layer_stacks(layer, k, v)
     n_rows, hq, d = q.shape
@@ -475,14 +494,15 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     kernel = functools.partial(
         _dense_kernel, group=group, split=split, n_splits=n_splits, by_length=by_length,
         s_len=s_len, bk=bk, stages=cfg.stages,
-        scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret)
+        scale=1.0 / math.sqrt(d), logits=return_logits, interpret=interpret,
+        zero_fill=zero_fill)
     s_lg = logits_length(s_len, bk)
     extra_out, extra_scratch = (), ()
     if return_logits:  # and the score blocks they are stored from
         extra_out = (jax.ShapeDtypeStruct((n_rows, hq, s_lg), jnp.float32),)
         extra_scratch = (score_scratch(cfg),)
     res = _launch(kernel, (layer_arr, lengths.astype(jnp.int32), rows,
-                           _pad_q(q.astype(k.dtype), hkv), k, v),
+                           _grouped_q(q.astype(k.dtype), hkv, zero_fill), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
                   extra_out=extra_out, extra_scratch=extra_scratch)
@@ -492,14 +512,15 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  interpret=False, config=None):
+                  interpret=False, config=None, zero_fill=False):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
     prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
-    recent_start that sizes the splits (the kernel reads only the window either way)."""
+    recent_start that sizes the splits (the kernel reads only the window either way).
+    zero_fill: as in `dense_decode`."""
     cfg = config or fit(SPARSE, q.shape[-1])
     ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape
@@ -514,10 +535,11 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
-        interpret=interpret)
+        interpret=interpret, zero_fill=zero_fill)
     heads_c = ck.shape[:2] + (hkv * c_size, d)  # the heads' buffers as one key axis
     res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
-                           lengths.astype(jnp.int32), _pad_q(q.astype(k.dtype), hkv),
+                           lengths.astype(jnp.int32),
+                           _grouped_q(q.astype(k.dtype), hkv, zero_fill),
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group)

@@ -37,7 +37,8 @@ def uses_kernel(impl: str, rows: int) -> bool:
 
 
 def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=None,
-                  transposed: bool = False, kmajor_config=None, launch_dependents=None):
+                  transposed: bool = False, kmajor_config=None, launch_dependents=None,
+                  zero_fill: bool = False):
     """x [..., K] (RMS-normed by `norm` [K] first, when given) times each of `weights` (one or
     two [K, N] of one shape; [N, K] when `transposed`) -> a tuple of float32 [..., N].
 
@@ -47,7 +48,8 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     Transposed weights take the K-major kernel for up to FUSED_MAX_ROWS rows (its products
     rounded to x's dtype) and XLA for more: kmajor_config its `KMajorConfig` (None: the
     defaults), launch_dependents its signal (`common.signals_dependents`; the Mosaic twin's
-    programmatic dependent launch too)."""
+    programmatic dependent launch too). zero_fill: the Mosaic twin reads the rows unpadded
+    (`KernelTuning.zero_fill`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if transposed:
@@ -60,7 +62,7 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
             config=kmajor_config, launch_dependents=launch_dependents)
             .astype(jax.numpy.float32).reshape(*lead, w.shape[0]) for w in weights)
     if rows <= MOSAIC_ROWS.get(impl, 0):
-        return _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents)
+        return _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents, zero_fill)
     if not uses_kernel(impl, rows):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     from sfi_jax.kernels import skinny_matmul_gpu  # Triton's Pallas lowering, only when used
@@ -75,10 +77,10 @@ def skinny_matmul(x, weights, norm=None, *, eps=1e-6, impl: str = "xla", config=
     return tuple((p.sum(axis=0) * scale).reshape(*lead, p.shape[-1]) for p in parts)
 
 
-def _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents=None):
+def _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents=None, zero_fill=False):
     """The Mosaic GPU kernel's partial sums, added up, for the weights it takes (else XLA);
-    the rows RMS-normed (and rounded) first as in the reference. launch_dependents: the
-    kernel's programmatic dependent launch (`skinny_matmul_mgpu.skinny_matmul_partials`)."""
+    the rows RMS-normed (and rounded) first as in the reference. launch_dependents,
+    zero_fill: the kernel's (`skinny_matmul_mgpu.skinny_matmul_partials`)."""
     from sfi_jax.kernels import skinny_matmul_mgpu  # Mosaic GPU's Pallas, only when used
     from sfi_jax.kernels.common import rms_norm
 
@@ -87,19 +89,19 @@ def _mosaic(x, weights, norm, eps, lead, rows, k, launch_dependents=None):
         return reference.skinny_matmul(x, weights, norm, eps=eps)
     parts = skinny_matmul_mgpu.skinny_matmul_partials(
         h, tuple(weights), interpret=interpret_for("mosaic_gpu"),
-        launch_dependents=launch_dependents)
+        launch_dependents=launch_dependents, zero_fill=zero_fill)
     return tuple(p.sum(axis=0).reshape(*lead, p.shape[-1]) for p in parts)
 
 
 def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
                     impl: str = "xla", fuse: bool = False, transposed: bool = False,
-                    launch_dependents=None, **kwargs):
+                    launch_dependents=None, zero_fill: bool = False, **kwargs):
     """`skinny_matmul`'s products (each rounded to x's dtype) followed by the epilogue, in
     x's dtype: "residual": residual + x @ w; "silu": silu(x @ w_gate) * (x @ w_up).
     fuse: the Mosaic GPU twin applies it in the kernel (`skinny_matmul_mgpu.skinny_matmul_fused`)
     where it takes the call (a Mosaic impl for these rows, [K, N] weights it supports, a grid
-    resident at once); everything else runs the products, then XLA's fusion. kwargs: the
-    products' `skinny_matmul` options."""
+    resident at once); everything else runs the products, then XLA's fusion. zero_fill: the
+    Mosaic twin reads the rows unpadded; kwargs: the products' `skinny_matmul` options."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if fuse and not transposed and rows <= MOSAIC_ROWS.get(impl, 0):
@@ -113,11 +115,12 @@ def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
             out = skinny_matmul_mgpu.skinny_matmul_fused(
                 h.reshape(rows, k), tuple(weights), epilogue=epilogue,
                 residual=None if residual is None else residual.reshape(rows, n),
-                interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents)
+                interpret=interpret_for("mosaic_gpu"), launch_dependents=launch_dependents,
+                zero_fill=zero_fill)
             return out.reshape(*lead, n)
     ys = tuple(y.astype(x.dtype) for y in skinny_matmul(
         x, weights, norm, eps=eps, impl=impl, transposed=transposed,
-        launch_dependents=launch_dependents, **kwargs))
+        launch_dependents=launch_dependents, zero_fill=zero_fill, **kwargs))
     if epilogue == "residual":
         return residual + ys[0]
     if epilogue == "silu":
@@ -126,12 +129,12 @@ def matmul_epilogue(x, weights, norm=None, *, epilogue, residual=None, eps=1e-6,
 
 
 def matmul_heads(x, w_qkv, norm, cos, sin, q_norm, k_norm, *, eps, num_q_heads, num_kv_heads,
-                 impl: str, launch_dependents=None):
+                 impl: str, launch_dependents=None, zero_fill: bool = False):
     """A decode step's q, k, v heads [R, H, D] from rows x [R, K] (RMS-normed by `norm` first)
     times the fused q/k/v weight, the heads' norms and rope in the Mosaic GPU twin's kernel
     (`skinny_matmul_mgpu.skinny_matmul_heads`; cos, sin [R, D / 2]); None where the twin does
     not take the call (impl, rows, shapes, a grid not resident at once): the caller's unfused
-    path then."""
+    path then. launch_dependents, zero_fill: the kernel's."""
     rows, k = x.shape
     if rows > MOSAIC_ROWS.get(impl, 0):
         return None
@@ -147,7 +150,7 @@ def matmul_heads(x, w_qkv, norm, cos, sin, q_norm, k_norm, *, eps, num_q_heads, 
     return skinny_matmul_mgpu.skinny_matmul_heads(
         rms_norm(x, norm, eps), w_qkv, cos, sin, q_norm, k_norm, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, eps=eps, interpret=interpret_for("mosaic_gpu"),
-        launch_dependents=launch_dependents)
+        launch_dependents=launch_dependents, zero_fill=zero_fill)
 
 
 FUSED_MAX_ROWS = 4  # skinny_matmul_gpu.FUSED_MAX_ROWS

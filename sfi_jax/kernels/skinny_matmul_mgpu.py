@@ -10,10 +10,9 @@ deprecated from jax 0.11 on, Mosaic GPU being JAX's supported GPU backend for Pa
 
 Layout: program (j, s) (one warpgroup) owns column block j (block_n columns) over K split s
 (`steps` blocks of block_k). It copies its split of the rows once, as `steps` [rows8, block_k]
-blocks (rows8: the rows rounded up to 8, a whole swizzle atom; `skinny_matmul_partials` pads
-the rows to rows8, the fused kernels let the copy engine fill the rows past the array's end
-with zeros, which has not yet run on a GPU) stacked in shared memory, and streams the split's
-weight blocks [block_k, block_n] through `stages` shared-memory slots, each slot refilled as
+blocks (rows8: the rows rounded up to 8, a whole swizzle atom: the rows are padded to rows8
+by XLA, or with `zero_fill` the copy engine fills the rows past the array's end with zeros)
+stacked in shared memory, and streams the split's weight blocks [block_k, block_n] through `stages` shared-memory slots, each slot refilled as
 soon as its wgmma has read it, accumulating in float32 registers. wgmma's A operand is 64 rows:
 step i's tile is the 64 rows from row block i on, so its rows past rows8 are the next blocks'
 rows (or never-written memory), which feed only accumulator rows that are never stored; the row
@@ -282,14 +281,25 @@ def _check(x, weights):
                          f"{x.shape} and weights {weights[0].shape} {weights[0].dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "launch_dependents"))
-def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_dependents=None):
+def _rows8(a, m, rows8, zero_fill):
+    """a [m, ...] padded with zero rows to rows8, unless the kernel's TMA copies read rows8
+    rows from it and fill those past its end with zeros (zero_fill: no XLA pad)."""
+    if zero_fill or rows8 == m:
+        return a
+    return jnp.pad(a, ((0, rows8 - m),) + ((0, 0),) * (a.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "launch_dependents",
+                                             "zero_fill"))
+def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_dependents=None,
+                           zero_fill=False):
     """Float32 partial sums of x [M, K] (M <= 64) times each weight [K, N] (one or two of one
     shape, half precision; x is cast to their dtype): a tuple of [n_splits, M, N], one per
     weight, whose sums over axis 0 are the products. config: a Config (None: DEFAULT).
     launch_dependents: programmatic dependent launch (`common.signals_dependents`; None: on a
     Hopper): the first weight blocks are fetched before waiting for the kernel ahead (see
-    `stream_product`). True in interpret mode takes the same order without the waits."""
+    `stream_product`). True in interpret mode takes the same order without the waits.
+    zero_fill: the rows read unpadded (`_rows8`)."""
     weights = tuple(weights)
     _check(x, weights)
     m, k = x.shape
@@ -297,9 +307,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     dtype = weights[0].dtype
     p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
     rows8 = rows8_of(m)
-    xp = x.astype(dtype)
-    if rows8 != m:  # (the fused kernels rely on TMA's zero fill instead)
-        xp = jnp.pad(xp, ((0, rows8 - m), (0, 0)))
+    xp = _rows8(x.astype(dtype), m, rows8, zero_fill)
     pdl = signals_dependents(launch_dependents, interpret)
     kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
                                weights_first=pdl or launch_dependents is True, pdl=pdl)
@@ -479,7 +487,8 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights
                       plgpu.Barrier(num_barriers=1))
 
 
-def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launch_dependents):
+def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launch_dependents,
+                zero_fill):
     _check(x, weights)
     m, k = x.shape
     n = weights[0].shape[1]
@@ -495,20 +504,23 @@ def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launc
                                n_kb=k // p.bk, p=p, epilogue=epilogue, heads=heads,
                                weights_first=pdl or launch_dependents is True, pdl=pdl,
                                sync=not interpret)
+    n_row_ins = {"residual": 1, "heads": 2}.get(epilogue, 0)  # the residual; cos and sin
+    ins = tuple(_rows8(a, m, rows8, zero_fill) if i < n_row_ins else a
+                for i, a in enumerate(ins))
     parts = jax.ShapeDtypeStruct((p.n_blocks, max(1, p.n_splits - 1), rows8, p.bn), jnp.float32)
     out = plgpu.kernel(
         kernel, out_type=list(outs) + [parts] * len(weights),
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else False,
-    )(x.astype(dtype), *weights, *ins)
+    )(_rows8(x.astype(dtype), m, rows8, zero_fill), *weights, *ins)
     return out[:len(outs)]
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "interpret", "config",
-                                             "launch_dependents"))
+                                             "launch_dependents", "zero_fill"))
 def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False, config=None,
-                        launch_dependents=None):
+                        launch_dependents=None, zero_fill=False):
     """x [M, K] (M <= 64) times each weight [K, N] (half precision) with the epilogue applied
     in the kernel, in x's dtype [M, N]:
       "residual": residual [M, N] + x @ w;
@@ -516,7 +528,7 @@ def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False,
     Each product is rounded to x's dtype first, as the unfused path rounds it. Each column
     block's K splits meet in its last split (a semaphore per block, `_fused_kernel`), so no
     XLA fusion adds the partials up after the kernel. ValueError where the grid would not be
-    resident at once (`fused_plan`); config and launch_dependents as in
+    resident at once (`fused_plan`); config, launch_dependents and zero_fill as in
     `skinny_matmul_partials`. The heads' epilogue: `skinny_matmul_heads`."""
     weights = tuple(weights)
     if epilogue not in EPILOGUES:
@@ -533,20 +545,20 @@ def skinny_matmul_fused(x, weights, *, epilogue, residual=None, interpret=False,
                              f"{None if residual is None else residual.shape}")
         ins = (residual.astype(x.dtype),)
     out, = _fused_call(x, weights, epilogue, ins, [jax.ShapeDtypeStruct((m, n), x.dtype)],
-                       None, config, interpret, launch_dependents)
+                       None, config, interpret, launch_dependents, zero_fill)
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "num_kv_heads", "eps", "interpret",
-                                             "config", "launch_dependents"))
+                                             "config", "launch_dependents", "zero_fill"))
 def skinny_matmul_heads(x, w_qkv, cos, sin, q_norm=None, k_norm=None, *, num_q_heads,
                         num_kv_heads, eps=1e-6, interpret=False, config=None,
-                        launch_dependents=None):
+                        launch_dependents=None, zero_fill=False):
     """A decode step's heads from x [M, K] times the fused q/k/v weight [K, (Hq + 2 Hkv) D]
     in one kernel: q [M, Hq, D] and k [M, Hkv, D] RMS-normed per head by q_norm / k_norm [D]
     (both or neither) and rotated by cos, sin [M, D / 2] (float32, rotate-half), v as it is;
     each step rounded to x's dtype as `modeling.attention_inputs` rounds it. One column block
-    per head (block_n = D, a multiple of 64). config, launch_dependents: as in
+    per head (block_n = D, a multiple of 64). config, launch_dependents, zero_fill: as in
     `skinny_matmul_fused`."""
     _check(x, (w_qkv,))
     m, n = x.shape[0], w_qkv.shape[1]
@@ -567,5 +579,5 @@ def skinny_matmul_heads(x, w_qkv, cos, sin, q_norm=None, k_norm=None, *, num_q_h
     heads = dict(hq=hq, hkv=hkv, d=d, qk_norm=qk_norm, eps=eps)
     outs = [jax.ShapeDtypeStruct((m, h * d), x.dtype) for h in (hq, hkv, hkv)]
     q, k, v = _fused_call(x, (w_qkv,), "heads", ins, outs, heads, cfg, interpret,
-                          launch_dependents)
+                          launch_dependents, zero_fill)
     return q.reshape(m, hq, d), k.reshape(m, hkv, d), v.reshape(m, hkv, d)

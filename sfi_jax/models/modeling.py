@@ -341,11 +341,13 @@ def _heads_kernel(heads: str, cfg: ModelConfig, layout: WeightLayout, T: int):
             and heads_kernels.supported(cfg.head_dim))
 
 
-def _kmajor_tuning(tuning) -> dict:
-    """The K-major kernel's sweep points from an `options.KernelTuning` (None: the defaults)."""
+def _matmul_tuning(tuning) -> dict:
+    """The matmul kernels' sweep points from an `options.KernelTuning` (None: the defaults):
+    the K-major config, dependent launches, the Mosaic twin's unpadded rows."""
     if tuning is None:
         return {}
-    return dict(kmajor_config=tuning.kmajor, launch_dependents=tuning.launch_dependents)
+    return dict(kmajor_config=tuning.kmajor, launch_dependents=tuning.launch_dependents,
+                zero_fill=tuning.zero_fill)
 
 
 def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=False,
@@ -354,12 +356,12 @@ def _normed_matmuls(x, norm, weights, cfg: ModelConfig, matmul: str, transposed=
     norm into the product: `kernels.skinny_matmul`); transposed: the weights are [N, K]."""
     return tuple(y.astype(x.dtype) for y in skinny_matmul(
         x, weights, norm, eps=cfg.rms_norm_eps, impl=matmul, transposed=transposed,
-        **_kmajor_tuning(tuning)))
+        **_matmul_tuning(tuning)))
 
 
 def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla",
                      matmul: str = "xla", layout: WeightLayout = STACKED,
-                     epilogue: str = "xla"):
+                     epilogue: str = "xla", tuning=None):
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x;
     w: the layer's weights, stored as `layout` says.
 
@@ -369,7 +371,8 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     weight-streaming kernel for a decode step's few rows, the RMSNorm folded in), "by_shape"
     (the kernel where it was measured faster) or a Mosaic GPU twin's ("mosaic_gpu",
     "mosaic_by_shape"); epilogue "fused" with a Mosaic twin: a decode step's heads' norms
-    and rope in its kernel (`skinny_matmul.matmul_heads`)."""
+    and rope in its kernel (`skinny_matmul.matmul_heads`); tuning: as in
+    `attention_output_and_mlp`."""
     B, T, _ = x.shape
     norm = w["attn_norm"]
     if layout.fused_qkv and epilogue == "fused" and T == 1:
@@ -378,11 +381,12 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
             x[:, 0], w["wqkv"], norm, cos[:, 0], sin[:, 0],
             w.get("q_norm") if cfg.qk_norm else None, w.get("k_norm") if cfg.qk_norm else None,
             eps=cfg.rms_norm_eps, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
-            impl=matmul)
+            impl=matmul, **{n: v for n, v in _matmul_tuning(tuning).items()
+                            if n != "kmajor_config"})
         if out is not None:
             return tuple(a[:, None] for a in out)
     if layout.fused_qkv:
-        qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul)
+        qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul, tuning=tuning)
         if _heads_kernel(heads, cfg, layout, T):
             cos, sin = rope_cos_sin(positions, cfg)
             q, k, v = heads_kernels.norm_rope_heads(
@@ -393,8 +397,8 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
-        q, = _normed_matmuls(x, norm, (w["wq"],), cfg, matmul)
-        k, v = _normed_matmuls(x, norm, (w["wk"], w["wv"]), cfg, matmul)
+        q, = _normed_matmuls(x, norm, (w["wq"],), cfg, matmul, tuning=tuning)
+        k, v = _normed_matmuls(x, norm, (w["wk"], w["wv"]), cfg, matmul, tuning=tuning)
     q = q.reshape(B, T, cfg.num_q_heads, cfg.head_dim)
     k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -414,7 +418,7 @@ def attention_output_and_mlp(w: dict, cfg: ModelConfig, x, attn, moe: str = "xla
     (`skinny_matmul.matmul_epilogue`), "xla" leaves them to XLA's fusions."""
     B, T = attn.shape[:2]
     mm = functools.partial(skinny_matmul_kernels.matmul_epilogue, impl=matmul,
-                           fuse=epilogue == "fused", **_kmajor_tuning(tuning))
+                           fuse=epilogue == "fused", **_matmul_tuning(tuning))
     wo, t = layout.weight(w, "wo")
     x = mm(attn.reshape(B, T, -1).astype(x.dtype), (wo,), epilogue="residual", residual=x,
            transposed=t)

@@ -108,9 +108,10 @@ def _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi, impl, **write):
 
 def _tuned(options, kind=None) -> dict:
     """The GPU kernels' sweep points from `options.tuning` (defaults: the tuned kernels): the
-    dense ("dense") or sparse ("sparse") kernel's config, and dependent launches."""
+    dense ("dense") or sparse ("sparse") kernel's config, dependent launches and the Mosaic
+    kernels' unpadded query rows."""
     t = options.tuning
-    kw = dict(launch_dependents=t.launch_dependents)
+    kw = dict(launch_dependents=t.launch_dependents, zero_fill=t.zero_fill)
     if kind is not None:
         kw["config"] = t.dense_attention if kind == "dense" else t.sparse_attention
     return kw
@@ -301,7 +302,7 @@ def layer_step(carry: LayerCarry, xs, *, cfg, layout, options, attend, fused,
         else:
             q, k_new, v_new = attention_inputs(w, cfg, x, pos[:, None], heads=options.heads,
                                                matmul=options.matmul, layout=layout,
-                                               epilogue=options.epilogue)
+                                               epilogue=options.epilogue, tuning=options.tuning)
     with jax.named_scope("attend"):
         a = attend(q[:, 0], k_new[:, 0], v_new[:, 0], carry.k, carry.v, carry.sfi,
                    carry.slow_logits, l, pos, inputs.dense_rows, inputs.slots,

@@ -122,6 +122,31 @@ def test_sweep_points_change_how_not_what():
     assert rel_err(out, reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)) <= TOL[dtype]
 
 
+@pytest.mark.gpu
+def test_mosaic_zero_fill_matches_reference():
+    """The Mosaic kernels with `zero_fill` (KernelTuning.zero_fill): each query group read
+    unpadded, its rows past the group as TMA's zeros (interpret mode: out-of-bounds reads as
+    zeros); dense with logits (groups of 2) and sparse (groups of 2) against the reference."""
+    hq, hkv, d, s, dtype, lengths = 4, 2, 64, 192, jnp.bfloat16, [192, 65, 1]
+    ks = jax.random.split(jax.random.PRNGKey(77), 3)
+    q = normal(ks[0], (len(lengths), hq, d), dtype)
+    k, v = (normal(x, (len(lengths), hkv, s, d), dtype) for x in ks[1:])
+    lens = jnp.asarray(lengths, jnp.int32)
+    out, lg, lse = mgpu.dense_decode(q, k, v, lens, return_logits=True, config=MGPU_CFG,
+                                     interpret=gpu_interpret(), zero_fill=True)
+    r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True)
+    assert rel_err(out, r_out) <= TOL[dtype]
+    assert_close_logits(lg, r_lg, 1e-5)
+    assert_close_logits(lse, r_lse, 1e-5)
+    hq, hkv, d, s, c, dtype, c_len, rs, lengths = SPARSE_CASES[-1]
+    q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(78), b=len(lengths), hq=hq, hkv=hkv,
+                                     s=s, c=c, d=d, dtype=dtype)
+    c_len, rs, lens = (jnp.asarray(x, jnp.int32) for x in (c_len, rs, lengths))
+    out = mgpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, config=MGPU_CFG,
+                             interpret=gpu_interpret(), zero_fill=True)
+    assert rel_err(out, reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)) <= TOL[dtype]
+
+
 def _stacked_case(seed, n_keys, dtype):
     """Three query rows [3, 8, 64] and a stacked cache k, v [3 layers, 4, 2, 200, 64], and the
     split keys (the first three made them)."""
@@ -711,6 +736,12 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
             (q, kv, kv, vec)),
         "sparse": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        # the query groups read unpadded (KernelTuning.zero_fill)
+        "dense_logits_zero_fill": (lambda q, k, v, n: mgpu.dense_decode(
+            q, k, v, n, jnp.int32(0), return_logits=True, zero_fill=True), (q, kv, kv, vec)),
+        "sparse_zero_fill": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
+            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, zero_fill=True),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
         "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
             q, k, v, a, n, jnp.int32(1), return_logits=True),

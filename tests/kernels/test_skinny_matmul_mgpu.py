@@ -130,9 +130,10 @@ def test_kernel_lowers_for_cuda(name, k, n, n_w):
         text = jax.jit(lambda x, ws: mgpu.skinny_matmul_partials(x, ws)).trace(x, ws).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
-    # with programmatic dependent launch: the wait and the signal lower too
+    # with programmatic dependent launch (the wait and the signal lower too), rows unpadded
     text = jax.jit(lambda x, ws: mgpu.skinny_matmul_partials(
-        x, ws, launch_dependents=True)).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
+        x, ws, launch_dependents=True, zero_fill=True)).trace(x, ws).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
 
 
@@ -199,12 +200,12 @@ def test_fused_kernel_plans_and_lowers_for_cuda(name, k, n, n_w):
         cs, nw = sds((4, 64), jnp.float32), sds((128,), bf)
         fn = jax.jit(lambda x, ws, cs, nw: mgpu.skinny_matmul_heads(
             x, ws[0], cs, cs, nw, nw, num_q_heads=hq, num_kv_heads=(n // 128 - hq) // 2,
-            launch_dependents=True))
+            launch_dependents=True, zero_fill=True))
         text = fn.trace(x, ws, cs, nw).lower(lowering_platforms=("cuda",)).as_text()
     else:
         text = jax.jit(lambda x, ws, r: mgpu.skinny_matmul_fused(
             x, ws, epilogue=epilogue, residual=r if epilogue == "residual" else None,
-            launch_dependents=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
+            launch_dependents=True, zero_fill=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -250,6 +251,41 @@ def test_heads_epilogue_matches_numpy(rows, qk_norm):
     for got, ref, shape in zip((q, kk, v), want, ((rows, hq, d), (rows, hkv, d), (rows, hkv, d))):
         assert got.shape == shape and got.dtype == jnp.bfloat16
         assert rel_err(got, ref) <= 8e-3  # (the norm's and the output's bf16 roundings)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("xla_fast_compile")
+def test_zero_fill_reads_the_same():
+    """`zero_fill=True` (KernelTuning.zero_fill): the rows are read unpadded, TMA filling the
+    rows past the array's end with zeros (interpret mode: Mosaic GPU's out-of-bounds reads as
+    zeros), and every kernel gives the padded read's result: the partials (6 rows of 8), the
+    residual epilogue (3 rows: x and the residual unpadded) and the heads' (3 rows: x, cos and
+    sin unpadded)."""
+    rows, k, n, n_w, cfg = _CASES["6rows-pair"]
+    x, ws = _inputs(71, rows, k, n, n_w)
+    parts = mgpu.skinny_matmul_partials(x, ws, interpret=gpu_interpret(), config=cfg,
+                                        zero_fill=True)
+    for part, ref in zip(parts, _reference(x, ws)):
+        assert rel_err(np.asarray(part).sum(axis=0), ref) <= TOL
+    rows, k, n, cfg = _FUSED_CASES["3rows-4splits"]
+    x, ws = _inputs(72, rows, k, n, 1)
+    res = jnp.asarray(host_rng(73).standard_normal((rows, n), dtype=np.float32), jnp.bfloat16)
+    kw = dict(epilogue="residual", residual=res, interpret=gpu_interpret(), config=cfg)
+    want = mgpu.skinny_matmul_fused(x, ws, **kw)
+    assert rel_err(want, np.asarray(res.astype(jnp.float32), np.float64)
+                   + _rounded_products(x, ws)[0]) <= 4e-3
+    np.testing.assert_array_equal(np.asarray(mgpu.skinny_matmul_fused(x, ws, zero_fill=True,
+                                                                      **kw)), np.asarray(want))
+    hq, hkv, d = 2, 1, 64
+    x, (w,) = _inputs(74, 3, 256, (hq + 2 * hkv) * d, 1)
+    cos, sin = (jnp.asarray(host_rng(75 + i).uniform(-1, 1, (3, d // 2)), jnp.float32)
+                for i in range(2))
+    nw = jnp.ones((d,), jnp.bfloat16)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, interpret=gpu_interpret(),
+              config=mgpu.Config(block_k=64, stages=2, programs=8))
+    for a, b in zip(mgpu.skinny_matmul_heads(x, w, cos, sin, nw, nw, **kw),
+                    mgpu.skinny_matmul_heads(x, w, cos, sin, nw, nw, zero_fill=True, **kw)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_fused_refuses_bad_arguments():
