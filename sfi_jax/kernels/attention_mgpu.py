@@ -63,6 +63,16 @@ def interpret_params():
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
+def compiler_params(approx_math=False, lane=False):
+    """Mosaic GPU compiler params with the lowering semantics pinned: jax 0.10 lowers with
+    Lane semantics by default and jax 0.11 with Warpgroup semantics (layout inference), so a
+    kernel lowered for CUDA on a CPU here (0.10) is lowered as on the GPU (0.11). Warpgroup,
+    except for a kernel written for Lane's explicit layouts (lane=True: the matmul's fused
+    epilogues, whose layouts Warpgroup inference finds no solution for)."""
+    semantics = plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup
+    return plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=semantics)
+
+
 def supported(q, k, ck=None) -> bool:
     """Whether the tensor-core kernels take these inputs (else the Triton twin runs): half
     precision, head dim 64/128/256, GQA groups up to 64, a cache length S a multiple of 8 (TMA
@@ -465,7 +475,7 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
     return plgpu.kernel(
         body, out_type=out_type,
         grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else False,
     )(*args)
 

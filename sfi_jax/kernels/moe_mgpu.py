@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, interpret_params
+from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, compiler_params, interpret_params
 from sfi_jax.kernels.common import swiglu_rounded
 from sfi_jax.kernels.skinny_matmul_mgpu import (_GRAIN, MAX_ROWS, _divisor_block, rows8_of,
                                                 smem_bytes, stream_product)
@@ -126,7 +126,7 @@ def _expert_matmul(ids, x, weights, n_experts, config, interpret):
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((n_slots, rows8, n), weights[0].dtype),
         grid=(n_slots, n // bn), grid_names=("l", "j"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else False,
     )(ids, x, *weights)
 

@@ -327,7 +327,7 @@ def prefill_attention(q, k, v, q_start, kv_len, layer=None, row=None, *, interpr
         kernel, out_type=jax.ShapeDtypeStruct((b, hkv, tp * group, d), k.dtype),
         scratch_types=scratch,
         grid=(b, hkv, nq), grid_names=("b", "h", "q"), **threads,
-        compiler_params=plgpu.CompilerParams(approx_math=cfg.warpgroups == 2),
+        compiler_params=base.compiler_params(approx_math=cfg.warpgroups == 2),
         interpret=base.interpret_params() if interpret else False,
     )(cache_origin(layer_arr, row), q_start.astype(jnp.int32), kv_len.astype(jnp.int32), qg,
       k, v)

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import interpret_params
+from sfi_jax.kernels.attention_mgpu import compiler_params, interpret_params
 from sfi_jax.kernels.common import sortable_keys
 
 RADIX_BITS = (1, 2, 4)  # as the Triton twin: 1, 3 or 15 counters per thread and position
@@ -115,7 +115,7 @@ def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, sta
                           interpret=interpret),
         out_type=jax.ShapeDtypeStruct((n_rows, _LANES), jnp.uint32),
         grid=(n_rows,), grid_names=("n",),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else False,
     )(x)
     return out[:, 0]

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, interpret_params
+from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, compiler_params, interpret_params
 from sfi_jax.kernels.common import signals_dependents
 
 _M = 64  # wgmma's M per warpgroup: the rows are computed as 64
@@ -315,7 +315,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
         kernel,
         out_type=[jax.ShapeDtypeStruct((p.n_splits, m, n), jnp.float32)] * len(weights),
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else False,
     )(xp, *weights)
     return tuple(out)
@@ -511,7 +511,7 @@ def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launc
     out = plgpu.kernel(
         kernel, out_type=list(outs) + [parts] * len(weights),
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=compiler_params(lane=True),  # (Warpgroup: no layout solution)
         interpret=interpret_params() if interpret else False,
     )(_rows8(x.astype(dtype), m, rows8, zero_fill), *weights, *ins)
     return out[:len(outs)]
