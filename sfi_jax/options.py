@@ -58,7 +58,7 @@ class KernelTuning:
     zero_fill: the Mosaic GPU kernels read their few rows (the decode attention's query
         groups, the matmul twin's rows) unpadded, TMA filling the rows past an array's end
         with zeros, instead of after an XLA pad to the tile (64 and 8 rows): fewer launches a
-        step. Off until measured on a GPU.
+        step. Off: correct on the H100 but no faster there (docs/findings.md).
     """
 
     dense_attention: object = None
@@ -177,14 +177,15 @@ class EngineOptions:
 
         matmul = pick(self.matmul, "by_shape" if triton_kernels else
                       "mosaic_by_shape" if gpu_kernels and mosaic else "xla")
-        # the Mosaic twin's fused epilogues only when asked for, until measured on a GPU
+        # the Mosaic twin's fused epilogues only when asked for: slower on the H100 (findings.md)
         epilogue = pick(self.epilogue, "fused" if triton_kernels
                         and matmul not in skinny_matmul.MOSAIC_ROWS else "xla")
         return dataclasses.replace(
             self, attention=attention,
             prefill_attention=pick(self.prefill_attention, common.platform_prefill(p)),
             selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu and triton else "xla"),
-            selector_topk=pick(self.selector_topk, ("radix_kernel" if triton else "radix")
+            selector_topk=pick(self.selector_topk, ("radix_kernel" if triton else
+                                                    "radix_mosaic_gpu" if mosaic else "radix")
                                if gpu else "lax"),
             moe=pick(self.moe, "tokens" if triton_kernels else
                      "mosaic_gpu" if gpu_kernels and mosaic else "xla"),

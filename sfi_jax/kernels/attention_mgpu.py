@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -71,6 +72,19 @@ def compiler_params(approx_math=False, lane=False):
     epilogues, whose layouts Warpgroup inference finds no solution for)."""
     semantics = plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup
     return plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=semantics)
+
+
+# jax 0.10's plgpu.load takes the index as its second argument; 0.11 deprecates it (the ref
+# comes indexed)
+_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
+def load(ref, layout, optimized=True):
+    """All of ref (a shared-memory ref) into registers in `layout`, on jax 0.10 and 0.11."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def supported(q, k, ck=None) -> bool:

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import compiler_params, interpret_params
+from sfi_jax.kernels.attention_mgpu import compiler_params, interpret_params, load
 from sfi_jax.kernels.common import sortable_keys
 
 RADIX_BITS = (1, 2, 4)  # as the Triton twin: 1, 3 or 15 counters per thread and position
@@ -55,7 +55,7 @@ def _zeros(shape, interpret):
 
 
 def _load(x_smem, interpret):
-    return x_smem[...] if interpret else plgpu.load(x_smem, (), layout=_layout(x_smem.shape))
+    return x_smem[...] if interpret else load(x_smem, _layout(x_smem.shape))
 
 
 def _kernel(x_ref, out_ref, *, k, radix_bits, n_blocks, blk, pad, stages, interpret):

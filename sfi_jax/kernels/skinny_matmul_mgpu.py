@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, compiler_params, interpret_params
+from sfi_jax.kernels.attention_mgpu import load as load_all
 from sfi_jax.kernels.common import signals_dependents
 
 _M = 64  # wgmma's M per warpgroup: the rows are computed as 64
@@ -382,7 +383,7 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights
         if not sync:
             return ref[...]
         layout = layout or plgpu.Layout.WG_STRIDED(tuple(ref.shape), 2)
-        return plgpu.load(ref, (), layout=layout, optimized=False)
+        return load_all(ref, layout, optimized=False)
 
     def totals(acc_smem):  # the products [rows8, bn], rounded as the unfused path rounds them
         out = []
