@@ -4,6 +4,7 @@ selector (scores + top-k) for one layer.
 
     python scripts/bench/bench_selector.py            # 8/48 rows x {16K, 128K}, k=2048
     python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2
+    python scripts/bench/bench_selector.py --cases 224x32768 --no-select --impls lax --kth-configs 0:3,8192:4
     python scripts/bench/bench_selector.py --smoke    # tiny sizes, for a CPU check
 """
 
@@ -24,6 +25,29 @@ from sfi_jax.config import SFIConfig  # noqa: E402
 from sfi_jax.selector import select, selector_scores, topk_positions  # noqa: E402
 
 
+def time_kth(scores, args, record):
+    """The radix search alone: the Triton kernel and each Mosaic GPU config, each checked
+    against the jnp search's keys."""
+    from sfi_jax.kernels import selector_gpu, selector_mgpu, selector_reference
+    from sfi_jax.kernels.common import interpret_for, sortable_keys
+
+    rows, size = scores.shape
+    want = np.asarray(selector_reference.kth_largest_key(sortable_keys(scores), args.k, 2))
+    off_gpu = interpret_for("mosaic_gpu")  # (interpret mode off the GPU: a smoke run)
+    arms = [("kth_triton/2", lambda s: selector_gpu.kth_largest_key(s, args.k, radix_bits=2,
+                                                                    interpret=off_gpu))]
+    for item in args.kth_configs.split(","):
+        copy, stages = (int(v) for v in item.split(":"))
+        cfg = selector_mgpu.Config(copy=copy or None, stages=stages)
+        arms.append((f"kth_mgpu/{copy}:{stages}", lambda s, cfg=cfg: selector_mgpu.kth_largest_key(
+            s, args.k, radix_bits=2, config=cfg, interpret=off_gpu)))
+    for name, f in arms:
+        fn = jax.jit(f)
+        same = bool(np.array_equal(np.asarray(fn(scores)), want))
+        record("kth", name, rows, size, timeit(fn, scores, iters=args.iters,
+                                                repeats=args.repeats), same=same)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 48], help="B*Hkv rows for the top-k timing")
@@ -36,6 +60,11 @@ def main(argv=None):
     ap.add_argument("--cases", default=None,
                     help="ROWSxS list for the top-k timing, e.g. 224x32768 (default: --rows x --seq)")
     ap.add_argument("--no-select", action="store_true", help="time the top-k alone")
+    ap.add_argument("--kth-configs", default=None,
+                    help="also time the radix search alone (k-th largest key of every row, 2 "
+                         "bits per round): the Triton kernel, then the Mosaic GPU kernel per "
+                         "COPY:STAGES in this list (selector_mgpu.Config; 0 for COPY: one "
+                         "register tile), e.g. 0:3,8192:4")
     ap.add_argument("--heads", type=int, default=8, help="KV heads for the whole-selector timing")
     ap.add_argument("--group", type=int, default=4, help="query rows R per KV head (decode: GQA group)")
     ap.add_argument("--iters", type=int, default=20)
@@ -79,6 +108,8 @@ def main(argv=None):
             got = np.asarray(fn(scores))
             record("topk", name, rows, size, timeit(fn, scores, iters=args.iters, repeats=args.repeats),
                    same=bool(np.array_equal(got, want)))
+        if args.kth_configs:
+            time_kth(scores, args, record)
     for size in [] if args.no_select else args.seq:
         # The whole selector for one refreshed sequence and one layer (B=1, all KV heads).
         sfi = SFIConfig(k_select=args.k)

@@ -35,7 +35,8 @@
 #                                      padded and not
 #                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
-#                                      (224 x 32K and 288 x 128K rows), then qwen3-0.6b decode at
+#                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
+#                                      stages swept), then qwen3-0.6b decode at
 #                                      32K without Triton, with and without the twin
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
@@ -146,8 +147,8 @@ PY
     bash "$0" notriton 32768 1 "no_triton_fused no_triton no_triton_zf no_triton_fused_zf" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
-      --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/1,radix_mosaic_gpu/2,radix_mosaic_gpu/4 \
-      --json "$OUT/topk_ab.json" 2>&1 | tail -14
+      --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
+      --kth-configs 0:3,0:6,8192:3,8192:4,16384:3,32768:2 --json "$OUT/topk_ab.json" 2>&1 | tail -20
     MODEL=qwen3-0.6b bash "$0" notriton 32768 "${2:-16}" "no_triton no_triton_topk" ;;
   notriton)
     for ctx in ${2:-32768 131072}; do

@@ -13,6 +13,7 @@ Off a GPU the kernel runs in Mosaic GPU's interpret mode (`attention_mgpu.interp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,14 +32,28 @@ _MAX_BLOCK = 4096
 _ZERO_KEY = 0x80000000  # sortable_keys(0.0): the key of a pad
 
 
-def block_of(s_len: int, radix_bits: int) -> int:
-    """Positions per pipeline step: the largest power of two up to the counters' budget that
-    divides the (padded) row, at least one key per thread."""
+def block_of(s_len: int, radix_bits: int, most: int | None = None) -> int:
+    """Positions counted at once (the register tile): the largest power of two up to the
+    counters' budget (or `most`) that divides the (padded) row, at least one key per thread."""
     digits = (1 << radix_bits) - 1
+    top = min(_MAX_BLOCK, _COUNTERS // digits) if most is None else most
     blk = _LANES
-    while (blk * 2 <= min(_MAX_BLOCK, _COUNTERS // digits) and s_len % (blk * 2) == 0):
+    while blk * 2 <= top and s_len % (blk * 2) == 0:
         blk *= 2
     return blk
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """copy: positions per TMA copy (a pipeline step; None: one register tile), counted a
+    register tile at a time; stages: copies in flight. More bytes in flight hide more of the
+    L2's latency (each round re-reads the row from there)."""
+
+    copy: int | None = None
+    stages: int = 3
+
+
+DEFAULT = Config()
 
 
 def _layout(shape):
@@ -58,21 +73,27 @@ def _load(x_smem, interpret):
     return x_smem[...] if interpret else load(x_smem, _layout(x_smem.shape))
 
 
-def _kernel(x_ref, out_ref, *, k, radix_bits, n_blocks, blk, pad, stages, interpret):
+def _kernel(x_ref, out_ref, *, k, radix_bits, n_copies, copy, tile, pad, stages, interpret):
     """Row n's k-th largest key, radix_bits per round, written to out[n, :] (all lanes)."""
     n = lax.axis_index("n")
     digits = range(1, 1 << radix_bits)
-    shape = (blk // _LANES, _LANES)  # a TMA box has at most 256 elements a dimension
+    shape = (tile // _LANES, _LANES)  # a TMA box has at most 256 elements a dimension
     prefix = jnp.uint32(0)  # count(keys >= prefix) >= k holds throughout
     for shift in range(32 - radix_bits, -1, -radix_bits):
         cands = [prefix + jnp.uint32(d << shift) for d in digits]
 
         def count(_, x_smem, counters, cands=cands):
-            keys = sortable_keys(_load(x_smem, interpret))
-            return tuple(c + jnp.where(keys >= cand, 1, 0) for c, cand in zip(counters, cands))
+            def tile_counts(t, counters):
+                rows = x_smem.at[pl.ds(t * shape[0], shape[0])]
+                keys = sortable_keys(_load(rows, interpret))
+                return tuple(c + jnp.where(keys >= cand, 1, 0)
+                             for c, cand in zip(counters, cands))
+
+            return lax.fori_loop(0, copy // tile, tile_counts, counters)
 
         counters = plgpu.emit_pipeline(
-            count, grid=(n_blocks,), in_specs=[pl.BlockSpec(shape, lambda i: (i, 0))],
+            count, grid=(n_copies,),
+            in_specs=[pl.BlockSpec((copy // _LANES, _LANES), lambda i: (i, 0))],
             max_concurrent_steps=stages,
             init_carry=tuple(_zeros(shape, interpret) for _ in digits),
         )(x_ref.at[n])
@@ -93,10 +114,12 @@ def _kernel(x_ref, out_ref, *, k, radix_bits, n_blocks, blk, pad, stages, interp
     pl.run_scoped(store, plgpu.SMEM((_LANES,), jnp.uint32))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "radix_bits", "interpret", "stages"))
-def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, stages=3):
+@functools.partial(jax.jit, static_argnames=("k", "radix_bits", "interpret", "config"))
+def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, config=None):
     """The k-th largest sortable key (`kernels.common.sortable_keys`) of each row of float32
-    scores [N, S], uint32 [N]: selector_gpu.kth_largest_key's radix search on Mosaic GPU."""
+    scores [N, S], uint32 [N]: selector_gpu.kth_largest_key's radix search on Mosaic GPU.
+    config: a Config (None: DEFAULT)."""
+    cfg = config or DEFAULT
     if radix_bits not in RADIX_BITS:
         raise ValueError(f"radix_bits must be one of {RADIX_BITS}, got {radix_bits!r}")
     n_rows, s_len = scores.shape
@@ -106,12 +129,17 @@ def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, sta
     pad = -s_len % _LANES
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))
-    blk = block_of(s_len + pad, radix_bits)
-    n_blocks = (s_len + pad) // blk
-    x = x.reshape(n_rows, (s_len + pad) // _LANES, _LANES)  # [N, S / 128, 128]: no copy
+    size = s_len + pad
+    tile = block_of(size, radix_bits)
+    copy = tile if cfg.copy is None else max(tile, block_of(size, radix_bits, cfg.copy))
+    if copy // _LANES > 256 or cfg.stages < 1:
+        raise ValueError(f"selector_mgpu {cfg}: a copy of at most {256 * _LANES} positions "
+                         "(TMA's 256 rows of 128) and at least one stage")
+    n_copies = size // copy
+    x = x.reshape(n_rows, size // _LANES, _LANES)  # [N, S / 128, 128]: no copy
     out = plgpu.kernel(
-        functools.partial(_kernel, k=k, radix_bits=radix_bits, n_blocks=n_blocks, blk=blk,
-                          pad=pad, stages=max(1, min(stages, n_blocks)),
+        functools.partial(_kernel, k=k, radix_bits=radix_bits, n_copies=n_copies, copy=copy,
+                          tile=tile, pad=pad, stages=max(1, min(cfg.stages, n_copies)),
                           interpret=interpret),
         out_type=jax.ShapeDtypeStruct((n_rows, _LANES), jnp.uint32),
         grid=(n_rows,), grid_names=("n",),

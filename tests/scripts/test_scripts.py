@@ -320,6 +320,13 @@ def test_bench_selector_topk_smoke(tmp_path, xla_fast_compile):
     rows = json.loads(out.read_text())["results"]
     assert [r["impl"] for r in rows] == ["lax", "radix/4", "radix_kernel/2"]
     assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)
+    # the radix search alone: the Triton kernel and two Mosaic GPU configs, checked against jnp
+    load("bench/bench_selector.py").main(["--smoke", "--no-select", "--cases", "2x2048",
+                                          "--impls", "lax", "--kth-configs", "0:2,2048:1",
+                                          "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in rows] == ["lax", "kth_triton/2", "kth_mgpu/0:2", "kth_mgpu/2048:1"]
+    assert all(r["same_as_lax"] and r["us"] > 0 for r in rows)
 
 
 def test_bench_skinny_matmul_smoke_and_report(tmp_path, xla_fast_compile):
