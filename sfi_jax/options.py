@@ -184,8 +184,9 @@ class EngineOptions:
             self, attention=attention,
             prefill_attention=pick(self.prefill_attention, common.platform_prefill(p)),
             selector_scores=pick(self.selector_scores, "pallas_gpu" if gpu and triton else "xla"),
-            selector_topk=pick(self.selector_topk, ("radix_kernel" if triton else
-                                                    "radix_mosaic_gpu" if mosaic else "radix")
+            # the Mosaic twin where it runs (as fast as Triton's or faster: findings.md)
+            selector_topk=pick(self.selector_topk, ("radix_mosaic_gpu" if mosaic else
+                                                    "radix_kernel" if triton else "radix")
                                if gpu else "lax"),
             moe=pick(self.moe, "tokens" if triton_kernels else
                      "mosaic_gpu" if gpu_kernels and mosaic else "xla"),

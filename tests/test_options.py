@@ -60,7 +60,7 @@ def test_resolved_per_platform(monkeypatch):
     assert mixed.resolved("gpu").moe == "xla" and mixed.resolved("gpu").unroll is True
     assert gpu.resolved("cpu") == gpu and gpu.is_resolved and not EngineOptions().is_resolved
     assert len({gpu, cpu, tpu, EngineOptions().resolved("gpu")}) == 3
-    assert resolve("selector_topk", "auto", "gpu") == "radix_kernel"
+    assert resolve("selector_topk", "auto", "gpu") == "radix_kernel"  # (hopper() is False)
     # on a mesh GSPMD partitions the heads, the matmuls, the experts and the prefill attention:
     # XLA's, whatever was asked; the kernels under shard_map keep theirs
     mesh = EngineOptions(heads="kernel", matmul="kernel").resolved("gpu", mesh=object())

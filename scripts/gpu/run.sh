@@ -23,7 +23,7 @@
 #                                      no_triton_fused (the Mosaic matmul's epilogues fused),
 #                                      no_triton_zf, no_triton_fused_zf (rows unpadded: TMA's
 #                                      zero fill, KernelTuning.zero_fill),
-#                                      no_triton_topk (the top-k's Mosaic GPU twin),
+#                                      triton_topk (the top-k's Triton kernel, not its twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
 #                                      MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
@@ -37,7 +37,7 @@
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
-#                                      32K without Triton, with and without the twin
+#                                      32K with the twin (the default) and with Triton's kernel
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -54,7 +54,8 @@ git log --oneline -1 2>/dev/null || true
 # the bench_e2e options of a named arm (into the array `extra`): the choices "auto" makes on a
 # jax without the Triton lowering, or one of them at a time beside the defaults' others
 arm_opts() {
-  local no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla --opt selector_topk=radix
+  local no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla
+                   --opt selector_topk=radix_mosaic_gpu
                    --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla
                    --opt matmul=mosaic_by_shape --opt epilogue=xla)
   case "$1" in
@@ -68,8 +69,8 @@ arm_opts() {
     no_triton_fused_zf) extra=("${no_triton[@]}" --opt epilogue=fused --zero-fill) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
-    # the top-k's radix search in its Mosaic GPU kernel
-    no_triton_topk) extra=("${no_triton[@]}" --opt selector_topk=radix_mosaic_gpu) ;;
+    # the top-k's radix searches in the Triton kernel (the default: its Mosaic GPU twin)
+    triton_topk) extra=(--opt selector_topk=radix_kernel) ;;
     mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;
     xla_matmul) extra=(--opt matmul=xla --opt epilogue=xla) ;;
     xla_small) extra=(--opt selector_scores=xla --opt selector_topk=radix --opt heads=xla
@@ -148,8 +149,8 @@ PY
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
-      --kth-configs 0:3,0:6,8192:3,8192:4,16384:3,32768:2 --json "$OUT/topk_ab.json" 2>&1 | tail -20
-    MODEL=qwen3-0.6b bash "$0" notriton 32768 "${2:-16}" "no_triton no_triton_topk" ;;
+      --kth-configs 0:3,8192:3,8192:4,16384:2 --json "$OUT/topk_ab.json" 2>&1 | tail -20
+    MODEL=qwen3-0.6b bash "$0" notriton 32768 "${2:-16}" "defaults triton_topk" ;;
   notriton)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import compiler_params, interpret_params, load
+from sfi_jax.kernels.attention_mgpu import SMEM_BYTES, compiler_params, interpret_params, load
 from sfi_jax.kernels.common import sortable_keys
 
 RADIX_BITS = (1, 2, 4)  # as the Triton twin: 1, 3 or 15 counters per thread and position
@@ -53,7 +53,7 @@ class Config:
     stages: int = 3
 
 
-DEFAULT = Config()
+DEFAULT = Config(copy=8192, stages=3)  # H100 sweep: docs/findings.md
 
 
 def _layout(shape):
@@ -132,9 +132,10 @@ def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, con
     size = s_len + pad
     tile = block_of(size, radix_bits)
     copy = tile if cfg.copy is None else max(tile, block_of(size, radix_bits, cfg.copy))
-    if copy // _LANES > 256 or cfg.stages < 1:
+    if copy // _LANES > 256 or cfg.stages < 1 or copy * 4 * cfg.stages > SMEM_BYTES:
         raise ValueError(f"selector_mgpu {cfg}: a copy of at most {256 * _LANES} positions "
-                         "(TMA's 256 rows of 128) and at least one stage")
+                         f"(TMA's 256 rows of 128), at least one stage, and the copies in "
+                         f"flight within {SMEM_BYTES} B of shared memory")
     n_copies = size // copy
     x = x.reshape(n_rows, size // _LANES, _LANES)  # [N, S / 128, 128]: no copy
     out = plgpu.kernel(

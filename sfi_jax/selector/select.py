@@ -184,7 +184,8 @@ _RADIX_KERNELS = {"radix_kernel": "pallas_gpu", "radix_mosaic_gpu": "mosaic_gpu"
 def topk_positions(scores, k: int, *, impl: str = "lax", radix_bits: int | None = None):
     """Positions of the k largest finite scores per row, ascending, padded with -1. [..., k].
 
-    impl "lax" uses lax.top_k; "auto" is "radix_kernel" on GPU, else "lax"; "threshold" avoids a
+    impl "lax" uses lax.top_k; "auto" as `EngineOptions.selector_topk` resolves it (a GPU kernel
+    on GPU, else "lax"); "threshold" avoids a
     full top-k over long rows: a threshold read off a strided sample keeps ~1.4 k candidates,
     which lax.top_k ranks, and where a row keeps too few or too many it finds the exact k-th
     largest value by a radix search on the float bits and compacts the positions above it.

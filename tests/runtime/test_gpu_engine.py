@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import sfi_jax
+from sfi_jax.kernels import common
 from conftest import (TINY_EOS, assert_same_greedy, fast_compile, make_hf_checkpoint, on_gpu,
                       rel_err)
 from sfi_jax.options import EngineOptions
@@ -89,9 +90,10 @@ def _assert_same(gpu, ref, what, tol=1e-4):
 def test_gpu_defaults_use_the_kernels():
     """What the comparisons below exercise: the platform's defaults are the Triton kernels."""
     o = GPU.resolved()
-    assert (o.attention, o.selector_scores, o.selector_topk, o.selector_adjust, o.heads,
-            o.repack, o.moe) == ("pallas_gpu", "pallas_gpu", "radix_kernel", "kernel", "kernel",
-                                 "kernel", "tokens")
+    assert (o.attention, o.selector_scores, o.selector_adjust, o.heads, o.repack, o.moe) == \
+        ("pallas_gpu", "pallas_gpu", "kernel", "kernel", "kernel", "tokens")
+    # the top-k's Mosaic GPU twin on a Hopper, its Triton kernel elsewhere
+    assert o.selector_topk == ("radix_mosaic_gpu" if common.hopper() else "radix_kernel")
 
 
 @pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])

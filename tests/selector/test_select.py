@@ -269,6 +269,10 @@ def test_kth_largest_key_kernel_matches_jnp(bits, kernel):
         selector_gpu.kth_largest_key(jnp.asarray(x), 5, radix_bits=8, interpret=True)
     with pytest.raises(ValueError, match="k=0"):
         selector_gpu.kth_largest_key(jnp.asarray(x), 0, interpret=True)
+    if kernel == "selector_mgpu":  # copies in flight beyond one CTA's shared memory
+        with pytest.raises(ValueError, match="shared memory"):
+            selector_gpu.kth_largest_key(jnp.zeros((1, 65536)), 5, interpret=True,
+                                         config=selector_gpu.Config(copy=32768, stages=2))
 
 
 def test_window_max_against_loop():
