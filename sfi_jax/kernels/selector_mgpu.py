@@ -2,11 +2,12 @@
 lowering (the twin of selector_gpu's `kth_largest_key`, Triton).
 
 One CTA (one warpgroup) per row. Each radix round streams the row from global to shared
-memory with TMA (`stages` blocks in flight; after the first round the row comes from L2) and
-counts, for each of the round's candidate digits, the keys at or above it in per-thread
-registers; one reduction per digit ends the round. So a round reads the row once, whatever
-the number of digits. A row whose length no block divides is padded with zeros, whose keys
-are then taken off the counts, so no position mask is needed in the loop.
+memory with TMA (copies of `Config.copy` positions, `stages` in flight; after the first round
+the row comes from L2) and counts, a register tile at a time, the keys at or above each of the
+round's candidate digits in per-thread registers; one reduction per digit ends the round. So
+a round reads the row once, whatever the number of digits. A row whose length 128 does not
+divide is padded with zeros, whose keys are then taken off the counts, so no position mask is
+needed in the loop.
 
 Off a GPU the kernel runs in Mosaic GPU's interpret mode (`attention_mgpu.interpret_params`).
 """
