@@ -26,7 +26,7 @@ SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel", "radix_mosaic_gpu")
 SELECTOR_ADJUST = ("xla", "kernel")
 MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
-HEADS = ("auto", "kernel", "xla")
+HEADS = ("auto", "kernel", "mosaic_gpu", "xla")
 REPACK = ("auto", "kernel", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "mosaic_gpu", "mosaic_by_shape", "xla")
@@ -91,7 +91,9 @@ class EngineOptions:
     moe: expert matmuls: "tokens" (Triton, per-expert tiles of all of a step's tokens),
         "kernel" (Triton, grouped over expert-sorted rows), "xla" (`lax.ragged_dot`) or
         "mosaic_gpu" (the Mosaic GPU twin of "tokens": one program per touched expert).
-    heads: a decode step's q/k norm + rope: "kernel" (one Triton launch) or "xla".
+    heads: a decode step's q/k norm + rope: "kernel" (one Triton launch), "mosaic_gpu" (one
+        Mosaic GPU launch, Hopper: up to 64 half-precision rows, head dim a multiple of 64)
+        or "xla".
     repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
     refresh: the refresh slots' dense read: "unconditional" (every step that may refresh rows;
         the GPU kernel skips empty slots; steps in which no row wants a refresh run without it,

@@ -24,6 +24,7 @@
 #                                      no_triton_zf, no_triton_fused_zf (rows unpadded: TMA's
 #                                      zero fill, KernelTuning.zero_fill),
 #                                      triton_topk (the top-k's Triton kernel, not its twin),
+#                                      no_triton_heads (the heads' Mosaic GPU twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
 #                                      MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
@@ -69,6 +70,8 @@ arm_opts() {
     no_triton_fused_zf) extra=("${no_triton[@]}" --opt epilogue=fused --zero-fill) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
+    # the heads' norm + rope in one Mosaic GPU launch (heads_mgpu) instead of XLA's fusions
+    no_triton_heads) extra=("${no_triton[@]}" --opt heads=mosaic_gpu) ;;
     # the top-k's radix searches in the Triton kernel (the default: its Mosaic GPU twin)
     triton_topk) extra=(--opt selector_topk=radix_kernel) ;;
     mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;

@@ -335,10 +335,14 @@ def apply_rope(x, positions, cfg: ModelConfig):
 
 
 def _heads_kernel(heads: str, cfg: ModelConfig, layout: WeightLayout, T: int):
-    """Whether one decode step's heads come from the GPU kernel (kernels.heads_gpu): asked for,
-    fused q/k/v weights, one position per row, a supported head dim."""
-    return (heads == "kernel" and T == 1 and layout.fused_qkv
-            and heads_kernels.supported(cfg.head_dim))
+    """The kernel that makes one decode step's heads ("kernel": heads_gpu, Triton;
+    "mosaic_gpu": heads_mgpu, whose dispatch sends inputs it does not take to jnp), or None
+    (jnp): asked for, fused q/k/v weights, one position per row, a head dim it takes."""
+    if T != 1 or not layout.fused_qkv:
+        return None
+    if heads == "kernel" and heads_kernels.supported(cfg.head_dim):
+        return "kernel"
+    return "mosaic_gpu" if heads == "mosaic_gpu" and cfg.head_dim % 64 == 0 else None
 
 
 def _matmul_tuning(tuning) -> dict:
@@ -365,8 +369,9 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
     """One layer's q [B,T,Hq,D], k, v [B,T,Hkv,D] (normed and rotated), from the residual x;
     w: the layer's weights, stored as `layout` says.
 
-    heads: "xla" (jnp), or "kernel": a decode step (T = 1) with fused q/k/v weights norms and
-    rotates its heads in one Triton launch (interpret mode off the GPU).
+    heads: "xla" (jnp), or "kernel" / "mosaic_gpu": a decode step (T = 1) with fused q/k/v
+    weights norms and rotates its heads in one Triton / Mosaic GPU launch (interpret mode off
+    the GPU).
     matmul: the projections' `kernels.skinny_matmul` impl: "xla", "kernel" (the
     weight-streaming kernel for a decode step's few rows, the RMSNorm folded in), "by_shape"
     (the kernel where it was measured faster) or a Mosaic GPU twin's ("mosaic_gpu",
@@ -387,12 +392,14 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
             return tuple(a[:, None] for a in out)
     if layout.fused_qkv:
         qkv, = _normed_matmuls(x, norm, (w["wqkv"],), cfg, matmul, tuning=tuning)
-        if _heads_kernel(heads, cfg, layout, T):
+        impl = _heads_kernel(heads, cfg, layout, T)
+        if impl is not None:
             cos, sin = rope_cos_sin(positions, cfg)
             q, k, v = heads_kernels.norm_rope_heads(
                 qkv[:, 0], cos[:, 0], sin[:, 0], w.get("q_norm") if cfg.qk_norm else None,
                 w.get("k_norm") if cfg.qk_norm else None, num_q_heads=cfg.num_q_heads,
-                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, impl="kernel")
+                num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_norm_eps, impl=impl,
+                zero_fill=tuning is not None and tuning.zero_fill)
             return q[:, None], k[:, None], v[:, None]
         nq, nkv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
@@ -436,7 +443,7 @@ def fused_decode_layer(layout: WeightLayout, cfg: ModelConfig, rows: int, heads:
     the kernel (`decode_attention_inputs` / `decode_output_and_mlp`): asked for, the kernel
     for these rows, fused q/k/v weights and the heads kernel's head dim."""
     return (epilogue == "fused" and skinny_matmul_kernels.uses_fused(matmul, rows)
-            and _heads_kernel(heads, cfg, layout, 1))
+            and _heads_kernel(heads, cfg, layout, 1) == "kernel")
 
 
 def decode_attention_inputs(w: dict, cfg: ModelConfig, x, positions, sync, tuning=None):

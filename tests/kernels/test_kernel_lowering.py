@@ -184,6 +184,25 @@ def test_norm_rope_heads_kernel_exports_for_cuda(qk_norm):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_norm_rope_heads_mosaic_lowers_for_cuda(qk_norm):
+    """The heads' Mosaic GPU twin lowers for CUDA (Qwen3-4B's heads; 6 rows padded, or read
+    unpadded)."""
+    from sfi_jax.kernels import heads_mgpu
+
+    sds = jax.ShapeDtypeStruct
+    w = sds((128,), jnp.bfloat16) if qk_norm else None
+    for zero_fill in (False, True):
+        def fn(qkv, cos, sin, qn, kn, zero_fill=zero_fill):
+            return heads_mgpu.norm_rope_heads(qkv, cos, sin, qn, kn, num_q_heads=32,
+                                              num_kv_heads=8, eps=1e-6, zero_fill=zero_fill)
+
+        text = jax.jit(fn).trace(sds((6, 48 * 128), jnp.bfloat16), sds((6, 64), jnp.float32),
+                                 sds((6, 64), jnp.float32), w, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 def test_moe_kernels_export_for_cuda():
     """The grouped expert matmuls compile for CUDA at Qwen3-30B-A3B's expert shapes (16 tokens
     x top-8 of 128 experts): gate + up with the SiLU product, and down."""

@@ -561,6 +561,59 @@ def test_norm_rope_heads_kernel_matches_jnp(qk_norm, hq, hkv, d, dtype):
     assert not uses_kernel(split, x, pos, WeightLayout(split=True))
 
 
+@pytest.mark.parametrize("qk_norm, hq, hkv, d, rows",
+                         [(True, 4, 2, 64, 5), (False, 3, 1, 128, 1), (True, 2, 1, 64, 9)],
+                         ids=["qwen3-5rows", "llama-odd-heads-1row", "qwen3-9rows"])
+@pytest.mark.gpu
+def test_norm_rope_heads_mosaic_matches_jnp(qk_norm, hq, hkv, d, rows):
+    """The heads' Mosaic GPU twin (heads="mosaic_gpu", compiled on a GPU) against the model's
+    jnp path on fresh random bf16 weights and far-apart positions, its rows padded to 8 and
+    read unpadded (zero_fill); a wrong rotation would not pass; other inputs go to jnp."""
+    from sfi_jax.kernels import heads as heads_kernels
+    from sfi_jax.models.config import ModelConfig
+    from sfi_jax.models.modeling import WeightLayout, attention_inputs
+    from sfi_jax.options import KernelTuning
+
+    dtype, hidden = jnp.bfloat16, 64
+    cfg = ModelConfig(num_layers=1, hidden_size=hidden, intermediate_size=64, num_q_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, vocab_size=16, max_position_embeddings=1 << 18,
+                      rope_theta=1e6, qk_norm=qk_norm)
+    ks = jax.random.split(jax.random.key(hq * d + rows), 5)
+    w = {"attn_norm": 1 + 0.1 * normal(ks[0], (hidden,), dtype),
+         "wqkv": normal(ks[1], (hidden, (hq + 2 * hkv) * d), dtype) * 0.3}
+    if qk_norm:
+        w["q_norm"] = 1 + 0.3 * normal(ks[2], (d,), dtype)
+        w["k_norm"] = 1 + 0.3 * normal(ks[3], (d,), dtype)
+    x = normal(ks[4], (rows, 1, hidden), dtype)
+    fused = WeightLayout(split=True, fused_qkv=True)
+    pos = jnp.asarray([[p] for p in (777, 0, 1, 65536, 200003, 5, 9, 31, 4097)[:rows]],
+                      jnp.int32)
+    want = attention_inputs(w, cfg, x, pos, heads="xla", layout=fused)
+    for zero_fill in (False, True):
+        got = attention_inputs(w, cfg, x, pos, heads="mosaic_gpu", layout=fused,
+                               tuning=KernelTuning(zero_fill=zero_fill))
+        for name, a, b in zip("qkv", got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert rel_err(a, b) < 1e-2, (name, zero_fill, rel_err(a, b))
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # v: a copy
+    bad = attention_inputs(w, dataclasses.replace(cfg, rope_theta=1e4), x, pos, heads="xla",
+                           layout=fused)
+    assert rel_err(got[0], bad[0]) > 0.1
+    def launches_kernel(heads):  # (mpmd_map: plgpu.kernel's primitive)
+        return "mpmd_map" in str(jax.make_jaxpr(lambda x: attention_inputs(
+            w, cfg, x, pos, heads=heads, layout=fused))(x))
+
+    assert launches_kernel("mosaic_gpu") and not launches_kernel("xla")
+    # float32 rows: jnp's heads, the same values
+    qkv = normal(ks[1], (2, (hq + 2 * hkv) * d), jnp.float32)
+    cs = jnp.ones((2, d // 2), jnp.float32)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, eps=1e-6)
+    for a, b in zip(heads_kernels.norm_rope_heads(qkv, cs, cs, None, None, impl="mosaic_gpu",
+                                                  **kw),
+                    heads_kernels.norm_rope_heads(qkv, cs, cs, None, None, impl="xla", **kw)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ------------------------------------------------------------------ MoE grouped matmuls (GPU)
 
 @pytest.mark.parametrize("n, skew, dtype", [(5, False, jnp.float32), (6, False, jnp.bfloat16),
