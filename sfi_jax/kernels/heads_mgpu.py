@@ -39,6 +39,24 @@ def _rows8(m):
     return -(-m // 8) * 8
 
 
+def norm_rope_into(out_smem, x1, x2, nw_smem, cs_smem, read, *, d, eps, qk_norm, dt):
+    """A q or k head's rows from its float32 halves x1, x2 [64, D / 2] (wgmma's register
+    layout): RMS-normed over D by the norm's weight (nw_smem [64, D], one copy a row; rounded
+    to dt) when qk_norm, rotated by cos, sin (cs_smem [2, 64, D / 2]) and written to out_smem
+    [64, D] in dt. read(ref): a shared-memory ref into registers. Shared by this kernel and
+    `skinny_matmul_mgpu`'s fused heads epilogue."""
+    f32, half = jnp.float32, d // 2
+    y1, y2 = x1, x2
+    if qk_norm:
+        ss = jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)
+        inv = lax.broadcast_in_dim(lax.rsqrt(ss / d + eps), x1.shape, [0])
+        y1, y2 = ((y * inv * read(nw_smem.at[:, pl.ds(h * half, half)]).astype(f32))
+                  .astype(dt).astype(f32) for h, y in ((0, x1), (1, x2)))
+    cos, sin = (read(cs_smem.at[i]) for i in (0, 1))
+    out_smem.at[:, pl.ds(0, half)][...] = (y1 * cos - y2 * sin).astype(dt)
+    out_smem.at[:, pl.ds(half, half)][...] = (y2 * cos + y1 * sin).astype(dt)
+
+
 def _kernel(qkv_ref, cos_ref, sin_ref, *refs, hq, hkv, d, m, qk_norm, eps, interpret):
     """Program j: head j of every row (see the module's docstring)."""
     norm_refs, (q_out, k_out, v_out) = (refs[:2], refs[2:]) if qk_norm else ((), refs)
@@ -73,15 +91,8 @@ def _kernel(qkv_ref, cos_ref, sin_ref, *refs, hq, hkv, d, m, qk_norm, eps, inter
         @pl.when(is_qk)
         def _norm_rope():
             plgpu.barrier_wait(in_bar.at[0])
-            y1, y2 = x1, x2
-            if qk_norm:
-                ss = jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)
-                inv = lax.broadcast_in_dim(lax.rsqrt(ss / d + eps), x1.shape, [0])
-                y1, y2 = ((y * inv * read(nw_smem.at[:, pl.ds(h * half, half)]).astype(f32))
-                          .astype(dt).astype(f32) for h, y in ((0, x1), (1, x2)))
-            cos, sin = (read(cs_smem.at[i]) for i in (0, 1))
-            out_smem.at[:, pl.ds(0, half)][...] = (y1 * cos - y2 * sin).astype(dt)
-            out_smem.at[:, pl.ds(half, half)][...] = (y2 * cos + y1 * sin).astype(dt)
+            norm_rope_into(out_smem, x1, x2, nw_smem, cs_smem, read, d=d, eps=eps,
+                           qk_norm=qk_norm, dt=dt)
 
         @pl.when(~is_qk)
         def _v():

@@ -44,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, compiler_params, interpret_params
 from sfi_jax.kernels.attention_mgpu import load as load_all
+from sfi_jax.kernels.heads_mgpu import norm_rope_into
 from sfi_jax.kernels.common import signals_dependents
 
 _M = 64  # wgmma's M per warpgroup: the rows are computed as 64
@@ -444,15 +445,8 @@ def _fused_kernel(x_ref, *refs, n_w, m, rows8, n_kb, p, epilogue, heads, weights
         @pl.when(is_qk)
         def _norm_rope():
             plgpu.barrier_wait(bar.at[0])
-            y1, y2 = x1, x2
-            if qk_norm:
-                ss = jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)
-                inv = lax.broadcast_in_dim(lax.rsqrt(ss / d + eps), x1.shape, [0])
-                y1, y2 = ((y * inv * load(nw_smem.at[:, pl.ds(h * half, half)], wl).astype(f32))
-                          .astype(dt).astype(f32) for h, y in ((0, x1), (1, x2)))
-            cos, sin = (load(cs_smem.at[i], wl) for i in (0, 1))
-            out_smem.at[:, pl.ds(0, half)][...] = (y1 * cos - y2 * sin).astype(dt)
-            out_smem.at[:, pl.ds(half, half)][...] = (y2 * cos + y1 * sin).astype(dt)
+            norm_rope_into(out_smem, x1, x2, nw_smem, cs_smem, lambda ref: load(ref, wl),
+                           d=d, eps=eps, qk_norm=qk_norm, dt=dt)
 
         @pl.when(~is_qk)
         def _v():
