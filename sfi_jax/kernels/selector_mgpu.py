@@ -33,23 +33,15 @@ _MAX_BLOCK = 4096
 _ZERO_KEY = 0x80000000  # sortable_keys(0.0): the key of a pad
 
 
-def _divisor(size: int, unit: int, most: int) -> int:
-    """The largest multiple of `unit` that divides size (itself a multiple of unit) and is at
-    most `most` (at least unit): odd row lengths keep large blocks (4224 = 33 x 128: 1408)."""
-    best = unit
-    for j in range(1, min(most, size) // unit + 1):
-        if size % (unit * j) == 0:
-            best = unit * j
-    return best
-
-
-def blocks_of(size: int, radix_bits: int, copy: int | None):
-    """(register tile, TMA copy) in positions for a (padded) row of `size`: the tile as large
-    as the counters' budget allows, the copy the largest multiple of the tile up to `copy`
-    (None: one tile) that divides the row."""
+def block_of(s_len: int, radix_bits: int, most: int | None = None) -> int:
+    """Positions counted at once (the register tile): the largest power of two up to the
+    counters' budget (or `most`) that divides the (padded) row, at least one key per thread."""
     digits = (1 << radix_bits) - 1
-    tile = _divisor(size, _LANES, min(_MAX_BLOCK, _COUNTERS // digits))
-    return tile, tile if copy is None else _divisor(size, tile, max(copy, tile))
+    top = min(_MAX_BLOCK, _COUNTERS // digits) if most is None else most
+    blk = _LANES
+    while blk * 2 <= top and s_len % (blk * 2) == 0:
+        blk *= 2
+    return blk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +131,8 @@ def kth_largest_key(scores, k: int, *, radix_bits: int = 2, interpret=False, con
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))
     size = s_len + pad
-    tile, copy = blocks_of(size, radix_bits, cfg.copy)
+    tile = block_of(size, radix_bits)
+    copy = tile if cfg.copy is None else max(tile, block_of(size, radix_bits, cfg.copy))
     if copy // _LANES > 256 or cfg.stages < 1 or copy * 4 * cfg.stages > SMEM_BYTES:
         raise ValueError(f"selector_mgpu {cfg}: a copy of at most {256 * _LANES} positions "
                          f"(TMA's 256 rows of 128), at least one stage, and the copies in "
