@@ -2,6 +2,7 @@
 # GPU runs in one command each, for a machine with one Hopper GPU (the results go to $OUT,
 # default /tmp/sfi_gpu):
 #   bash scripts/gpu/run.sh suite      every test marked gpu, compiled (benchmarks/gpu_tests.md)
+#   bash scripts/gpu/run.sh wheels     (on this side) the wheels the GPU machine lacks, into .whl
 #   bash scripts/gpu/run.sh prefill    the prefill kernels against cuDNN at Qwen3-4B's heads, then
 #                                      Qwen3-0.6B's (GQA 2) (benchmarks/prefill_kernel.md)
 #   bash scripts/gpu/run.sh decode     Triton against the Mosaic GPU decode twins (kernels.md)
@@ -42,8 +43,17 @@
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
-# An offline machine installs the wheels in ./.whl first (the serve extra's packages).
+# An offline machine installs the wheels in ./.whl first (the serve extra's packages and the
+# tests' openai client, for Python 3.12, their needs included): fetch them on a machine with
+# pip's index by `bash scripts/gpu/run.sh wheels`, then carry .whl.
 set -o pipefail
+if [ "$1" = wheels ]; then  # (here, not on the GPU machine)
+  rm -rf .whl && python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "fastapi>=0.110" "uvicorn>=0.29" \
+    "prometheus-client>=0.20" openai && ls .whl
+  exit
+fi
 OUT=${OUT:-/tmp/sfi_gpu}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -181,5 +191,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|notriton|profile|cost" >&2; exit 2 ;;
 esac
