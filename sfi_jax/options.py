@@ -22,7 +22,7 @@ def on_gpu() -> bool:
 
 ATTENTION = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 PREFILL_ATTENTION = ("auto", "xla", "cudnn", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
-SELECTOR_SCORES = ("auto", "xla", "pallas_gpu")
+SELECTOR_SCORES = ("auto", "xla", "pallas_gpu", "mosaic_gpu")
 SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel", "radix_mosaic_gpu")
 SELECTOR_ADJUST = ("xla", "kernel")
 MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
@@ -83,7 +83,8 @@ class EngineOptions:
         "pallas_gpu" (Triton), "mosaic_gpu" (Mosaic GPU, Hopper; half-precision caches, head
         dim 64/128/256, a GQA group dividing 64; other inputs take "cudnn", then
         "pallas_gpu"), "pallas_tpu" (Mosaic), "xla" (blockwise jnp).
-    selector_scores: the selector's steps 1-4: "xla" or "pallas_gpu".
+    selector_scores: the selector's steps 1-4: "xla", "pallas_gpu" (Triton) or "mosaic_gpu"
+        (its Mosaic GPU twin, Hopper: S a multiple of 128, else "xla").
     selector_topk: "lax" (lax.top_k), "threshold" (sampled threshold, candidates ranked by
         lax.top_k), "radix" (radix searches in place of the sorts), "radix_kernel" (each radix
         search one Triton kernel), "radix_mosaic_gpu" (one Mosaic GPU kernel, Hopper).

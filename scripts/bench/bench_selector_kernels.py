@@ -1,10 +1,12 @@
-"""Time the selector's score stages on the GPU, jnp against the Triton kernels, for one
+"""Time the selector's score stages on the GPU, jnp against the Triton kernels (and with
+--mosaic their Mosaic GPU twin, a few chunkings), for one
 refreshed row of every layer (N = layers sets of KV heads x R rows x S positions):
 steps 1-4 (and, for the kernels, their first one and two passes, and a few tuning knobs),
 steps 5-6 (the kernel with a few blocks and warp counts), and the whole scores. Prints one
 line per part and writes selector_kernels.json.
 
     python scripts/bench/bench_selector_kernels.py --out /tmp/selk            # on the GPU
+    python scripts/bench/bench_selector_kernels.py --mosaic --out /tmp/selk   # and the twin
     python scripts/bench/bench_selector_kernels.py --smoke --out /tmp/selk    # tiny, interpret mode
 """
 
@@ -37,6 +39,8 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--out", default="/tmp/selk")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--mosaic", action="store_true",
+                   help="also the Mosaic GPU twin of steps 1-4 (selector_mgpu.base_scores)")
     a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.heads, a.seq = 2, 2, 4096
@@ -88,12 +92,30 @@ def main(argv=None):
         fn = jax.jit(lambda z, b=block, w=warps: sg.adjust_scores(
             z, lo, hi, params=params, interpret=interpret, block=b, num_warps=w))
         parts.append((f"kernel steps 5-6 b{block} w{warps}", fn, (z,)))
+    if a.mosaic:
+        from sfi_jax.kernels import selector_mgpu as sm
+
+        configs = [None] if interpret else [None, sm.ScoresConfig(copies=4),
+                                            sm.ScoresConfig(stages=3),
+                                            sm.ScoresConfig(lines=16, copies=4)]
+        for cfg in configs:
+            fn = jax.jit(lambda lg, kn, c=cfg: sm.base_scores(
+                lg, kn, lo, hi, 0, 0, params=params, interpret=interpret, config=c))
+            parts.append((f"mosaic steps 1-4 {cfg or 'default'}", fn, (logits, norms)))
+        full["mosaic_gpu"] = jax.jit(lambda lg, kn: selmod.selector_scores_at(
+            lg, 0, kn, 0, lo, hi, sfi, impl="mosaic_gpu"))
+        parts.append(("mosaic steps 1-6", full["mosaic_gpu"], (logits, norms)))
     for name, fn, args in parts:
         res[name] = timeit(fn, *args, **it)
         print(f"{name:<28} {res[name]:10.1f} us", flush=True)
     zk, zx = full["pallas_gpu"](logits, norms), full["xla"](logits, norms)
     res["max_abs_diff"] = float(jnp.max(jnp.where(jnp.isfinite(zx), jnp.abs(zk - zx), 0.0)))
     print("max |kernel - jnp| on finite scores:", res["max_abs_diff"])
+    if a.mosaic:
+        zm = full["mosaic_gpu"](logits, norms)
+        res["mosaic_max_abs_diff"] = float(jnp.max(jnp.where(jnp.isfinite(zx), jnp.abs(zm - zx),
+                                                             0.0)))
+        print("max |mosaic - jnp| on finite scores:", res["mosaic_max_abs_diff"])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "selector_kernels.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -26,6 +26,7 @@
 #                                      zero fill, KernelTuning.zero_fill),
 #                                      triton_topk (the top-k's Triton kernel, not its twin),
 #                                      no_triton_heads (the heads' Mosaic GPU twin),
+#                                      no_triton_scores (the selector scores' twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
 #                                      MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
@@ -40,6 +41,9 @@
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
 #                                      32K with the twin (the default) and with Triton's kernel
+#   bash scripts/gpu/run.sh scores     the selector's steps 1-4: jnp, Triton and the Mosaic GPU twin
+#                                      (one refreshed row of qwen3-4b at 128K), then decode at
+#                                      128K batch 1 without Triton, with and without the twin
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -80,6 +84,8 @@ arm_opts() {
     no_triton_fused_zf) extra=("${no_triton[@]}" --opt epilogue=fused --zero-fill) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
+    # the selector's steps 1-4 in their Mosaic GPU twin instead of jnp
+    no_triton_scores) extra=("${no_triton[@]}" --opt selector_scores=mosaic_gpu) ;;
     # the heads' norm + rope in one Mosaic GPU launch (heads_mgpu) instead of XLA's fusions
     no_triton_heads) extra=("${no_triton[@]}" --opt heads=mosaic_gpu) ;;
     # the top-k's radix searches in the Triton kernel (the default: its Mosaic GPU twin)
@@ -159,6 +165,10 @@ PY
     timeout 150 python scripts/diag/diag_mgpu_matmul.py --epilogues --models qwen3-4b --rows 1,4 \
       --reps 20 --out "$OUT/fused_ab.json" 2>&1 | tail -20
     bash "$0" notriton 32768 1 "no_triton_fused no_triton no_triton_zf no_triton_fused_zf" ;;
+  scores)
+    timeout 300 python scripts/bench/bench_selector_kernels.py --mosaic --out "$OUT/scores" 2>&1 \
+      | tail -24
+    bash "$0" notriton 131072 1 "no_triton no_triton_scores" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
@@ -191,5 +201,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
 esac

@@ -11,7 +11,7 @@ from sfi_jax.kernels import selector_reference as reference
 from sfi_jax.kernels.common import interpret_for, platform, sortable_keys, triton_available
 from sfi_jax.kernels.selector_reference import ScoreParams
 
-SCORES = ("auto", "xla", "pallas_gpu")
+SCORES = ("auto", "xla", "pallas_gpu", "mosaic_gpu")
 ADJUST = ("xla", "kernel")
 
 
@@ -19,8 +19,9 @@ def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, params: Scor
               cross_head_reduce=None, impl: str = "xla", adjust: str = "xla"):
     """z_adj [N, H, S] of logits[:, slot] [N, H, R, S] and key_norms[:, row] [N, H, S], from
     logits [N, M, H, R, S] and key_norms [N, B, H, S] (the kernels read them in place).
-    impl: steps 1-4 by jnp ("xla") or the kernels ("pallas_gpu"; "auto": on a GPU); adjust:
-    steps 5-6 by jnp ("xla") or, after the kernels, one more ("kernel")."""
+    impl: steps 1-4 by jnp ("xla"), the Triton kernels ("pallas_gpu"; "auto": on a GPU) or
+    their Mosaic GPU twins ("mosaic_gpu": float32 logits, S a multiple of 128, else jnp);
+    adjust: steps 5-6 by jnp ("xla") or, after the Triton kernels, one more ("kernel")."""
     size = logits.shape[-1]
     lo, hi = reference.clipped_range(size, allowed_lo, allowed_hi)
     if impl not in SCORES:
@@ -28,6 +29,14 @@ def scores_at(logits, slot, key_norms, row, allowed_lo, allowed_hi, params: Scor
     if adjust not in ADJUST:
         raise ValueError(f"adjust={adjust!r}: expected one of {ADJUST}")
     by_kernel = adjust == "kernel"
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import selector_mgpu
+
+        if selector_mgpu.scores_supported(logits):
+            z = selector_mgpu.base_scores(logits, key_norms, lo, hi, slot, row, params=params,
+                                          interpret=interpret_for("mosaic_gpu"))
+            return reference.adjust_scores(z, lo, hi, params, cross_head_reduce)
+        impl = "xla"
     if impl == "pallas_gpu" or (impl == "auto" and platform() == "gpu" and triton_available()):
         from sfi_jax.kernels import selector_gpu
 

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from sfi_jax.kernels.common import pow2, sortable_keys  # sortable_keys: the jnp radix search's key order
+from sfi_jax.kernels.selector_reference import merge_chunk_fusion, merge_chunk_lse, prior_terms
 
 from sfi_jax.kernels.triton_lowering import M_INIT as _M_INIT, plgpu_triton
 
@@ -67,17 +68,8 @@ class _Plan:
 
     def prior(self, norms_ref, at, start, pos, inj, lo, hi):
         """pi_kn * pi_pos (unnormalised), 0 outside J."""
-        c = self.params
-        lo_f, last = lo.astype(jnp.float32), hi.astype(jnp.float32) - 1.0
-        span = jnp.maximum(last - lo_f, 0.0) + c.eps
-        posf = pos.astype(jnp.float32)
-        u = jnp.where(inj, (posf - lo_f) / span, 0.0)
-        omu = jnp.where(inj, (last - posf + c.eps) / span, 1.0)
-        u_p = jnp.where(u > 0, jnp.exp(c.p * jnp.log(jnp.where(u > 0, u, 1.0))), 0.0)
-        pi_pos = jnp.exp(-c.beta * u_p) * jnp.exp(c.eta * jnp.log(omu + c.eps))
         kn = plgpu_triton.load(norms_ref.at[(*at, pl.ds(start, self.blk))], mask=inj, other=1.0)
-        pi_kn = jnp.exp(-c.gamma * jnp.log(kn.astype(jnp.float32) + c.eps))
-        return jnp.where(inj, pi_kn * pi_pos, 0.0)
+        return prior_terms(kn, pos, inj, lo, hi, self.params)
 
 
 def _row_stats_kernel(idx_ref, lo_ref, hi_ref, logits_ref, m_ref, l_ref, *, plan):
@@ -173,32 +165,6 @@ def _write_scores_kernel(lo_ref, hi_ref, fuse_ref, g_ref, *refs, plan, pad):
                   body, 0)
 
 
-def _merge_lse(m, l):
-    """Per-row log-sum-exp [N, H, rp] from chunk partials [N, H, C, rp]; +inf for rows with no
-    mass in J (their p_r^a is then zero)."""
-    mx = jnp.max(m, axis=2)
-    total = jnp.sum(l * jnp.exp(m - mx[:, :, None]), axis=2)
-    return jnp.where(total > 0, mx + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
-
-
-def _merge_fusion(stats, lam_clip):
-    """(max g, 1 / evidence normaliser, 1 / prior normaliser, lambda) [N, H, 4] from chunk
-    partials [N, H, C, 8]; lambda = (f.f - f.r) / |f - r|^2, clipped, 0 when that is 0."""
-    gm_c, s1, s2, s3, p1, p2 = (stats[..., k] for k in range(6))
-    gm = jnp.max(gm_c, axis=2)
-    sc = jnp.exp(gm_c - gm[:, :, None])
-    s1, s2, s3 = (jnp.sum(v * w, axis=2) for v, w in ((s1, sc), (s2, sc * sc), (s3, sc)))
-    p1, p2 = jnp.sum(p1, axis=2), jnp.sum(p2, axis=2)
-    inv_s1 = jnp.where(s1 > 0, 1.0 / jnp.where(s1 > 0, s1, 1.0), 0.0)
-    inv_p1 = jnp.where(p1 > 0, 1.0 / jnp.where(p1 > 0, p1, 1.0), 0.0)
-    ff, fr, rr = s2 * inv_s1 * inv_s1, s3 * inv_s1 * inv_p1, p2 * inv_p1 * inv_p1
-    den, num = ff - 2.0 * fr + rr, ff - fr
-    lam = jnp.where(den > 0, jnp.clip(num / jnp.where(den > 0, den, 1.0), 0.0, lam_clip), 0.0)
-    if lam_clip == 0.0:
-        lam = jnp.zeros_like(lam)
-    return jnp.stack([gm, inv_s1, inv_p1, lam], axis=-1)
-
-
 @functools.partial(jax.jit, static_argnames=("params", "interpret", "pad", "num_warps", "tile",
                                              "chunk_blocks"))
 def base_scores(logits, key_norms, lo, hi, slot, row, *, params, interpret=False, pad=0,
@@ -241,7 +207,7 @@ def _row_lse(plan, kw, idx, lo, hi, logits):
     m, l = pl.pallas_call(functools.partial(_row_stats_kernel, plan=plan),
                           out_shape=[part, part], name="sfi_selector_row_stats",
                           **kw)(idx, lo, hi, logits)
-    return _merge_lse(m, l)
+    return merge_chunk_lse(m, l)
 
 
 def _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse):
@@ -253,7 +219,7 @@ def _fusion(plan, kw, idx, lo, hi, logits, key_norms, lse):
         out_shape=[jax.ShapeDtypeStruct((n_sets, hkv, plan.n_chunks, 8), jnp.float32),
                    per_position] + [per_position] * (plan.params.lam_clip > 0.0),
         name="sfi_selector_fusion_stats", **kw)(idx, lo, hi, logits, key_norms, lse)
-    return _merge_fusion(stats, plan.params.lam_clip), g_pi
+    return merge_chunk_fusion(stats, plan.params.lam_clip), g_pi
 
 
 def _adjust_kernel(lo_ref, hi_ref, z_ref, out_ref, *, hkv, hp, s_len, blk, radius, alpha_soft,

@@ -166,6 +166,49 @@ def clipped_range(size, lo, hi):
             jnp.clip(jnp.asarray(hi, jnp.int32), 0, size))
 
 
+# ------------------------------------------------ shared by the scores kernels (selector_gpu,
+# selector_mgpu): the prior's per-position terms and the merges of their chunk partials
+
+def prior_terms(kn, pos, inj, lo, hi, c: ScoreParams):
+    """pi_kn * pi_pos (unnormalised) at positions pos (int) with key norms kn, 0 outside J
+    (inj); lo, hi: J's int bounds (scalars)."""
+    lo_f, last = lo.astype(jnp.float32), hi.astype(jnp.float32) - 1.0
+    span = jnp.maximum(last - lo_f, 0.0) + c.eps
+    posf = pos.astype(jnp.float32)
+    u = jnp.where(inj, (posf - lo_f) / span, 0.0)
+    omu = jnp.where(inj, (last - posf + c.eps) / span, 1.0)
+    u_p = jnp.where(u > 0, jnp.exp(c.p * jnp.log(jnp.where(u > 0, u, 1.0))), 0.0)
+    pi_pos = jnp.exp(-c.beta * u_p) * jnp.exp(c.eta * jnp.log(omu + c.eps))
+    pi_kn = jnp.exp(-c.gamma * jnp.log(jnp.where(inj, kn.astype(jnp.float32), 1.0) + c.eps))
+    return jnp.where(inj, pi_kn * pi_pos, 0.0)
+
+
+def merge_chunk_lse(m, l):
+    """Per-row log-sum-exp [N, H, rp] from chunk partials [N, H, C, rp]; +inf for rows with no
+    mass in J (their p_r^a is then zero)."""
+    mx = jnp.max(m, axis=2)
+    total = jnp.sum(l * jnp.exp(m - mx[:, :, None]), axis=2)
+    return jnp.where(total > 0, mx + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
+
+
+def merge_chunk_fusion(stats, lam_clip):
+    """(max g, 1 / evidence normaliser, 1 / prior normaliser, lambda) [N, H, 4] from chunk
+    partials [N, H, C, 8]; lambda = (f.f - f.r) / |f - r|^2, clipped, 0 when that is 0."""
+    gm_c, s1, s2, s3, p1, p2 = (stats[..., k] for k in range(6))
+    gm = jnp.max(gm_c, axis=2)
+    sc = jnp.exp(gm_c - gm[:, :, None])
+    s1, s2, s3 = (jnp.sum(v * w, axis=2) for v, w in ((s1, sc), (s2, sc * sc), (s3, sc)))
+    p1, p2 = jnp.sum(p1, axis=2), jnp.sum(p2, axis=2)
+    inv_s1 = jnp.where(s1 > 0, 1.0 / jnp.where(s1 > 0, s1, 1.0), 0.0)
+    inv_p1 = jnp.where(p1 > 0, 1.0 / jnp.where(p1 > 0, p1, 1.0), 0.0)
+    ff, fr, rr = s2 * inv_s1 * inv_s1, s3 * inv_s1 * inv_p1, p2 * inv_p1 * inv_p1
+    den, num = ff - 2.0 * fr + rr, ff - fr
+    lam = jnp.where(den > 0, jnp.clip(num / jnp.where(den > 0, den, 1.0), 0.0, lam_clip), 0.0)
+    if lam_clip == 0.0:
+        lam = jnp.zeros_like(lam)
+    return jnp.stack([gm, inv_s1, inv_p1, lam], axis=-1)
+
+
 def base_scores(logits, key_norms, allowed_lo, allowed_hi, params: ScoreParams):
     """z = log(s + eps) of SFI_METHOD.md §4 steps 1-4, [B, H, S] float32, -inf outside J
     (lo, hi already clipped to [0, S]); the jnp reference of `selector_gpu.base_scores`."""

@@ -36,8 +36,9 @@ def selector_scores(logits, key_norms, allowed_lo, allowed_hi, sfi: SFIConfig, *
 
     cross_head_reduce: None (all KV heads are local), an axis name (KV heads sharded over that
     mesh axis under shard_map: max and sum are finished with pmax / psum), or fn(x, op).
-    impl: jnp ("xla"), or Triton kernels for steps 1-4 ("pallas_gpu", interpret mode off the
-    GPU); "auto" is "pallas_gpu" on GPU, else "xla" (`EngineOptions.selector_scores`).
+    impl: jnp ("xla"), or kernels for steps 1-4: Triton's ("pallas_gpu") or their Mosaic GPU
+    twins ("mosaic_gpu"), interpret mode off the GPU; "auto" is "pallas_gpu" on GPU, else
+    "xla" (`EngineOptions.selector_scores`).
     adjust: steps 5-6 by jnp ("xla") or, after the steps 1-4 kernels, one Triton pass
     ("kernel"; `EngineOptions.selector_adjust`).
     """

@@ -163,6 +163,27 @@ def test_kth_largest_key_mosaic_kernel_lowers_for_cuda(bits):
         assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("lam_clip", [0.0, 1.0])
+def test_scores_mosaic_kernels_lower_for_cuda(lam_clip):
+    """The scores' Mosaic GPU twin lowers for CUDA (its three passes; with and without the
+    prior): qwen3-0.6b's refresh at 32K (6 rows, 8 KV heads, groups of 2) and qwen3-4b's at
+    128K (groups of 4)."""
+    import dataclasses
+
+    from sfi_jax.config import SFIConfig
+    from sfi_jax.kernels import selector_mgpu
+    from sfi_jax.selector.select import score_params
+
+    params = score_params(dataclasses.replace(SFIConfig(), lam_clip=lam_clip))
+    sds = jax.ShapeDtypeStruct
+    for n, r, s in ((6, 2, 32768), (1, 4, 131072)):
+        fn = jax.jit(lambda *a: selector_mgpu.base_scores(*a, params=params))
+        text = fn.trace(sds((n, 28, 8, r, s), jnp.float32), sds((n, n, 8, s), jnp.float32),
+                        sds((n,), jnp.int32), sds((n,), jnp.int32), sds((), jnp.int32),
+                        sds((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 3
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_norm_rope_heads_kernel_exports_for_cuda(qk_norm):
     """The decode step's q/k norm + rope + v split compiles for CUDA (Qwen3-4B's heads)."""

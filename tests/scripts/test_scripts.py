@@ -225,12 +225,13 @@ def test_kernel_sources_maps_fusions_to_lines():
 
 def test_bench_selector_kernels_smoke(tmp_path, xla_fast_compile):
     """The selector-stage timing script runs (interpret mode here) and finds the kernels'
-    scores equal to the jnp ones."""
-    load("bench/bench_selector_kernels.py").main(["--smoke", "--out", str(tmp_path)])
+    scores (Triton's and the Mosaic GPU twin's) equal to the jnp ones."""
+    load("bench/bench_selector_kernels.py").main(["--smoke", "--mosaic", "--out", str(tmp_path)])
     with open(tmp_path / "selector_kernels.json") as f:
         res = json.load(f)
-    assert res["max_abs_diff"] < 1e-4
-    assert all(res[k] > 0 for k in ("kernel steps 1-6", "jnp steps 1-6", "kernel steps 5-6"))
+    assert res["max_abs_diff"] < 1e-4 and res["mosaic_max_abs_diff"] < 1e-4
+    assert all(res[k] > 0 for k in ("kernel steps 1-6", "jnp steps 1-6", "kernel steps 5-6",
+                                    "mosaic steps 1-4 default", "mosaic steps 1-6"))
 
 
 def test_bench_fitting_retries_fewer_rows_on_out_of_memory(monkeypatch, tmp_path):

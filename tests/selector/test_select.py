@@ -375,6 +375,48 @@ def test_scores_kernel_reads_the_given_slot_and_row():
             np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("change", [{}, dict(lam_clip=1.0), dict(lam_clip=0.0, power_alpha=1.0)],
+                         ids=["paper", "lam_clip=1", "no_prior,alpha=1"])
+@pytest.mark.gpu
+def test_scores_mosaic_kernels_match_reference(change):
+    """The scores' Mosaic GPU twin (`selector_mgpu.base_scores`; compiled on a GPU) against the
+    float64 reference: ragged J (a chunk outside a row's J is skipped: the row's first or last
+    chunk), several chunks per (n, head) and copies per chunk, and the default chunking; then
+    through the dispatch (`selector_scores_at`, slot and row traced), whose S no multiple of
+    128 goes to jnp."""
+    from sfi_jax.kernels import selector_mgpu
+    from sfi_jax.kernels.selector_reference import adjust_scores
+    from sfi_jax.selector.select import selector_scores_at
+
+    cfg = dataclasses.replace(BASE, **change)
+    rng = np.random.default_rng(21)
+    N, M, B, H, R, S = 3, 2, 4, 2, 3, 1024
+    logits = (rng.standard_normal((N, M, H, R, S)) * 3).astype(np.float32)
+    norms = rng.uniform(0.2, 5.0, (N, B, H, S)).astype(np.float32)
+    lo, hi = np.array([4, 0, 600], np.int32), np.array([400, 1024, 900], np.int32)
+    for n in range(N):
+        logits[n, ..., min(S, hi[n] + 5):] = -np.inf
+    z_ref = ref_scores(logits[:, 1], norms[:, 2], lo, hi, cfg)
+    finite = np.isfinite(z_ref)
+    params = score_params(cfg)
+    for config in (selector_mgpu.ScoresConfig(lines=2, copies=2), None):
+        z = selector_mgpu.base_scores(jnp.asarray(logits), jnp.asarray(norms), lo, hi, 1, 2,
+                                      params=params, interpret=gpu_interpret(), config=config)
+        z = np.asarray(adjust_scores(z, lo, hi, params))  # (steps 5-6 by jnp)
+        np.testing.assert_array_equal(np.isfinite(z), finite)
+        np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
+    if change:
+        return
+    fn = jax.jit(lambda lg, kn, s, r: selector_scores_at(lg, s, kn, r, lo, hi, cfg,
+                                                         impl="mosaic_gpu"))
+    for lg, kn in ((logits, norms), (logits[..., :1000], norms[..., :1000])):  # (1000: jnp)
+        z_ref = ref_scores(lg[:, 0], kn[:, 3], lo, np.minimum(hi, lg.shape[-1]), cfg)
+        z = np.asarray(fn(lg, kn, 0, 3))
+        finite = np.isfinite(z_ref)
+        np.testing.assert_array_equal(np.isfinite(z), finite)
+        np.testing.assert_allclose(z[finite], z_ref[finite], rtol=2e-5, atol=2e-4)
+
+
 @pytest.mark.gpu
 def test_scores_kernel_pads_any_radius():
     """base_scores(pad=nms_radius) for radii that are not a power of two (Triton's arrays
