@@ -27,7 +27,7 @@ SELECTOR_TOPK = ("auto", "lax", "threshold", "radix", "radix_kernel", "radix_mos
 SELECTOR_ADJUST = ("xla", "kernel")
 MOE = ("auto", "tokens", "kernel", "xla", "mosaic_gpu")
 HEADS = ("auto", "kernel", "mosaic_gpu", "xla")
-REPACK = ("auto", "kernel", "xla")
+REPACK = ("auto", "kernel", "mosaic_gpu", "xla")
 REFRESH = ("auto", "unconditional", "cond")
 MATMUL = ("auto", "by_shape", "kernel", "mosaic_gpu", "mosaic_by_shape", "xla")
 EPILOGUE = ("auto", "fused", "xla")
@@ -95,7 +95,9 @@ class EngineOptions:
     heads: a decode step's q/k norm + rope: "kernel" (one Triton launch), "mosaic_gpu" (one
         Mosaic GPU launch, Hopper: up to 64 half-precision rows, head dim a multiple of 64)
         or "xla".
-    repack: the compact-buffer repack: "kernel" (copies only the refreshed rows) or "xla".
+    repack: the compact-buffer repack: "kernel" (copies only the refreshed rows), "mosaic_gpu"
+        (the same gather on Mosaic GPU, one TMA copy per position, then XLA's scatter) or
+        "xla".
     refresh: the refresh slots' dense read: "unconditional" (every step that may refresh rows;
         the GPU kernel skips empty slots; steps in which no row wants a refresh run without it,
         in the decode loop's fast loop) or "cond" (behind a `lax.cond`).

@@ -27,6 +27,7 @@
 #                                      triton_topk (the top-k's Triton kernel, not its twin),
 #                                      no_triton_heads (the heads' Mosaic GPU twin),
 #                                      no_triton_scores (the selector scores' twin),
+#                                      no_triton_repack (the repack's twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
 #                                      MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
@@ -44,6 +45,7 @@
 #   bash scripts/gpu/run.sh scores     the selector's steps 1-4: jnp, Triton and the Mosaic GPU twin
 #                                      (one refreshed row of qwen3-4b at 128K), then decode at
 #                                      128K batch 1 without Triton, with and without the twin
+#                                      (and the repack's twin)
 #   bash scripts/gpu/run.sh cost [contexts] [batches]
 #                                      the default warm-up and selection memory's decode cost
 #                                      (bench_e2e with and without them; benchmarks/retrieval.md)
@@ -84,6 +86,8 @@ arm_opts() {
     no_triton_fused_zf) extra=("${no_triton[@]}" --opt epilogue=fused --zero-fill) ;;
     # the Mosaic matmul's residual and SiLU epilogues in its kernel
     no_triton_fused) extra=("${no_triton[@]}" --opt epilogue=fused) ;;
+    # the repack's gather in its Mosaic GPU twin (one TMA copy per position) instead of XLA's
+    no_triton_repack) extra=("${no_triton[@]}" --opt repack=mosaic_gpu) ;;
     # the selector's steps 1-4 in their Mosaic GPU twin instead of jnp
     no_triton_scores) extra=("${no_triton[@]}" --opt selector_scores=mosaic_gpu) ;;
     # the heads' norm + rope in one Mosaic GPU launch (heads_mgpu) instead of XLA's fusions
@@ -168,7 +172,7 @@ PY
   scores)
     timeout 300 python scripts/bench/bench_selector_kernels.py --mosaic --out "$OUT/scores" 2>&1 \
       | tail -24
-    bash "$0" notriton 131072 1 "no_triton no_triton_scores" ;;
+    bash "$0" notriton 131072 1 "no_triton no_triton_scores no_triton_repack" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \

@@ -15,7 +15,7 @@ from sfi_jax.kernels.common import (gpu_fallback, interpret_for, platform, platf
                                     triton_available)
 
 IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
-REPACK = ("auto", "kernel", "xla")
+REPACK = ("auto", "kernel", "mosaic_gpu", "xla")
 
 
 def resolve_impl(impl) -> str:
@@ -223,8 +223,10 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
     ck, cv [L, B, Hkv, C, D]; k, v [L, B, Hkv, S, D]; positions int32 [L, n_slots, Hkv, C];
     slots int32 [n_slots] (>= B: empty, skipped; occupied ones unique). Returns (ck, cv),
     updated in place inside a jitted caller that owns them. impl "kernel" is one Pallas GPU
-    launch that does no work for empty slots (interpret mode off the GPU); "xla" is one XLA
-    gather + scatter over every slot; "auto" the kernel on a GPU, else "xla".
+    launch that does no work for empty slots (interpret mode off the GPU); "mosaic_gpu" its
+    Mosaic GPU twin's gather (one TMA copy per position), then XLA's scatter of the refreshed
+    rows; "xla" is one XLA gather + scatter over every slot; "auto" the kernel on a GPU, else
+    "xla".
     """
     L, B, Hkv, C, D = ck.shape
     if cv.shape != ck.shape or k.shape[:3] != (L, B, Hkv) or k.shape[-1] != D or \
@@ -239,6 +241,12 @@ def repack(ck, cv, k, v, positions, slots, *, impl="xla"):
         from sfi_jax.kernels import attention_gpu as gpu
 
         return tuple(gpu.repack(ck, cv, k, v, positions, slots, interpret=interpret_for("pallas_gpu")))
+    if impl == "mosaic_gpu":
+        from sfi_jax.kernels import attention_mgpu as mgpu
+
+        if mgpu.repack_supported(ck):
+            return mgpu.repack(ck, cv, k, v, positions, slots,
+                               interpret=interpret_for("mosaic_gpu"))
     safe = jnp.minimum(slots, B - 1)
     idx = (jnp.arange(L)[:, None, None, None], safe[None, :, None, None],
            jnp.arange(Hkv)[None, None, :, None], jnp.maximum(positions, 0))

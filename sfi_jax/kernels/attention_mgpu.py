@@ -568,3 +568,60 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]
+
+
+def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, ck_out, cv_out, *, n_rows, n_layers,
+                   block):
+    """Program (slot s x layer, KV head h, block c): the cache rows of slot s's row at its
+    positions [c * block, +block) copied one by one (TMA has no gather) into shared memory,
+    then stored as one [block, D] tile of the slot's compact rows. An empty slot moves
+    nothing; a position of -1 copies row 0 (unspecified, as the contract allows)."""
+    sl, h, c = (lax.axis_index(a) for a in ("sl", "h", "c"))
+    s, layer = lax.div(sl, n_layers), lax.rem(sl, n_layers)
+    row = slots_ref[s]
+
+    @pl.when(row < n_rows)
+    def _occupied():
+        def body(k_smem, v_smem, bar):
+            for i in range(block):
+                p = jnp.maximum(pos_ref[layer, s, h, c * block + i], 0)
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, row, h, p], k_smem.at[i], bar.at[0])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, row, h, p], v_smem.at[i], bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+            dst = (layer, s, h, pl.ds(pl.multiple_of(c * block, block), block))
+            plgpu.copy_smem_to_gmem(k_smem, ck_out.at[dst])
+            plgpu.copy_smem_to_gmem(v_smem, cv_out.at[dst])
+            plgpu.wait_smem_to_gmem(0)
+
+        tile = plgpu.SMEM((block, k_ref.shape[-1]), k_ref.dtype)
+        pl.run_scoped(body, tile, tile, plgpu.Barrier(num_arrivals=2 * block, num_barriers=1))
+
+
+REPACK_BLOCK = 64  # positions per program at most (a power of two dividing C)
+
+
+def repack_supported(ck) -> bool:
+    """A compact row of D elements is a whole number of 16-byte TMA units."""
+    return ck.shape[-1] * jnp.dtype(ck.dtype).itemsize % 16 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block"))
+def repack(ck, cv, k, v, positions, slots, *, interpret=False, block=REPACK_BLOCK):
+    """kernels.attention.repack's contract: the refreshed slots' compact rows gathered from
+    the cache by one kernel into a [L, n_slots, Hkv, C, D] buffer per tensor (no work for an
+    empty slot), then written into ck, cv by XLA's scatter (in place in a jitted caller that
+    owns them)."""
+    n_layers, n_rows, hkv, c_size, d = ck.shape
+    n_slots = slots.shape[0]
+    blk = 1
+    while blk * 2 <= block and c_size % (blk * 2) == 0:
+        blk *= 2
+    out = [jax.ShapeDtypeStruct((n_layers, n_slots, hkv, c_size, d), ck.dtype)] * 2
+    new_k, new_v = plgpu.kernel(
+        functools.partial(_repack_kernel, n_rows=n_rows, n_layers=n_layers, block=blk),
+        out_type=out, grid=(n_slots * n_layers, hkv, c_size // blk), grid_names=("sl", "h", "c"),
+        compiler_params=compiler_params(),
+        interpret=interpret_params() if interpret else False,
+    )(slots.astype(jnp.int32), positions.astype(jnp.int32), k, v)
+    kw = dict(mode="drop", unique_indices=True)
+    return ck.at[:, slots].set(new_k, **kw), cv.at[:, slots].set(new_v, **kw)

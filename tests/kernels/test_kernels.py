@@ -361,11 +361,12 @@ def test_dense_output_into_rows(impl):
         api.dense_decode(q_all[:3], k, v, lens, rows=rows, gather_q=True)
 
 
-@pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
+@pytest.mark.parametrize("impl", [GPU_IMPL, MGPU_IMPL, "xla"])
 def test_repack_copies_the_selected_rows(impl):
     """repack: occupied slots get the cache rows at their positions (entries at -1 move
-    nothing on GPU), every other row of the compact buffers stays as it was."""
-    n_layers, b, hkv, s, c, d = 3, 4, 2, 50, 37, 64
+    nothing with Triton's kernel), every other row of the compact buffers stays as it was;
+    the Mosaic GPU twin in blocks of 4 positions (C = 36: 9 blocks)."""
+    n_layers, b, hkv, s, c, d = 3, 4, 2, 50, 37 - (impl == "mosaic_gpu"), 64
     ks = jax.random.split(jax.random.PRNGKey(41), 5)
     k = normal(ks[0], (n_layers, b, hkv, s, d), jnp.bfloat16)
     v = normal(ks[1], (n_layers, b, hkv, s, d), jnp.bfloat16)
@@ -375,6 +376,10 @@ def test_repack_copies_the_selected_rows(impl):
     pos = jnp.asarray(host_rng(ks[4]).integers(-1, s, (n_layers, 3, hkv, c), dtype=np.int32))
     if impl == "pallas_gpu":
         got = gpu.repack(ck, cv, k, v, pos, slots, interpret=gpu_interpret(), block=16)
+    elif impl == "mosaic_gpu":
+        got = mgpu.repack(ck, cv, k, v, pos, slots, interpret=gpu_interpret(), block=4)
+        np.testing.assert_array_equal(  # (the dispatch takes the twin too)
+            np.asarray(api.repack(ck, cv, k, v, pos, slots, impl=impl)[0]), np.asarray(got[0]))
     else:
         got = api.repack(ck, cv, k, v, pos, slots, impl=impl)
     pos_np = np.asarray(pos)
@@ -796,6 +801,8 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
         "sparse_zero_fill": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, zero_fill=True),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        "repack": (lambda ck, cv, k, v, p, s: mgpu.repack(ck, cv, k, v, p, s),
+                   (ckv, ckv, kv, kv, sds((2, b, hkv, c), jnp.int32), vec)),
         "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
             q, k, v, a, n, jnp.int32(1), return_logits=True),
             (sds((b, 64 * hkv // hq, hq, d), dtype), kv, kv, vec, vec)),
