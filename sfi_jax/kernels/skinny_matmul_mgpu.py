@@ -12,8 +12,9 @@ Layout: program (j, s) (one warpgroup) owns column block j (block_n columns) ove
 (`steps` blocks of block_k). It copies its split of the rows once, as `steps` [rows8, block_k]
 blocks (rows8: the rows rounded up to 8, a whole swizzle atom: the rows are padded to rows8
 by XLA, or with `zero_fill` the copy engine fills the rows past the array's end with zeros)
-stacked in shared memory, and streams the split's weight blocks [block_k, block_n] through `stages` shared-memory slots, each slot refilled as
-soon as its wgmma has read it, accumulating in float32 registers. wgmma's A operand is 64 rows:
+stacked in shared memory, and streams the split's weight blocks [block_k, block_n] through
+`stages` shared-memory slots, each slot refilled as soon as its wgmma has read it,
+accumulating in float32 registers. wgmma's A operand is 64 rows:
 step i's tile is the 64 rows from row block i on, so its rows past rows8 are the next blocks'
 rows (or never-written memory), which feed only accumulator rows that are never stored; the row
 blocks thus take rows8 / 64 of the shared memory of padded tiles. The split length keeps each
@@ -24,7 +25,9 @@ memory, reused).
 Fused epilogues (`skinny_matmul_fused`: the residual add, the SiLU product;
 `skinny_matmul_heads`: the heads' norms and rope): a column block's K splits meet in its last
 split through a global semaphore per block, the other splits' partials read back from global
-memory, so no XLA fusion follows the kernel (`_fused_kernel`).
+memory, so no XLA fusion follows the kernel (`_fused_kernel`). They lower with Lane semantics
+(`attention_mgpu.compiler_params`) and are opt-in: slower in the decode step than the
+unfused twin (docs/findings.md).
 
 `supported`: half-precision weights with K and N multiples of 64 (the 128-byte swizzled tiles
 of wgmma's operands): a block that does not divide K or N is halved down to 64. Off a GPU the

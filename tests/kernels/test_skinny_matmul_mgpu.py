@@ -205,7 +205,8 @@ def test_fused_kernel_plans_and_lowers_for_cuda(name, k, n, n_w):
     else:
         text = jax.jit(lambda x, ws, r: mgpu.skinny_matmul_fused(
             x, ws, epilogue=epilogue, residual=r if epilogue == "residual" else None,
-            launch_dependents=True, zero_fill=True)).trace(x, ws, r).lower(lowering_platforms=("cuda",)).as_text()
+            launch_dependents=True, zero_fill=True)).trace(x, ws, r).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
