@@ -87,6 +87,20 @@ def load(ref, layout, optimized=True):
     return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
+def rows8_of(m):
+    """A few rows as TMA copies them: a whole number of (8, 64) tiles."""
+    return -(-m // 8) * 8
+
+
+def pad_rows8(a, zero_fill):
+    """a [m, ...] padded with zero rows to rows8_of(m), unless the kernel's TMA copies read
+    those rows past a's end, filled with zeros (zero_fill: no XLA pad)."""
+    m = a.shape[0]
+    if zero_fill or rows8_of(m) == m:
+        return a
+    return jnp.pad(a, ((0, rows8_of(m) - m),) + ((0, 0),) * (a.ndim - 1))
+
+
 def supported(q, k, ck=None) -> bool:
     """Whether the tensor-core kernels take these inputs (else the Triton twin runs): half
     precision, head dim 64/128/256, GQA groups up to 64, a cache length S a multiple of 8 (TMA

@@ -22,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import HALF, compiler_params, interpret_params, load
+from sfi_jax.kernels.attention_mgpu import (HALF, compiler_params, interpret_params, load,
+                                            pad_rows8, rows8_of)
 
 MAX_ROWS = 64  # wgmma's register layout's rows
 _M = 64
@@ -33,10 +34,6 @@ def supported(qkv, head_dim: int) -> bool:
     64-element tiles)."""
     return (qkv.ndim == 2 and 1 <= qkv.shape[0] <= MAX_ROWS and head_dim % 64 == 0
             and jnp.dtype(qkv.dtype) in HALF)
-
-
-def _rows8(m):
-    return -(-m // 8) * 8
 
 
 def norm_rope_into(out_smem, x1, x2, nw_smem, cs_smem, read, *, d, eps, qk_norm, dt):
@@ -61,7 +58,7 @@ def _kernel(qkv_ref, cos_ref, sin_ref, *refs, hq, hkv, d, m, qk_norm, eps, inter
     """Program j: head j of every row (see the module's docstring)."""
     norm_refs, (q_out, k_out, v_out) = (refs[:2], refs[2:]) if qk_norm else ((), refs)
     j = lax.axis_index("j")
-    rows8, half = _rows8(m), d // 2
+    rows8, half = rows8_of(m), d // 2
     row0 = pl.multiple_of(j * 0, 8)  # (a traced 0: the copies may read past m, see `zero_fill`)
     is_qk = j < hq + hkv
     f32, dt = jnp.float32, q_out.dtype
@@ -131,9 +128,8 @@ def norm_rope_heads(qkv, cos, sin, q_norm, k_norm, *, num_q_heads, num_kv_heads,
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together (or neither)")
     qk_norm = q_norm is not None
-    rows = [qkv, cos.astype(jnp.float32), sin.astype(jnp.float32)]
-    if _rows8(b) != b and not zero_fill:
-        rows = [jnp.pad(a, ((0, _rows8(b) - b), (0, 0))) for a in rows]
+    rows = [pad_rows8(a, zero_fill) for a in (qkv, cos.astype(jnp.float32),
+                                              sin.astype(jnp.float32))]
     norms = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)) if qk_norm else ()
     kernel = functools.partial(_kernel, hq=hq, hkv=hkv, d=d, m=b, qk_norm=qk_norm, eps=eps,
                                interpret=interpret)

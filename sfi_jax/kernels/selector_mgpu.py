@@ -66,14 +66,15 @@ def _layout(shape):
     return plgpu.Layout.WG_STRIDED(shape, vec_size=vec)
 
 
-def _zeros(shape, interpret):
-    """A zero counter block in the block's layout (interpret mode has no layouts)."""
-    z = jnp.zeros(shape, jnp.int32)
-    return z if interpret else plgpu.layout_cast(z, _layout(shape))
+def _const(value, shape, interpret, dtype=jnp.float32):
+    """A constant block in the blocks' register layout (interpret mode has no layouts)."""
+    x = jnp.full(shape, value, dtype)
+    return x if interpret else plgpu.layout_cast(x, _layout(shape))
 
 
-def _load(x_smem, interpret):
-    return x_smem[...] if interpret else load(x_smem, _layout(x_smem.shape))
+def _read(ref, interpret):
+    """A shared-memory block into registers, in the blocks' layout."""
+    return ref[...] if interpret else load(ref, _layout(ref.shape))
 
 
 def _kernel(x_ref, out_ref, *, k, radix_bits, n_copies, copy, tile, pad, stages, interpret):
@@ -88,7 +89,7 @@ def _kernel(x_ref, out_ref, *, k, radix_bits, n_copies, copy, tile, pad, stages,
         def count(_, x_smem, counters, cands=cands):
             def tile_counts(t, counters):
                 rows = x_smem.at[pl.ds(t * shape[0], shape[0])]
-                keys = sortable_keys(_load(rows, interpret))
+                keys = sortable_keys(_read(rows, interpret))
                 return tuple(c + jnp.where(keys >= cand, 1, 0)
                              for c, cand in zip(counters, cands))
 
@@ -98,7 +99,7 @@ def _kernel(x_ref, out_ref, *, k, radix_bits, n_copies, copy, tile, pad, stages,
             count, grid=(n_copies,),
             in_specs=[pl.BlockSpec((copy // _LANES, _LANES), lambda i: (i, 0))],
             max_concurrent_steps=stages,
-            init_carry=tuple(_zeros(shape, interpret) for _ in digits),
+            init_carry=tuple(_const(0, shape, interpret, jnp.int32) for _ in digits),
         )(x_ref.at[n])
         step = jnp.int32(0)
         for c, cand in zip(counters, cands):
@@ -204,15 +205,6 @@ def _iota2(shape, dim, interpret):
 def _positions(start, shape, interpret):
     """Positions [lines, 128] of a tile starting at position `start`."""
     return (start + _iota2(shape, 0, interpret) * _LANES + _iota2(shape, 1, interpret))
-
-
-def _const(value, shape, interpret):
-    x = jnp.full(shape, value, jnp.float32)
-    return x if interpret else plgpu.layout_cast(x, _layout(shape))
-
-
-def _read(ref, interpret):
-    return ref[...] if interpret else load(ref, _layout(ref.shape))
 
 
 def _write_scalars(values, out_ref, at):

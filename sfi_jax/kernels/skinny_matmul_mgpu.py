@@ -45,7 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.attention_mgpu import HALF, SMEM_BYTES, compiler_params, interpret_params
+from sfi_jax.kernels.attention_mgpu import (HALF, SMEM_BYTES, compiler_params, interpret_params,
+                                            pad_rows8, rows8_of)
 from sfi_jax.kernels.attention_mgpu import load as load_all
 from sfi_jax.kernels.heads_mgpu import norm_rope_into
 from sfi_jax.kernels.common import signals_dependents
@@ -96,11 +97,6 @@ def _swizzled(shape, dtype):
     itemsize = jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // itemsize)),
                                                 plgpu.SwizzleTransform(128)))
-
-
-def rows8_of(m):
-    """The rows as TMA copies them: a whole number of (8, 64) tiles."""
-    return -(-m // 8) * 8
 
 
 def x_rows(steps, rows8):
@@ -286,14 +282,6 @@ def _check(x, weights):
                          f"{x.shape} and weights {weights[0].shape} {weights[0].dtype}")
 
 
-def _rows8(a, m, rows8, zero_fill):
-    """a [m, ...] padded with zero rows to rows8, unless the kernel's TMA copies read rows8
-    rows from it and fill those past its end with zeros (zero_fill: no XLA pad)."""
-    if zero_fill or rows8 == m:
-        return a
-    return jnp.pad(a, ((0, rows8 - m),) + ((0, 0),) * (a.ndim - 1))
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "launch_dependents",
                                              "zero_fill"))
 def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_dependents=None,
@@ -304,7 +292,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     launch_dependents: programmatic dependent launch (`common.signals_dependents`; None: on a
     Hopper): the first weight blocks are fetched before waiting for the kernel ahead (see
     `stream_product`). True in interpret mode takes the same order without the waits.
-    zero_fill: the rows read unpadded (`_rows8`)."""
+    zero_fill: the rows read unpadded (`attention_mgpu.pad_rows8`)."""
     weights = tuple(weights)
     _check(x, weights)
     m, k = x.shape
@@ -312,7 +300,7 @@ def skinny_matmul_partials(x, weights, *, interpret=False, config=None, launch_d
     dtype = weights[0].dtype
     p = plan(m, k, n, len(weights), config, jnp.dtype(dtype).itemsize)
     rows8 = rows8_of(m)
-    xp = _rows8(x.astype(dtype), m, rows8, zero_fill)
+    xp = pad_rows8(x.astype(dtype), zero_fill)
     pdl = signals_dependents(launch_dependents, interpret)
     kernel = functools.partial(_kernel, n_w=len(weights), m=m, rows8=rows8, n_kb=k // p.bk, p=p,
                                weights_first=pdl or launch_dependents is True, pdl=pdl)
@@ -503,7 +491,7 @@ def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launc
                                weights_first=pdl or launch_dependents is True, pdl=pdl,
                                sync=not interpret)
     n_row_ins = {"residual": 1, "heads": 2}.get(epilogue, 0)  # the residual; cos and sin
-    ins = tuple(_rows8(a, m, rows8, zero_fill) if i < n_row_ins else a
+    ins = tuple(pad_rows8(a, zero_fill) if i < n_row_ins else a
                 for i, a in enumerate(ins))
     parts = jax.ShapeDtypeStruct((p.n_blocks, max(1, p.n_splits - 1), rows8, p.bn), jnp.float32)
     out = plgpu.kernel(
@@ -511,7 +499,7 @@ def _fused_call(x, weights, epilogue, ins, outs, heads, config, interpret, launc
         grid=(p.n_blocks, p.n_splits), grid_names=("j", "s"),
         compiler_params=compiler_params(lane=True),  # (Warpgroup: no layout solution)
         interpret=interpret_params() if interpret else False,
-    )(_rows8(x.astype(dtype), m, rows8, zero_fill), *weights, *ins)
+    )(pad_rows8(x.astype(dtype), zero_fill), *weights, *ins)
     return out[:len(outs)]
 
 

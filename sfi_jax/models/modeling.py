@@ -335,14 +335,14 @@ def apply_rope(x, positions, cfg: ModelConfig):
 
 
 def _heads_kernel(heads: str, cfg: ModelConfig, layout: WeightLayout, T: int):
-    """The kernel that makes one decode step's heads ("kernel": heads_gpu, Triton;
-    "mosaic_gpu": heads_mgpu, whose dispatch sends inputs it does not take to jnp), or None
-    (jnp): asked for, fused q/k/v weights, one position per row, a head dim it takes."""
+    """The kernel that makes one decode step's heads ("kernel": heads_gpu, Triton, for a head
+    dim it takes; "mosaic_gpu": heads_mgpu, whose dispatch sends inputs it does not take to
+    jnp), or None (jnp): asked for, fused q/k/v weights, one position per row."""
     if T != 1 or not layout.fused_qkv:
         return None
     if heads == "kernel" and heads_kernels.supported(cfg.head_dim):
         return "kernel"
-    return "mosaic_gpu" if heads == "mosaic_gpu" and cfg.head_dim % 64 == 0 else None
+    return "mosaic_gpu" if heads == "mosaic_gpu" else None
 
 
 def _matmul_tuning(tuning) -> dict:
@@ -386,8 +386,8 @@ def attention_inputs(w: dict, cfg: ModelConfig, x, positions, heads: str = "xla"
             x[:, 0], w["wqkv"], norm, cos[:, 0], sin[:, 0],
             w.get("q_norm") if cfg.qk_norm else None, w.get("k_norm") if cfg.qk_norm else None,
             eps=cfg.rms_norm_eps, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
-            impl=matmul, **{n: v for n, v in _matmul_tuning(tuning).items()
-                            if n != "kmajor_config"})
+            impl=matmul, launch_dependents=tuning and tuning.launch_dependents,
+            zero_fill=tuning is not None and tuning.zero_fill)
         if out is not None:
             return tuple(a[:, None] for a in out)
     if layout.fused_qkv:
