@@ -48,7 +48,8 @@ class KernelTuning:
     dense_attention: an `attention_gpu.Config` for the dense reads without logits (the dense
         arm), in place of its DENSE.
     sparse_attention: an `attention_gpu.Config` for every sparse read, in place of SPARSE and
-        SPARSE_SMALL.
+        SPARSE_SMALL, or an `attention_mgpu.Config` for the Mosaic GPU twin's, in place of its
+        SPARSE.
     fused_programs_per_sm: the fused matmul epilogues' grid aim in programs per SM, in place
         of the tuned configs'.
     kmajor: a `skinny_matmul_gpu.KMajorConfig` for every K-major matmul.

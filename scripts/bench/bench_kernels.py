@@ -14,7 +14,11 @@ do not run out of L2. Median over repeats, after a warm-up.
 
 --ab-mosaic: instead, the Triton kernels against their Mosaic GPU twins (impl "mosaic_gpu"):
 each checked against the reference first, then timed on the same shapes (a few Mosaic
-configurations too); a short table, and the results in OUT/ab_mosaic.json.
+configurations too); a short table, and the results in OUT/ab_mosaic.json. With
+--sparse-only, the sparse read alone, at --batch rows of --sparse-kv keys, --retention
+percentages, and the Mosaic configs of --sparse-configs (block_k:stages:programs, ":r" for
+P·V's operand from registers), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
+    --ab-mosaic --sparse-only --batch 1 --sparse-kv 32768 --retention 7.04
 """
 
 from __future__ import annotations
@@ -643,12 +647,15 @@ def ab_mosaic(args, on_gpu):
     benchmarks/kernels.md (dense with and without logits by KV length; sparse by retention at
     KV 16K). Writes OUT/ab_mosaic.json."""
     st = Setting(args.smoke)
+    st.b = args.batch or st.b
+    st.s_sparse = args.sparse_kv or st.s_sparse
+    st.retention = args.retention or st.retention
     dev = jax.devices()[0]
     res = {"machine": f"{dev.device_kind} ({dev.platform}), {platform.node()}",
            "jax": jax.__version__, "python": platform.python_version(),
            "command": "python3 scripts/bench/bench_kernels.py " + " ".join(sys.argv[1:]),
            "setting": {"batch": st.b, "q_heads": st.hq, "kv_heads": st.hkv, "head_dim": st.d,
-                       "dtype": "bfloat16", "kv_lens": st.s_list},
+                       "dtype": "bfloat16", "kv_lens": st.s_list, "sparse_kv": st.s_sparse},
            "correctness": [], "results": []}
     path = os.path.join(args.out, "ab_mosaic.json")
 
@@ -693,7 +700,7 @@ def ab_mosaic(args, on_gpu):
     bw = copy_bandwidth(4e9 if on_gpu else 64e6, args.repeats)["bytes_per_s"]
     res["copy_bw"] = bw
     sweep_cfgs = MGPU_SWEEP
-    s_list = st.s_list[:1] if args.smoke else st.s_list
+    s_list = [] if args.sparse_only else st.s_list[:1] if args.smoke else st.s_list
     for s in s_list:
         q, k, v, lens = dense_arms(st, s, args.smoke)
         base = st.kv_bytes(s) + st.qo_bytes()
@@ -733,7 +740,12 @@ def ab_mosaic(args, on_gpu):
         sp_arms.append(("triton", gpu, None))
     if ok["mosaic"]:
         sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
-        if not args.smoke:
+        if args.sparse_configs:
+            for c in args.sparse_configs.split(","):
+                bk, ns, progs, *regs = c.split(":")
+                cfg = mgpu.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
+                sp_arms.append((f"mosaic {c}", mgpu, cfg))
+        elif not args.smoke:
             # one wave: 64/2 fits two CTAs an SM (the partials reuse the loop's shared
             # memory), 64/3 one
             sp_arms += [("mosaic 128/2/264", mgpu, mgpu.Config(128, 2, 264)),
@@ -801,6 +813,12 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="use the module's default configs")
     ap.add_argument("--ab-mosaic", action="store_true",
                     help="only the Triton vs Mosaic GPU A/B of the decode kernels")
+    ap.add_argument("--sparse-only", action="store_true", help="--ab-mosaic: the sparse read only")
+    ap.add_argument("--batch", type=int, help="--ab-mosaic: rows (default 16)")
+    ap.add_argument("--sparse-kv", type=int, help="--ab-mosaic: the sparse read's cache length")
+    ap.add_argument("--retention", type=float, nargs="+", help="--ab-mosaic: sparse retentions, %%")
+    ap.add_argument("--sparse-configs", help="--ab-mosaic: Mosaic sparse configs to time, "
+                    "block_k:stages:programs[:r],...")
     ap.add_argument("--report-only", metavar="JSON",
                     help="rewrite the .md/.png from a results file")
     args = ap.parse_args(argv)

@@ -29,7 +29,9 @@
 #                                      no_triton_scores (the selector scores' twin),
 #                                      no_triton_repack (the repack's twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
-#                                      MODEL=qwen3-0.6b for another model
+#                                      ARM@BK:STAGES:PER_SM[:r]: ARM with that Mosaic sparse
+#                                      config (r: P·V from registers); MODEL=qwen3-0.6b for
+#                                      another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
 #                                      no_triton): each kernel's us and launches a step
@@ -38,6 +40,9 @@
 #                                      decode at 32K batch 1 without Triton, fused and not, rows
 #                                      padded and not
 #                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
+#   bash scripts/gpu/run.sh sparse     the sparse read, Triton against Mosaic GPU configs, at a
+#                                      qwen3-4b batch-1 fast step's shape (32K, 2308 keys) and at
+#                                      batch 16 (16K, 1.56-12.5 %) (benchmarks/kernels.md)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
@@ -71,6 +76,9 @@ git log --oneline -1 2>/dev/null || true
 # the bench_e2e options of a named arm (into the array `extra`): the choices "auto" makes on a
 # jax without the Triton lowering, or one of them at a time beside the defaults' others
 arm_opts() {
+  if [[ "$1" == *@* ]]; then  # ARM@config: ARM's options and that Mosaic sparse config
+    arm_opts "${1%@*}"; extra+=(--sparse-config "mosaic:${1#*@}"); return
+  fi
   local no_triton=(--opt attention=mosaic_gpu --opt selector_scores=xla
                    --opt selector_topk=radix_mosaic_gpu
                    --opt moe=mosaic_gpu --opt heads=xla --opt repack=xla
@@ -173,6 +181,14 @@ PY
     timeout 300 python scripts/bench/bench_selector_kernels.py --mosaic --out "$OUT/scores" 2>&1 \
       | tail -24
     bash "$0" notriton 131072 1 "no_triton no_triton_scores no_triton_repack" ;;
+  sparse)
+    cfgs=64:3:264,64:3:264:r,64:2:264:r,64:2:132:r,64:3:132:r,64:1:528:r,128:2:264:r
+    timeout 200 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 1 \
+      --sparse-kv 32768 --retention 7.04 --sparse-configs $cfgs --out "$OUT/sparse_b1" 2>&1 \
+      | grep -v "^check"
+    timeout 250 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 16 \
+      --retention 1.5625 6.25 12.5 --sparse-configs $cfgs --out "$OUT/sparse_b16" 2>&1 \
+      | grep -v "^check" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
@@ -181,21 +197,21 @@ PY
   notriton)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
-        arm_opts "$arm"
+        arm_opts "$arm"; dir="$OUT/notriton_${ctx}_${arm//[@:]/_}"
         timeout 200 python scripts/bench/bench_e2e.py --models "${MODEL:-qwen3-4b}" --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
-          --out "$OUT/notriton_${ctx}_$arm" 2>&1 | grep "^| qwen" | tail -2
-        rm -f "$OUT/notriton_${ctx}_$arm"/e2e.{md,png}  # (a call returns a few files: JSON only)
+          --out "$dir" 2>&1 | grep "^| qwen" | tail -2
+        rm -f "$dir"/e2e.{md,png}  # (a call returns a few files: JSON only)
       done
     done ;;
   profile)
     for arm in ${2:-defaults mosaic_attention no_triton}; do
-      arm_opts "$arm"
+      arm_opts "$arm"; dir="$OUT/profile_${arm//[@:]/_}"
       timeout 200 python scripts/bench/bench_e2e.py --models qwen3-4b --contexts 32768 --batch 1 \
-        --new-tokens 64 --no-check --profile "${extra[@]}" --out "$OUT/profile_$arm" 2>&1 \
+        --new-tokens 64 --no-check --profile "${extra[@]}" --out "$dir" 2>&1 \
         | grep "^| qwen" | tail -1
-      rm -f "$OUT/profile_$arm"/e2e.{md,png}  # (a call returns a few files: JSON only)
-      python - "$OUT/profile_$arm/e2e.json" "$arm" <<'PY'
+      rm -f "$dir"/e2e.{md,png}  # (a call returns a few files: JSON only)
+      python - "$dir/e2e.json" "$arm" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
     p = r.get("sfi_profile") or {}
@@ -205,5 +221,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
 esac

@@ -143,8 +143,9 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention
     ("mosaic_gpu": an XLA scatter, then the kernel).
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
-    config, launch_dependents: the GPU kernel's (`attention_gpu.sparse_decode`); zero_fill:
-    the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
+    config: an `attention_gpu.Config` for the Triton kernel or an `attention_mgpu.Config` for
+    the Mosaic GPU one (the other kernel ignores it); launch_dependents: the Triton kernel's;
+    zero_fill: the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -179,7 +180,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
         return gpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                  window=window, new_kv=new_kv, key_norms=key_norms,
-                                 interpret=interpret_for(impl), config=config,
+                                 interpret=interpret_for(impl),
+                                 config=config if isinstance(config, gpu.Config) else None,
                                  launch_dependents=launch_dependents)
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
@@ -192,7 +194,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     elif impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
         out = mgpu.sparse_decode(q, ck, cv, c_len_in, k, v, recent_start, lengths, layer,
                                  window=window, interpret=interpret_for(impl),
-                                 zero_fill=zero_fill)
+                                 zero_fill=zero_fill,
+                                 config=config if isinstance(config, mgpu.Config) else None)
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 

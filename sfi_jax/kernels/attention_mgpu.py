@@ -49,6 +49,9 @@ class Config:
     # with logits: shared-memory score blocks, so a block's scores are written while the
     # last block's store may still be reading its own (1: each write waits for that store)
     score_buffers: int = 1
+    # P·V's left operand straight from registers (wgmma takes a register A), no shared-memory
+    # copy of p: one store and fence less a block, and 8-16 KiB less a CTA (more CTAs an SM)
+    p_regs: bool = False
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
@@ -130,7 +133,7 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
     """Shared memory of one CTA: its main loop's K/V stages, q, p (and score blocks), then
     (the same memory, reused) the f32 partial and its m, l on their way out."""
     main = (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
-            + _M * cfg.block_k * itemsize + logits * cfg.score_buffers * _M * cfg.block_k * 4)
+            + (not cfg.p_regs) * _M * cfg.block_k * itemsize + logits * cfg.score_buffers * _M * cfg.block_k * 4)
     return max(main, _M * d * 4 + 2 * _M * 4)
 
 
@@ -184,13 +187,15 @@ def _qk(q_smem, k_smem, interpret, while_running=None):
 
 
 def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, stages,
-           scale, interpret, on_scores=None):
+           scale, interpret, on_scores=None, q_bar=None):
     """Online softmax over n key blocks, `stages` of them in flight: fetch(i, slot) starts
     block i's TMA copies into K/V slot `slot`; valid(i) is how many leading keys of block i
     count, a scalar or per query row ([64, block_k], from `_iota(.., 0, ..)`), or a pair
     (first, end): keys [first, end) of the block count (a block fetched from an 8-aligned
     start below its first key); the rest score -inf; on_scores(i, s) sees each block's
-    masked, scaled scores.
+    masked, scaled scores. p_smem None: P·V reads p from registers.
+    q_bar: the query's TMA barrier, waited for once the first blocks' copies are started (a
+    short program's K/V loads then overlap its query's instead of queueing behind it).
     Returns (acc [64, D], m [64], l [64]) in registers; m starts at a finite M_INIT, so a row
     with no valid key in a block keeps exp(m - m_new) = 1 (and l = 0 if it never sees one)."""
     bk, d = k_smem.shape[1], k_smem.shape[2]
@@ -198,6 +203,8 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
     for i in range(stages):  # (a traced block index: a static one past a short cache's end
         # fails the static bounds check, where the TMA copy would only clip)
         pl.when(i < n)(functools.partial(fetch, jnp.int32(i), i))
+    if q_bar is not None:
+        plgpu.barrier_wait(q_bar)
 
     def step(i, carry):
         acc, m, l = carry
@@ -215,15 +222,25 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
         p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(v_bar.at[slot])
+        if p_smem is None:  # p as wgmma's register operand, accumulated into acc in place
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if interpret:
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                    preferred_element_type=jnp.float32)
+            else:
+                acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
+                    plgpu.ACC.init(acc))
+        else:
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
 
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((_M, d), jnp.float32))
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((_M, d), jnp.float32))
         # both wgmmas have read this slot: refill it
         pl.when(i + stages < n)(lambda: fetch(i + stages, slot))
         return acc, m_new, l
@@ -341,10 +358,9 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
         plgpu.copy_smem_to_gmem(s_smem.at[at, pl.ds(0, group)],
                                 lg_ref.at[r, pl.ds(h * group, group), col])
 
-    plgpu.barrier_wait(q_bar)
     carry = _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
                    valid=lambda i: hi - (start + i * bk), stages=stages, scale=scale,
-                   interpret=interpret,
+                   interpret=interpret, q_bar=q_bar,
                    on_scores=score_writer(s_smem, store_logits) if logits else None)
 
     if logits:  # blocks of this split past the row's length: -inf, without reading K
@@ -403,9 +419,8 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
         hi = jnp.where(b < n_c, c_off + c_len - b * bk, w_off + length - rs - (b - n_c) * bk)
         return lo, hi
 
-    plgpu.barrier_wait(q_bar)
     return _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
-                  valid=valid, stages=stages, scale=scale, interpret=interpret)
+                  valid=valid, stages=stages, scale=scale, interpret=interpret, q_bar=q_bar)
 
 
 def _combine(o, m, l, group, dtype):
@@ -470,11 +485,11 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            group, extra_out=(), extra_scratch=()):
+            group, extra_out=(), extra_scratch=(), p_regs=False):
     """One program per (row, KV head, split): kernel(*inputs, *outputs, *scratch) runs the
-    main loop over its scratch (extra_scratch, q, the K/V stages, p, the TMA barriers) and
-    returns its split's (acc, m, l); these go out as the partials (o, m, l; extra_out after
-    them) through shared memory that reuses the main loop's."""
+    main loop over its scratch (extra_scratch, q, the K/V stages, p (None with p_regs), the
+    TMA barriers) and returns its split's (acc, m, l); these go out as the partials (o, m, l;
+    extra_out after them) through shared memory that reuses the main loop's."""
     out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
@@ -483,7 +498,7 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         _smem_kv((_M, d), dtype),
         _smem_kv((stages, bk, d), dtype),
         _smem_kv((stages, bk, d), dtype),
-        _smem_kv((_M, bk), dtype),
+        *(() if p_regs else (_smem_kv((_M, bk), dtype),)),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -493,6 +508,9 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         o_ref, m_ref, l_ref = refs[len(args):len(args) + 3]
 
         def main(*scratch_refs):
+            if p_regs:  # (p's place in the kernel's scratch)
+                at = len(extra_scratch) + 3
+                scratch_refs = (*scratch_refs[:at], None, *scratch_refs[at:])
             carry = kernel(*refs, *scratch_refs)
             # (stores still reading this scope's memory end before it is reused)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -543,7 +561,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
                            _grouped_q(q.astype(k.dtype), hkv, zero_fill), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  extra_out=extra_out, extra_scratch=extra_scratch)
+                  extra_out=extra_out, extra_scratch=extra_scratch, p_regs=cfg.p_regs)
     out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
     if not return_logits:
         return out
@@ -580,7 +598,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
                            _grouped_q(q.astype(k.dtype), hkv, zero_fill),
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
-                  stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group)
+                  stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
+                  p_regs=cfg.p_regs)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]
 
 

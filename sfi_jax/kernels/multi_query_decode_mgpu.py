@@ -67,9 +67,8 @@ def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         col = pl.ds(base.aligned(start + i * bk, bk), bk)
         plgpu.copy_smem_to_gmem(s_smem.at[at, pl.ds(0, gt)], lg_ref.at[b, pl.ds(h * gt, gt), col])
 
-    plgpu.barrier_wait(q_bar)
     carry = base._flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
-                        valid=valid, stages=stages, scale=scale, interpret=interpret,
+                        valid=valid, stages=stages, scale=scale, interpret=interpret, q_bar=q_bar,
                         on_scores=base.score_writer(s_smem, store_logits) if logits else None)
     if logits:  # the split's blocks past the row's end: -inf, without reading K
         base.store_neg_inf(s_smem, store_logits, n, lax.div(end - start + (bk - 1), bk),
@@ -111,7 +110,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
                                 qg, k, v),
                        n_rows=n_rows, hq=hq * n_q, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                        stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=gt,
-                       extra_out=extra_out, extra_scratch=extra_scratch)
+                       extra_out=extra_out, extra_scratch=extra_scratch, p_regs=cfg.p_regs)
     out, lse = base._combine(res[0], res[1], res[2], gt, q.dtype)  # rows (h, g, t)
     out = out.reshape(n_rows, hkv, group, n_q, d).transpose(0, 3, 1, 2, 4)
     out = out.reshape(n_rows, n_q, hq, d)

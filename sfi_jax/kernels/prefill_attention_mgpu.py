@@ -136,11 +136,10 @@ def _kernel(at_ref, qs_ref, kv_ref, q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, 
         _copy_block(k_ref, k_smem, k_bar, at, j, slot, bk)
         _copy_block(v_ref, v_smem, v_bar, at, j, slot, bk)
 
-    plgpu.barrier_wait(q_bar)
     acc, _, l = base._flash(
         q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, n=n, fetch=fetch,
         valid=lambda j: _causal_limit(qs, t0, kvl, group, j, bk, interpret), stages=stages,
-        scale=scale, interpret=interpret)
+        scale=scale, interpret=interpret, q_bar=q_bar)
     # no valid key: acc is 0 and so is the output; NaN inputs stay NaN
     inv = 1.0 / jnp.where(l != 0, l, 1.0)
     o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)

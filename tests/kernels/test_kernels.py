@@ -123,17 +123,20 @@ def test_sweep_points_change_how_not_what():
 
 
 @pytest.mark.gpu
-def test_mosaic_zero_fill_matches_reference():
-    """The Mosaic kernels with `zero_fill` (KernelTuning.zero_fill): each query group read
-    unpadded, its rows past the group as TMA's zeros (interpret mode: out-of-bounds reads as
-    zeros); dense with logits (groups of 2) and sparse (groups of 2) against the reference."""
+@pytest.mark.parametrize("variant", ["zero_fill", "p_regs"])
+def test_mosaic_variants_match_reference(variant):
+    """The Mosaic kernels' variants, dense with logits (groups of 2) and sparse (groups of 2)
+    against the reference: `zero_fill` (KernelTuning.zero_fill: each query group read
+    unpadded, its rows past the group as TMA's zeros; interpret mode reads out of bounds as
+    zeros) and `p_regs` (Config.p_regs: P·V's operand from registers)."""
+    cfg = dataclasses.replace(MGPU_CFG, p_regs=variant == "p_regs")
+    kw = dict(config=cfg, interpret=gpu_interpret(), zero_fill=variant == "zero_fill")
     hq, hkv, d, s, dtype, lengths = 4, 2, 64, 192, jnp.bfloat16, [192, 65, 1]
     ks = jax.random.split(jax.random.PRNGKey(77), 3)
     q = normal(ks[0], (len(lengths), hq, d), dtype)
     k, v = (normal(x, (len(lengths), hkv, s, d), dtype) for x in ks[1:])
     lens = jnp.asarray(lengths, jnp.int32)
-    out, lg, lse = mgpu.dense_decode(q, k, v, lens, return_logits=True, config=MGPU_CFG,
-                                     interpret=gpu_interpret(), zero_fill=True)
+    out, lg, lse = mgpu.dense_decode(q, k, v, lens, return_logits=True, **kw)
     r_out, r_lg, r_lse = reference.dense_decode(q, k, v, lens, return_logits=True)
     assert rel_err(out, r_out) <= TOL[dtype]
     assert_close_logits(lg, r_lg, 1e-5)
@@ -142,8 +145,7 @@ def test_mosaic_zero_fill_matches_reference():
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(78), b=len(lengths), hq=hq, hkv=hkv,
                                      s=s, c=c, d=d, dtype=dtype)
     c_len, rs, lens = (jnp.asarray(x, jnp.int32) for x in (c_len, rs, lengths))
-    out = mgpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, config=MGPU_CFG,
-                             interpret=gpu_interpret(), zero_fill=True)
+    out = mgpu.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, **kw)
     assert rel_err(out, reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)) <= TOL[dtype]
 
 
@@ -801,6 +803,15 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
         "sparse_zero_fill": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, zero_fill=True),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        # P·V's operand from registers (Config.p_regs), with and without logits
+        "sparse_p_regs": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
+            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, config=mgpu.fit(
+                dataclasses.replace(mgpu.SPARSE, p_regs=True), q.shape[-1])),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        "dense_logits_p_regs": (lambda q, k, v, n: mgpu.dense_decode(
+            q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
+                dataclasses.replace(mgpu.DENSE_LOGITS, p_regs=True), q.shape[-1], True)),
+            (q, kv, kv, vec)),
         "repack": (lambda ck, cv, k, v, p, s: mgpu.repack(ck, cv, k, v, p, s),
                    (ckv, ckv, kv, kv, sds((2, b, hkv, c), jnp.int32), vec)),
         "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
