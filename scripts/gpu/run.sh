@@ -29,9 +29,9 @@
 #                                      no_triton_scores (the selector scores' twin),
 #                                      no_triton_repack (the repack's twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
-#                                      ARM@BK:STAGES:PER_SM[:r]: ARM with that Mosaic sparse
-#                                      config (r: P·V from registers); MODEL=qwen3-0.6b for
-#                                      another model
+#                                      ARM@BK:STAGES:PER_SM[:FLAGS]: ARM with that Mosaic
+#                                      sparse config (flags r: P·V from registers, m: splits
+#                                      merged in the kernel); MODEL=qwen3-0.6b for another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
 #                                      no_triton): each kernel's us and launches a step
@@ -40,7 +40,8 @@
 #                                      decode at 32K batch 1 without Triton, fused and not, rows
 #                                      padded and not
 #                                      (benchmarks/mosaic_ab.json, skinny_matmul.md)
-#   bash scripts/gpu/run.sh sparse     the sparse read, Triton against Mosaic GPU configs, at a
+#   bash scripts/gpu/run.sh sparse [configs]  the sparse read, Triton against Mosaic GPU configs
+#                                      (bench_kernels.py --sparse-configs), at a
 #                                      qwen3-4b batch-1 fast step's shape (32K, 2308 keys) and at
 #                                      batch 16 (16K, 1.56-12.5 %) (benchmarks/kernels.md)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
@@ -182,7 +183,7 @@ PY
       | tail -24
     bash "$0" notriton 131072 1 "no_triton no_triton_scores no_triton_repack" ;;
   sparse)
-    cfgs=64:3:264,64:3:264:r,64:2:264:r,64:2:132:r,64:3:132:r,64:1:528:r,128:2:264:r
+    cfgs=${2:-64:3:264,64:2:132:r,64:2:132:rm,64:3:132:rm,64:2:264:rm}
     timeout 200 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 1 \
       --sparse-kv 32768 --retention 7.04 --sparse-configs $cfgs --out "$OUT/sparse_b1" 2>&1 \
       | grep -v "^check"
@@ -197,7 +198,7 @@ PY
   notriton)
     for ctx in ${2:-32768 131072}; do
       for arm in ${4:-defaults no_triton}; do
-        arm_opts "$arm"; dir="$OUT/notriton_${ctx}_${arm//[@:]/_}"
+        arm_opts "$arm"; dir="$OUT/notriton_${MODEL:-qwen3-4b}_${ctx}_${3:-1}_${arm//[@:]/_}"
         timeout 200 python scripts/bench/bench_e2e.py --models "${MODEL:-qwen3-4b}" --contexts "$ctx" \
           --batch "${3:-1}" --new-tokens 128 --no-check "${extra[@]}" \
           --out "$dir" 2>&1 | grep "^| qwen" | tail -2
