@@ -622,18 +622,17 @@ def merge_reports(paths, out, notes=None):
 
 def attention_config(text):
     """An attention kernel config from "BK:WARPS:STAGES:PROGRAMS_PER_SM" (the Triton kernel's)
-    or "mosaic:BK:STAGES:PROGRAMS_PER_SM[:FLAGS]" (the Mosaic GPU twin's; flags r: P·V's
-    operand from registers, m: the splits merged in the kernel)."""
+    or "mosaic:BK:STAGES:PROGRAMS_PER_SM[:r]" (the Mosaic GPU twin's; r: P·V's operand from
+    registers)."""
     from sfi_jax.kernels import attention_gpu
 
     if text.startswith("mosaic:"):
         from sfi_jax.kernels import attention_mgpu
 
-        bk, st, per_sm, *flags = text.split(":")[1:]
-        flags = "".join(flags)
+        bk, st, per_sm, *regs = text.split(":")[1:]
         return attention_mgpu.Config(block_k=int(bk), stages=int(st),
                                      programs=int(per_sm) * attention_mgpu._NUM_SMS,
-                                     p_regs="r" in flags, merge="m" in flags)
+                                     p_regs=regs == ["r"])
     bk, w, st, per_sm = (int(v) for v in text.split(":"))
     return attention_gpu.Config(block_k=bk, num_warps=w, num_stages=st,
                                 programs=per_sm * attention_gpu._NUM_SMS)
@@ -680,7 +679,7 @@ def main(argv=None):
     p.add_argument("--sparse-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
                    help="a sweep point: this run's sparse decode kernel config, in place of "
                         "attention_gpu's SPARSE and SPARSE_SMALL, or mosaic:BK:STAGES:"
-                        "PROGRAMS_PER_SM[:rm] for the Mosaic GPU twin's SPARSE "
+                        "PROGRAMS_PER_SM[:r] for the Mosaic GPU twin's SPARSE "
                         "(KernelTuning.sparse_attention)")
     p.add_argument("--dense-config", default=None, metavar="BK:WARPS:STAGES:PROGRAMS_PER_SM",
                    help="a sweep point: the dense arm's decode kernel config, in place of "

@@ -16,8 +16,8 @@ do not run out of L2. Median over repeats, after a warm-up.
 each checked against the reference first, then timed on the same shapes (a few Mosaic
 configurations too); a short table, and the results in OUT/ab_mosaic.json. With
 --sparse-only, the sparse read alone, at --batch rows of --sparse-kv keys, --retention
-percentages, and the Mosaic configs of --sparse-configs (block_k:stages:programs, then ":r"
-for P·V's operand from registers, ":m" for the splits merged in the kernel, ":rm" both), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
+percentages, and the Mosaic configs of --sparse-configs (block_k:stages:programs, ":r" for
+P·V's operand from registers), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
     --ab-mosaic --sparse-only --batch 1 --sparse-kv 32768 --retention 7.04
 """
 
@@ -742,10 +742,8 @@ def ab_mosaic(args, on_gpu):
         sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
         if args.sparse_configs:
             for c in args.sparse_configs.split(","):
-                bk, ns, progs, *flags = c.split(":")
-                flags = "".join(flags)
-                cfg = mgpu.Config(int(bk), int(ns), int(progs), p_regs="r" in flags,
-                                  merge="m" in flags)
+                bk, ns, progs, *regs = c.split(":")
+                cfg = mgpu.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
                 sp_arms.append((f"mosaic {c}", mgpu, cfg))
         elif not args.smoke:
             # one wave: 64/2 fits two CTAs an SM (the partials reuse the loop's shared
@@ -820,7 +818,7 @@ def main(argv=None):
     ap.add_argument("--sparse-kv", type=int, help="--ab-mosaic: the sparse read's cache length")
     ap.add_argument("--retention", type=float, nargs="+", help="--ab-mosaic: sparse retentions, %%")
     ap.add_argument("--sparse-configs", help="--ab-mosaic: Mosaic sparse configs to time, "
-                    "block_k:stages:programs[:r|m|rm],...")
+                    "block_k:stages:programs[:r],...")
     ap.add_argument("--report-only", metavar="JSON",
                     help="rewrite the .md/.png from a results file")
     args = ap.parse_args(argv)

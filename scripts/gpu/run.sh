@@ -29,9 +29,9 @@
 #                                      no_triton_scores (the selector scores' twin),
 #                                      no_triton_repack (the repack's twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
-#                                      ARM@BK:STAGES:PER_SM[:FLAGS]: ARM with that Mosaic
-#                                      sparse config (flags r: P·V from registers, m: splits
-#                                      merged in the kernel); MODEL=qwen3-0.6b for another model
+#                                      ARM@BK:STAGES:PER_SM[:r]: ARM with that Mosaic sparse
+#                                      config (r: P·V from registers); MODEL=qwen3-0.6b for
+#                                      another model
 #   bash scripts/gpu/run.sh profile [arms]  the kernels of SFI decode steps, qwen3-4b 32K batch 1,
 #                                      per arm (as notriton's; default: defaults mosaic_attention
 #                                      no_triton): each kernel's us and launches a step
@@ -183,7 +183,7 @@ PY
       | tail -24
     bash "$0" notriton 131072 1 "no_triton no_triton_scores no_triton_repack" ;;
   sparse)
-    cfgs=${2:-64:3:264,64:2:132:r,64:2:132:rm,64:3:132:rm,64:2:264:rm}
+    cfgs=${2:-64:3:264,64:3:264:r,64:2:264:r,64:2:132:r,64:3:132:r,64:1:528:r}
     timeout 200 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 1 \
       --sparse-kv 32768 --retention 7.04 --sparse-configs $cfgs --out "$OUT/sparse_b1" 2>&1 \
       | grep -v "^check"

@@ -52,10 +52,6 @@ class Config:
     # P·V's left operand straight from registers (wgmma takes a register A), no shared-memory
     # copy of p: one store and fence less a block, and 8-16 KiB less a CTA (more CTAs an SM)
     p_regs: bool = False
-    # sparse: a (row, KV head)'s splits merged by its last split, which waits for the others
-    # (a semaphore each) and writes the output: no XLA merge after the kernel (3-4 launches);
-    # only where the whole grid is resident at once (else the XLA merge)
-    merge: bool = False
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
@@ -133,7 +129,6 @@ def _smem_kv(shape, dtype):
 
 
 SMEM_BYTES = 223 * 1024  # of the 227 KiB one CTA may take on Hopper: barriers, alignment aside
-SM_SMEM_BYTES = 228 * 1024  # one Hopper SM's shared memory, shared by its resident CTAs
 
 
 def smem_bytes(cfg, d, itemsize=2, logits=False):
@@ -275,8 +270,7 @@ def aligned(x, m=8):
 
 def _store_partials(carry, o_ref, m_ref, l_ref, group):
     """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64],
-    through shared memory of its own scope (the main loop's, reused); done (written, not only
-    read) on return."""
+    through shared memory of its own scope (the main loop's, reused)."""
     acc, m, l = carry
     r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
 
@@ -292,73 +286,6 @@ def _store_partials(carry, o_ref, m_ref, l_ref, group):
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32), plgpu.SMEM((2, _M), jnp.float32))
-
-
-def merge_smem_bytes(d, itemsize=2):
-    """Shared memory of the last split's merge (`_merge_splits`): two partials in flight,
-    their m, l, and the output tile."""
-    return 2 * _M * d * 4 + 2 * 2 * _M * 4 + _M * d * itemsize
-
-
-def merge_fits(cfg, d, n_ctas, itemsize=2):
-    """Whether a grid of n_ctas CTAs merging in the kernel is resident at once (the last
-    split of each row and head waits for the others: with every CTA on an SM, it waits only
-    for running work), counted by shared memory (a warpgroup a CTA leaves registers to spare)."""
-    per_cta = max(smem_bytes(cfg, d, itemsize), merge_smem_bytes(d, itemsize)) + 2048
-    return per_cta <= SMEM_BYTES and n_ctas <= _NUM_SMS * (SM_SMEM_BYTES // per_cta)
-
-
-def _merge_splits(carry, out_ref, o_ref, m_ref, l_ref, *, group, last, interpret):
-    """The last split's (acc, m, l) merged with splits [0, last)'s partials (o [R, n, Hq, D],
-    m, l [R, n, Hkv, 64], read two in flight) exactly as `_combine` merges them; the group's
-    output rows to out [R, Hq, D]: acc / l, 0 where no key counted (NaN stays NaN)."""
-    r, h = lax.axis_index("r"), lax.axis_index("h")
-    dt = out_ref.dtype
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    def body(o_smem, ml_smem, out_smem, bar):
-        def fetch(i, slot):
-            plgpu.copy_gmem_to_smem(o_ref.at[r, i, pl.ds(h * group, group)],
-                                    o_smem.at[slot, pl.ds(0, group)], bar.at[slot])
-            plgpu.copy_gmem_to_smem(m_ref.at[r, i, h], ml_smem.at[slot, 0], bar.at[slot])
-            plgpu.copy_gmem_to_smem(l_ref.at[r, i, h], ml_smem.at[slot, 1], bar.at[slot])
-
-        for i in range(min(2, last)):
-            fetch(jnp.int32(i), i)
-
-        def step(i, carry):
-            acc, m, l = carry
-            slot = lax.rem(i, 2)
-            plgpu.barrier_wait(bar.at[slot])
-            if interpret:
-                o_i, m_i, l_i = (o_smem.at[slot][...], ml_smem.at[slot, 0][...],
-                                 ml_smem.at[slot, 1][...])
-            else:
-                o_i = load(o_smem.at[slot], plgpu.Layout.WGMMA)
-                m_i, l_i = (load(ml_smem.at[slot, c], row) for c in (0, 1))
-            # (every thread's reads of this slot done before its refill)
-            plgpu.commit_smem()
-            pl.when(i + 2 < last)(lambda: fetch(i + 2, slot))
-            mx = jnp.maximum(m, m_i)
-            a, b = jnp.exp(m - mx), jnp.exp(m_i - mx)
-            acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
-                   + o_i * lax.broadcast_in_dim(b, acc.shape, [0]))
-            return acc, mx, l * a + l_i * b
-
-        acc, _, l = lax.fori_loop(0, last, step, carry)
-        inv = 1.0 / jnp.where(l != 0, l, 1.0)
-        lb = lax.broadcast_in_dim(l, acc.shape, [0])
-        out = jnp.where(lb != 0, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
-        out_smem[...] = out.astype(dt)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, group)],
-                                out_ref.at[r, pl.ds(h * group, group)])
-        plgpu.wait_smem_to_gmem(0)
-
-    shape = carry[0].shape
-    pl.run_scoped(body, plgpu.SMEM((2, *shape), jnp.float32),
-                  plgpu.SMEM((2, 2, _M), jnp.float32), plgpu.SMEM(shape, dt),
-                  plgpu.Barrier(num_arrivals=3, num_barriers=2))
 
 
 def score_scratch(cfg):
@@ -560,19 +487,14 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            group, extra_out=(), extra_scratch=(), p_regs=False, merge=False):
+            group, extra_out=(), extra_scratch=(), p_regs=False):
     """One program per (row, KV head, split): kernel(*inputs, *outputs, *scratch) runs the
     main loop over its scratch (extra_scratch, q, the K/V stages, p (None with p_regs), the
     TMA barriers) and returns its split's (acc, m, l); these go out as the partials (o, m, l;
-    extra_out after them) through shared memory that reuses the main loop's.
-    merge: the output [R, Hq, D] first (then the partials of every split but the last, and
-    extra_out), written by each (row, KV head)'s last split (`_merge_splits`) once the others'
-    semaphore signals say their partials are written."""
-    parts = max(n_splits - 1, 1) if merge else n_splits
-    out_type = [*((jax.ShapeDtypeStruct((n_rows, hq, d), dtype),) if merge else ()),
-                jax.ShapeDtypeStruct((n_rows, parts, hq, d), jnp.float32),
-                jax.ShapeDtypeStruct((n_rows, parts, hkv, _M), jnp.float32),
-                jax.ShapeDtypeStruct((n_rows, parts, hkv, _M), jnp.float32), *extra_out]
+    extra_out after them) through shared memory that reuses the main loop's."""
+    out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
     scratch = [
         *extra_scratch,
         _smem_kv((_M, d), dtype),
@@ -584,42 +506,19 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         plgpu.Barrier(num_barriers=stages),
     ]
 
-    last, sync = n_splits - 1, not interpret
-
     def body(*refs):
-        out_ref = refs[len(args)] if merge else None
-        o_ref, m_ref, l_ref = refs[len(args) + merge:len(args) + merge + 3]
+        o_ref, m_ref, l_ref = refs[len(args):len(args) + 3]
 
         def main(*scratch_refs):
             if p_regs:  # (p's place in the kernel's scratch)
                 at = len(extra_scratch) + 3
                 scratch_refs = (*scratch_refs[:at], None, *scratch_refs[at:])
-            carry = kernel(*refs[:len(args)], *refs[len(args) + merge:], *scratch_refs)
+            carry = kernel(*refs, *scratch_refs)
             # (stores still reading this scope's memory end before it is reused)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return carry
 
-        carry = pl.run_scoped(main, *scratch)
-        if not merge:
-            _store_partials(carry, o_ref, m_ref, l_ref, group)
-            return
-        # (interpret mode runs the grid in order, j fastest: the last split after the others)
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((n_rows * hkv,))) if sync else None
-        pair = lax.axis_index("r") * hkv + lax.axis_index("h")
-        j = lax.axis_index("j")
-
-        @pl.when(j < last)
-        def _partials():
-            _store_partials(carry, o_ref, m_ref, l_ref, group)
-            if sync:
-                pl.semaphore_signal(sem.at[pair])
-
-        @pl.when(j == last)
-        def _merge():
-            if sync and last:
-                pl.semaphore_wait(sem.at[pair], last)  # (back to 0 for the next call)
-            _merge_splits(carry, out_ref, o_ref, m_ref, l_ref, group=group, last=last,
-                          interpret=interpret)
+        _store_partials(pl.run_scoped(main, *scratch), o_ref, m_ref, l_ref, group)
 
     return plgpu.kernel(
         body, out_type=out_type,
@@ -691,7 +590,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
     _, n_splits = decode_splits(keys, n_rows * hkv, cfg.block_k, cfg.programs)
-    merge = cfg.merge and merge_fits(cfg, d, n_rows * hkv * n_splits, k.dtype.itemsize)
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
@@ -703,9 +601,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  p_regs=cfg.p_regs, merge=merge)
-    if merge:
-        return res[0].astype(q.dtype)
+                  p_regs=cfg.p_regs)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]
 
 

@@ -123,14 +123,13 @@ def test_sweep_points_change_how_not_what():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["zero_fill", "p_regs", "merge"])
+@pytest.mark.parametrize("variant", ["zero_fill", "p_regs"])
 def test_mosaic_variants_match_reference(variant):
     """The Mosaic kernels' variants, dense with logits (groups of 2) and sparse (groups of 2)
     against the reference: `zero_fill` (KernelTuning.zero_fill: each query group read
     unpadded, its rows past the group as TMA's zeros; interpret mode reads out of bounds as
-    zeros), `p_regs` (Config.p_regs: P·V's operand from registers) and `merge` (Config.merge:
-    the sparse read's splits merged by the last one; 1 to 4 splits a row here)."""
-    cfg = dataclasses.replace(MGPU_CFG, p_regs=variant == "p_regs", merge=variant == "merge")
+    zeros) and `p_regs` (Config.p_regs: P·V's operand from registers)."""
+    cfg = dataclasses.replace(MGPU_CFG, p_regs=variant == "p_regs")
     kw = dict(config=cfg, interpret=gpu_interpret(), zero_fill=variant == "zero_fill")
     hq, hkv, d, s, dtype, lengths = 4, 2, 64, 192, jnp.bfloat16, [192, 65, 1]
     ks = jax.random.split(jax.random.PRNGKey(77), 3)
@@ -808,10 +807,6 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
         "sparse_p_regs": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, config=mgpu.fit(
                 dataclasses.replace(mgpu.SPARSE, p_regs=True), q.shape[-1])),
-            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
-        "sparse_merge": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
-            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, config=mgpu.fit(
-                dataclasses.replace(mgpu.SPARSE, merge=True), q.shape[-1])),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
         "dense_logits_p_regs": (lambda q, k, v, n: mgpu.dense_decode(
             q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
