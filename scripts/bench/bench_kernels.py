@@ -19,6 +19,8 @@ configurations too); a short table, and the results in OUT/ab_mosaic.json. With
 percentages, and the Mosaic configs of --sparse-configs (block_k:stages:programs, ":r" for
 P·V's operand from registers), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
     --ab-mosaic --sparse-only --batch 1 --sparse-kv 32768 --retention 7.04
+and with --dense-only the dense read alone at --kv lengths, the Mosaic defaults and the
+--dense-configs, with and without logits.
 """
 
 from __future__ import annotations
@@ -642,6 +644,13 @@ MGPU_SWEEP = [(128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 2, 2), (64, 3, 2), (64
               (64, 4, 4), (64, 3, 8)]  # (block_k, stages, programs in waves of 132)
 
 
+def mosaic_config(text):
+    """A Mosaic GPU decode config from "block_k:stages:programs[:r]" (r: P·V's operand from
+    registers)."""
+    bk, ns, progs, *regs = text.split(":")
+    return mgpu.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
+
+
 def ab_mosaic(args, on_gpu):
     """Triton vs Mosaic GPU decode kernels: correctness of both, then times on the shapes of
     benchmarks/kernels.md (dense with and without logits by KV length; sparse by retention at
@@ -650,6 +659,7 @@ def ab_mosaic(args, on_gpu):
     st.b = args.batch or st.b
     st.s_sparse = args.sparse_kv or st.s_sparse
     st.retention = args.retention or st.retention
+    st.s_list = args.kv or st.s_list
     dev = jax.devices()[0]
     res = {"machine": f"{dev.device_kind} ({dev.platform}), {platform.node()}",
            "jax": jax.__version__, "python": platform.python_version(),
@@ -709,7 +719,15 @@ def ab_mosaic(args, on_gpu):
         if ok["triton"]:
             for lg in (False, True):
                 arms.append((f"triton{'+logits' if lg else ''}", gpu, None, lg))
-        if ok["mosaic"]:
+        if ok["mosaic"] and args.dense_configs:  # the defaults (None), then these
+            for text in [None] + args.dense_configs.split(","):
+                for lg in (False, True):
+                    c = None if text is None else mosaic_config(text)
+                    if c is not None and mgpu.smem_bytes(c, st.d, logits=lg) > mgpu.SMEM_BYTES:
+                        continue
+                    name = f"mosaic{'+logits' if lg else ''}" + ("" if text is None else f" {text}")
+                    arms.append((name, mgpu, c, lg))
+        elif ok["mosaic"]:
             cfgs = [mgpu.DENSE] + [mgpu.Config(bk, ns, w * 132) for bk, ns, w in sweep_cfgs]
             if args.smoke:
                 cfgs = [mgpu.Config(64, 2, 12)]
@@ -734,7 +752,7 @@ def ab_mosaic(args, on_gpu):
             save()
         del q, k, v
     # sparse at KV 16K by retention: Triton and Mosaic (default config, and 128-key blocks)
-    rets = st.retention[:1] if args.smoke else st.retention
+    rets = [] if args.dense_only else st.retention[:1] if args.smoke else st.retention
     sp_arms = []
     if ok["triton"]:
         sp_arms.append(("triton", gpu, None))
@@ -742,9 +760,7 @@ def ab_mosaic(args, on_gpu):
         sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
         if args.sparse_configs:
             for c in args.sparse_configs.split(","):
-                bk, ns, progs, *regs = c.split(":")
-                cfg = mgpu.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
-                sp_arms.append((f"mosaic {c}", mgpu, cfg))
+                sp_arms.append((f"mosaic {c}", mgpu, mosaic_config(c)))
         elif not args.smoke:
             # one wave: 64/2 fits two CTAs an SM (the partials reuse the loop's shared
             # memory), 64/3 one
@@ -814,6 +830,10 @@ def main(argv=None):
     ap.add_argument("--ab-mosaic", action="store_true",
                     help="only the Triton vs Mosaic GPU A/B of the decode kernels")
     ap.add_argument("--sparse-only", action="store_true", help="--ab-mosaic: the sparse read only")
+    ap.add_argument("--dense-only", action="store_true", help="--ab-mosaic: the dense read only")
+    ap.add_argument("--kv", type=int, nargs="+", help="--ab-mosaic: the dense read's cache lengths")
+    ap.add_argument("--dense-configs", help="--ab-mosaic: Mosaic dense configs to time (with "
+                    "and without logits) beside the defaults, block_k:stages:programs[:r],...")
     ap.add_argument("--batch", type=int, help="--ab-mosaic: rows (default 16)")
     ap.add_argument("--sparse-kv", type=int, help="--ab-mosaic: the sparse read's cache length")
     ap.add_argument("--retention", type=float, nargs="+", help="--ab-mosaic: sparse retentions, %%")

@@ -121,7 +121,7 @@ def randn(seed, shape, dtype):
 
 
 def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, bandwidth, cudnn,
-         baselines, mosaic=False):
+         baselines, mosaic=False, mosaic_configs=()):
     hq, hkv, d = heads
     k, v = baselines["kv"]
     q = randn(1000 * b + t, (b, t, hq, d), dtype)
@@ -189,6 +189,15 @@ def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, band
                       f"with logits {row['mosaic_logits_over_triton']:.3f} "
                       f"(two score blocks {row['mosaic_logits_2buf_over_triton']:.3f})",
                       flush=True)
+                row["mosaic_configs"] = {}
+                for text in mosaic_configs:  # block_k:stages:programs[:r]
+                    bk, ns, progs, *regs = text.split(":")
+                    cfg = mq_mgpu.base.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
+                    times = [chained_time(mosaic_step(lg, cfg), q, (k, v), **timed)[0]
+                             / row["ours_logits_s" if lg else "ours_s"] for lg in (False, True)]
+                    row["mosaic_configs"][text] = times
+                    print(f"  mosaic {text}: /triton {times[0]:.3f}, with logits {times[1]:.3f}",
+                          flush=True)
         except Exception as e:  # a compile or run failure: say so, go on
             traceback.print_exc()
             row["mosaic_error"] = repr(e)[:800]
@@ -258,6 +267,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mosaic", action="store_true",
                    help="also check and time the Mosaic GPU kernel")
+    p.add_argument("--mosaic-configs", nargs="*", default=[],
+                   help="with --mosaic: block_k:stages:programs[:r] Mosaic configs to time too "
+                        "(r: P·V's operand from registers)")
     a = p.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     heads = (HQ, HKV, D)
@@ -284,7 +296,8 @@ def main(argv=None):
             for t in a.queries:
                 try:
                     case(res, b, s, t, configs=configs, bandwidth=a.bandwidth, cudnn=on_gpu,
-                         baselines=base, mosaic=a.mosaic, **kw)
+                         baselines=base, mosaic=a.mosaic, mosaic_configs=a.mosaic_configs,
+                         **kw)
                 except Exception as e:  # keep going: the file says what failed
                     traceback.print_exc()
                     res.add(dict(B=b, S=s, T=t, error=repr(e)[:500]))

@@ -44,6 +44,9 @@
 #                                      (bench_kernels.py --sparse-configs), at a
 #                                      qwen3-4b batch-1 fast step's shape (32K, 2308 keys) and at
 #                                      batch 16 (16K, 1.56-12.5 %) (benchmarks/kernels.md)
+#   bash scripts/gpu/run.sh waves      the dense read (with and without logits) and the verify kernel
+#                                      at batch 1, Triton against Mosaic GPU configs of one wave
+#                                      of CTAs (and P·V from registers) beside the defaults
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
@@ -190,6 +193,13 @@ PY
     timeout 250 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 16 \
       --retention 1.5625 6.25 12.5 --sparse-configs $cfgs --out "$OUT/sparse_b16" 2>&1 \
       | grep -v "^check" ;;
+  waves)
+    timeout 150 python scripts/bench/bench_kernels.py --ab-mosaic --dense-only --batch 1 \
+      --kv 32768 131072 --dense-configs 128:2:132,128:2:132:r,64:2:264:r,64:2:132:r,64:3:132:r \
+      --out "$OUT/dense_b1" 2>&1 | grep -v "^check" | tail -16
+    timeout 120 python scripts/bench/bench_multi_query_kernel.py --mosaic --batches 1 \
+      --contexts 32768 --queries 1 4 8 --mosaic-configs 128:2:132 64:2:264:r 64:2:132:r \
+      64:3:132:r --out "$OUT/mq_b1.json" 2>&1 | grep "mosaic" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
@@ -222,5 +232,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|waves|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
 esac

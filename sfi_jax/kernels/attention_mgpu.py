@@ -135,7 +135,8 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
     """Shared memory of one CTA: its main loop's K/V stages, q, p (and score blocks), then
     (the same memory, reused) the f32 partial and its m, l on their way out."""
     main = (2 * cfg.stages * cfg.block_k * d * itemsize + _M * d * itemsize
-            + (not cfg.p_regs) * _M * cfg.block_k * itemsize + logits * cfg.score_buffers * _M * cfg.block_k * 4)
+            + (not cfg.p_regs) * _M * cfg.block_k * itemsize
+            + logits * cfg.score_buffers * _M * cfg.block_k * 4)
     return max(main, _M * d * 4 + 2 * _M * 4)
 
 
