@@ -46,7 +46,8 @@
 #                                      batch 16 (16K, 1.56-12.5 %) (benchmarks/kernels.md)
 #   bash scripts/gpu/run.sh waves      the dense read (with and without logits) and the verify kernel
 #                                      at batch 1, Triton against Mosaic GPU configs of one wave
-#                                      of CTAs (and P·V from registers) beside the defaults
+#                                      of CTAs (and P·V from registers) beside the defaults; the
+#                                      sparse read at batch 32 (one split: no merge after it)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
@@ -197,6 +198,10 @@ PY
     timeout 150 python scripts/bench/bench_kernels.py --ab-mosaic --dense-only --batch 1 \
       --kv 32768 131072 --dense-configs 128:2:132,128:2:132:r,64:2:264:r,64:2:132:r,64:3:132:r \
       --out "$OUT/dense_b1" 2>&1 | grep -v "^check" | tail -16
+    # one split a row and head (batch 32): the kernel writes the output, no merge after it
+    timeout 100 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 32 \
+      --retention 1.5625 6.25 --sparse-configs 64:2:132:r,64:2:264:r --out "$OUT/sparse_b32" \
+      2>&1 | grep "ratio"
     timeout 120 python scripts/bench/bench_multi_query_kernel.py --mosaic --batches 1 \
       --contexts 32768 --queries 1 4 8 --mosaic-configs 128:2:132 64:2:264:r 64:2:132:r \
       64:3:132:r --out "$OUT/mq_b1.json" 2>&1 | grep "mosaic" ;;

@@ -289,6 +289,27 @@ def _store_partials(carry, o_ref, m_ref, l_ref, group):
     pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32), plgpu.SMEM((2, _M), jnp.float32))
 
 
+def _store_output(carry, out_ref, group):
+    """A read in one split: its (acc, m, l) normalised (acc / l, 0 where no key counted, NaN
+    staying NaN, as `_combine`) and the group's rows stored to out [R, Hq, D] float32 (a
+    half-precision store from wgmma's layout finds no layout): no merge of splits after the
+    kernel, only the cast."""
+    acc, _, l = carry
+    r, h = lax.axis_index("r"), lax.axis_index("h")
+
+    def store(out_smem):
+        inv = 1.0 / jnp.where(l != 0, l, 1.0)
+        lb = lax.broadcast_in_dim(l, acc.shape, [0])
+        out = jnp.where(lb != 0, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
+        out_smem[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, group)],
+                                out_ref.at[r, pl.ds(h * group, group)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32))
+
+
 def score_scratch(cfg):
     """The shared-memory score blocks a kernel with logits stores from."""
     return plgpu.SMEM((cfg.score_buffers, _M, cfg.block_k), jnp.float32)
@@ -488,14 +509,19 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            group, extra_out=(), extra_scratch=(), p_regs=False):
+            group, extra_out=(), extra_scratch=(), p_regs=False, direct=False):
     """One program per (row, KV head, split): kernel(*inputs, *outputs, *scratch) runs the
     main loop over its scratch (extra_scratch, q, the K/V stages, p (None with p_regs), the
     TMA barriers) and returns its split's (acc, m, l); these go out as the partials (o, m, l;
-    extra_out after them) through shared memory that reuses the main loop's."""
-    out_type = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
+    extra_out after them) through shared memory that reuses the main loop's. direct (one
+    split): the float32 output [R, Hq, D] instead of the partials (`_store_output`)."""
+    assert not direct or n_splits == 1
+    partials = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
-                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32), *extra_out]
+                jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32)]
+    n_out = 1 if direct else 3
+    out_type = [*([jax.ShapeDtypeStruct((n_rows, hq, d), jnp.float32)] if direct else partials),
+                *extra_out]
     scratch = [
         *extra_scratch,
         _smem_kv((_M, d), dtype),
@@ -508,18 +534,24 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
     ]
 
     def body(*refs):
-        o_ref, m_ref, l_ref = refs[len(args):len(args) + 3]
+        outs = refs[len(args):len(args) + n_out]
 
         def main(*scratch_refs):
             if p_regs:  # (p's place in the kernel's scratch)
                 at = len(extra_scratch) + 3
                 scratch_refs = (*scratch_refs[:at], None, *scratch_refs[at:])
-            carry = kernel(*refs, *scratch_refs)
+            # (the kernel's partial refs, unused by it: None where the output goes direct)
+            parts = (None,) * 3 if direct else outs
+            carry = kernel(*refs[:len(args)], *parts, *refs[len(args) + n_out:], *scratch_refs)
             # (stores still reading this scope's memory end before it is reused)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return carry
 
-        _store_partials(pl.run_scoped(main, *scratch), o_ref, m_ref, l_ref, group)
+        carry = pl.run_scoped(main, *scratch)
+        if direct:
+            _store_output(carry, outs[0], group)
+        else:
+            _store_partials(carry, *outs, group)
 
     return plgpu.kernel(
         body, out_type=out_type,
@@ -564,10 +596,11 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
                            _grouped_q(q.astype(k.dtype), hkv, zero_fill), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  extra_out=extra_out, extra_scratch=extra_scratch, p_regs=cfg.p_regs)
-    out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
+                  extra_out=extra_out, extra_scratch=extra_scratch, p_regs=cfg.p_regs,
+                  direct=n_splits == 1 and not return_logits)
     if not return_logits:
-        return out
+        return res[0].astype(q.dtype) if n_splits == 1 else _combine(*res, group, q.dtype)[0]
+    out, lse = _combine(res[0], res[1], res[2], group, q.dtype)
     return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
 
 
@@ -602,7 +635,9 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
                            ck.reshape(heads_c), cv.reshape(heads_c), k, v),
                   n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  p_regs=cfg.p_regs)
+                  p_regs=cfg.p_regs, direct=n_splits == 1)
+    if n_splits == 1:  # (the kernel wrote the output)
+        return res[0].astype(q.dtype)
     return _combine(res[0], res[1], res[2], group, q.dtype)[0]
 
 

@@ -123,13 +123,15 @@ def test_sweep_points_change_how_not_what():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["zero_fill", "p_regs"])
+@pytest.mark.parametrize("variant", ["zero_fill", "p_regs", "one_split"])
 def test_mosaic_variants_match_reference(variant):
     """The Mosaic kernels' variants, dense with logits (groups of 2) and sparse (groups of 2)
     against the reference: `zero_fill` (KernelTuning.zero_fill: each query group read
     unpadded, its rows past the group as TMA's zeros; interpret mode reads out of bounds as
-    zeros) and `p_regs` (Config.p_regs: P·V's operand from registers)."""
-    cfg = dataclasses.replace(MGPU_CFG, p_regs=variant == "p_regs")
+    zeros), `p_regs` (Config.p_regs: P·V's operand from registers) and `one_split` (a grid
+    of one split a row and head: the kernel writes the output, no merge after it)."""
+    cfg = dataclasses.replace(MGPU_CFG, p_regs=variant == "p_regs",
+                              programs=1 if variant == "one_split" else MGPU_CFG.programs)
     kw = dict(config=cfg, interpret=gpu_interpret(), zero_fill=variant == "zero_fill")
     hq, hkv, d, s, dtype, lengths = 4, 2, 64, 192, jnp.bfloat16, [192, 65, 1]
     ks = jax.random.split(jax.random.PRNGKey(77), 3)
@@ -141,6 +143,7 @@ def test_mosaic_variants_match_reference(variant):
     assert rel_err(out, r_out) <= TOL[dtype]
     assert_close_logits(lg, r_lg, 1e-5)
     assert_close_logits(lse, r_lse, 1e-5)
+    assert rel_err(mgpu.dense_decode(q, k, v, lens, **kw), r_out) <= TOL[dtype]
     hq, hkv, d, s, c, dtype, c_len, rs, lengths = SPARSE_CASES[-1]
     q, ck, cv, k, v = _sparse_inputs(jax.random.PRNGKey(78), b=len(lengths), hq=hq, hkv=hkv,
                                      s=s, c=c, d=d, dtype=dtype)
@@ -807,6 +810,14 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
         "sparse_p_regs": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
             q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, config=mgpu.fit(
                 dataclasses.replace(mgpu.SPARSE, p_regs=True), q.shape[-1])),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
+        "dense_one_split": (lambda q, k, v, n: mgpu.dense_decode(
+            q, k, v, n, jnp.int32(1),
+            config=mgpu.fit(dataclasses.replace(mgpu.DENSE, programs=1), q.shape[-1])),
+            (q, kv, kv, vec)),
+        "sparse_one_split": (lambda q, ck, cv, cl, k, v, rs, n: mgpu.sparse_decode(
+            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64,
+            config=mgpu.fit(dataclasses.replace(mgpu.SPARSE, programs=1), q.shape[-1])),
             (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec)),
         "dense_logits_p_regs": (lambda q, k, v, n: mgpu.dense_decode(
             q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
