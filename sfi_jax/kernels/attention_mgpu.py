@@ -56,8 +56,8 @@ class Config:
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
 DENSE_LOGITS = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)  # the f32 scores block fits
-# one wave of CTAs, P·V from registers: the fastest at a batch-1 fast step's read
-# (benchmarks/kernels.md, 2026-12-07)
+# 132 programs (fewer splits: each costs a CTA's fixed time and a partial to merge), P·V from
+# registers: the fastest at a batch-1 fast step's read (benchmarks/kernels.md, 2026-12-07)
 SPARSE = Config(block_k=64, stages=2, programs=_NUM_SMS, p_regs=True)
 
 
