@@ -46,6 +46,11 @@ ARMS = {
     "sfi+succ7+warm32+mem0+recent25pct": ("sfi", {**_PAPER, "successor_radius": 7,
                                                   "warmup_steps": 32, "selection_memory": 0.0,
                                                   "recent_share": 0.25}),
+    # half the budget recent, without the 256 cap (`budget_config` caps an n_recent override
+    # at half the budget): the split that helped natural text at 8K (docs/findings.md)
+    "sfi+succ7+warm32+mem0+recent50pct": ("sfi", {**_PAPER, "successor_radius": 7,
+                                                  "warmup_steps": 32, "selection_memory": 0.0,
+                                                  "n_recent": 1 << 30}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
@@ -70,6 +75,8 @@ ARM_LABELS = {"paper": "SFI, the paper's values (SFIConfig.paper())",
                                                 "(the rest of the budget selected)",
               "sfi+succ7+warm32+mem0+recent25pct": "the defaults with a recent window of a "
                                                    "quarter of the budget (at most 256)",
+              "sfi+succ7+warm32+mem0+recent50pct": "the defaults with half the budget on the "
+                                                   "recent window (no 256 cap)",
               "streaming": "streaming (sink + recent)",
               "prefill_only": "prefill-only (SnapKV-like)",
               "oracle": "oracle (dense top-k every step)", "dense": "dense",
