@@ -47,6 +47,18 @@ def timeit(fn, *args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def mosaic_attention_config(text, per_sm=False):
+    """A Mosaic GPU decode attention config from "BK:STAGES:PROGRAMS[:r]" (PROGRAMS per SM with
+    per_sm; r: P·V's operand from registers)."""
+    from sfi_jax.kernels import attention_mgpu
+
+    bk, stages, programs, *regs = text.split(":")
+    return attention_mgpu.Config(
+        block_k=int(bk), stages=int(stages),
+        programs=int(programs) * (attention_mgpu._NUM_SMS if per_sm else 1),
+        p_regs=regs == ["r"])
+
+
 def kmajor_config(text):
     """A K-major kernel config from "BN:BK:WARPS:STAGES[:PROGRAMS_PER_SM[:PREFETCH]]"."""
     from sfi_jax.kernels import skinny_matmul_gpu as sm

@@ -627,12 +627,7 @@ def attention_config(text):
     from sfi_jax.kernels import attention_gpu
 
     if text.startswith("mosaic:"):
-        from sfi_jax.kernels import attention_mgpu
-
-        bk, st, per_sm, *regs = text.split(":")[1:]
-        return attention_mgpu.Config(block_k=int(bk), stages=int(st),
-                                     programs=int(per_sm) * attention_mgpu._NUM_SMS,
-                                     p_regs=regs == ["r"])
+        return _common.mosaic_attention_config(text[len("mosaic:"):], per_sm=True)
     bk, w, st, per_sm = (int(v) for v in text.split(":"))
     return attention_gpu.Config(block_k=bk, num_warps=w, num_stages=st,
                                 programs=per_sm * attention_gpu._NUM_SMS)

@@ -49,6 +49,9 @@ if "sfi_jax" not in sys.modules:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (its helpers import the kernels lazily, through the package above)
+
 from sfi_jax.kernels import attention_gpu as gpu  # noqa: E402
 from sfi_jax.kernels import attention_mgpu as mgpu  # noqa: E402
 from sfi_jax.kernels import attention_reference as reference  # noqa: E402
@@ -644,13 +647,6 @@ MGPU_SWEEP = [(128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 2, 2), (64, 3, 2), (64
               (64, 4, 4), (64, 3, 8)]  # (block_k, stages, programs in waves of 132)
 
 
-def mosaic_config(text):
-    """A Mosaic GPU decode config from "block_k:stages:programs[:r]" (r: P·V's operand from
-    registers)."""
-    bk, ns, progs, *regs = text.split(":")
-    return mgpu.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
-
-
 def ab_mosaic(args, on_gpu):
     """Triton vs Mosaic GPU decode kernels: correctness of both, then times on the shapes of
     benchmarks/kernels.md (dense with and without logits by KV length; sparse by retention at
@@ -722,7 +718,7 @@ def ab_mosaic(args, on_gpu):
         if ok["mosaic"] and args.dense_configs:  # the defaults (None), then these
             for text in [None] + args.dense_configs.split(","):
                 for lg in (False, True):
-                    c = None if text is None else mosaic_config(text)
+                    c = None if text is None else _common.mosaic_attention_config(text)
                     if c is not None and mgpu.smem_bytes(c, st.d, logits=lg) > mgpu.SMEM_BYTES:
                         continue
                     name = f"mosaic{'+logits' if lg else ''}" + ("" if text is None else f" {text}")
@@ -760,7 +756,7 @@ def ab_mosaic(args, on_gpu):
         sp_arms += [("mosaic", mgpu, mgpu.Config(64, 2, 12) if args.smoke else None)]
         if args.sparse_configs:
             for c in args.sparse_configs.split(","):
-                sp_arms.append((f"mosaic {c}", mgpu, mosaic_config(c)))
+                sp_arms.append((f"mosaic {c}", mgpu, _common.mosaic_attention_config(c)))
         elif not args.smoke:
             # one wave: 64/2 fits two CTAs an SM (the partials reuse the loop's shared
             # memory), 64/3 one

@@ -191,8 +191,7 @@ def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, band
                       flush=True)
                 row["mosaic_configs"] = {}
                 for text in mosaic_configs:  # block_k:stages:programs[:r]
-                    bk, ns, progs, *regs = text.split(":")
-                    cfg = mq_mgpu.base.Config(int(bk), int(ns), int(progs), p_regs=regs == ["r"])
+                    cfg = _common.mosaic_attention_config(text)
                     times = [chained_time(mosaic_step(lg, cfg), q, (k, v), **timed)[0]
                              / row["ours_logits_s" if lg else "ours_s"] for lg in (False, True)]
                     row["mosaic_configs"][text] = times

@@ -344,13 +344,12 @@ def store_neg_inf(s_smem, store, lo, hi, interpret):
         store(i, 0)
 
 
-def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                  *rest, group, split, n_splits, by_length, s_len, bk, stages, scale, logits,
-                  interpret, zero_fill):
+def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, *rest, group, split,
+                  n_splits, by_length, s_len, bk, stages, scale, logits, interpret, zero_fill):
     """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h
     (by_length: split = the row's length over n_splits, in whole blocks).
-    Partials: o [R, n, Hq, D] (the group's rows), m, l [R, n, Hkv, 64] (padded rows too).
-    logits: also the scaled scores [R, Hq, S], -inf from the row's length on."""
+    Returns the split's (acc, m, l) (`_launch` stores them); logits: also stores the scaled
+    scores [R, Hq, S], -inf from the row's length on."""
     if logits:
         lg_ref, s_smem, *scratch = rest
     else:
@@ -393,9 +392,8 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_re
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-                   *, group, n_splits, s_len, c_size, bk, stages, scale, clen_stacked,
-                   interpret, zero_fill):
+                   q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, *, group, n_splits,
+                   s_len, c_size, bk, stages, scale, clen_stacked, interpret, zero_fill):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
     on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
@@ -510,7 +508,7 @@ def _check_inputs(name, q, k, ck=None):
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
             group, extra_out=(), extra_scratch=(), p_regs=False, direct=False):
-    """One program per (row, KV head, split): kernel(*inputs, *outputs, *scratch) runs the
+    """One program per (row, KV head, split): kernel(*inputs, *extra_out, *scratch) runs the
     main loop over its scratch (extra_scratch, q, the K/V stages, p (None with p_regs), the
     TMA barriers) and returns its split's (acc, m, l); these go out as the partials (o, m, l;
     extra_out after them) through shared memory that reuses the main loop's. direct (one
@@ -540,9 +538,7 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
             if p_regs:  # (p's place in the kernel's scratch)
                 at = len(extra_scratch) + 3
                 scratch_refs = (*scratch_refs[:at], None, *scratch_refs[at:])
-            # (the kernel's partial refs, unused by it: None where the output goes direct)
-            parts = (None,) * 3 if direct else outs
-            carry = kernel(*refs[:len(args)], *parts, *refs[len(args) + n_out:], *scratch_refs)
+            carry = kernel(*refs[:len(args)], *refs[len(args) + n_out:], *scratch_refs)
             # (stores still reading this scope's memory end before it is reused)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return carry

@@ -32,8 +32,8 @@ def supported(q, k) -> bool:
     return (base.supported(q[:, 0], k) and (hq // k.shape[-3]) * n_q <= base._M)
 
 
-def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *rest, n_q,
-            gt, split, s_len, bk, stages, scale, logits, interpret):
+def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, *rest, n_q, gt, split, s_len, bk,
+            stages, scale, logits, interpret):
     if logits:
         lg_ref, s_smem, *scratch = rest
     else:
