@@ -48,15 +48,19 @@ def timeit(fn, *args, iters: int, repeats: int) -> float:
 
 
 def mosaic_attention_config(text, per_sm=False):
-    """A Mosaic GPU decode attention config from "BK:STAGES:PROGRAMS[:r]" (PROGRAMS per SM with
-    per_sm; r: P·V's operand from registers)."""
+    """A Mosaic GPU decode attention config from "BK:STAGES:PROGRAMS[:FLAGS]" (PROGRAMS per SM
+    with per_sm; FLAGS letters: r, P·V's operand from registers; w, whole waves)."""
     from sfi_jax.kernels import attention_mgpu
 
-    bk, stages, programs, *regs = text.split(":")
+    bk, stages, programs, *flags = text.split(":")
+    flags = flags[0] if flags else ""
+    if len(text.split(":")) > 4 or set(flags) - set("rw"):
+        raise ValueError(f"a Mosaic attention config is BK:STAGES:PROGRAMS[:FLAGS] with FLAGS "
+                         f"of r and w, got {text!r}")
     return attention_mgpu.Config(
         block_k=int(bk), stages=int(stages),
         programs=int(programs) * (attention_mgpu._NUM_SMS if per_sm else 1),
-        p_regs=regs == ["r"])
+        p_regs="r" in flags, whole_wave="w" in flags)
 
 
 def kmajor_config(text):

@@ -17,7 +17,7 @@ each checked against the reference first, then timed on the same shapes (a few M
 configurations too); a short table, and the results in OUT/ab_mosaic.json. With
 --sparse-only, the sparse read alone, at --batch rows of --sparse-kv keys, --retention
 percentages, and the Mosaic configs of --sparse-configs (block_k:stages:programs, ":r" for
-P·V's operand from registers), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
+P·V's operand from registers, ":w" for whole waves, ":rw" both), e.g. a batch-1 fast step's read of qwen3-4b at 32K:
     --ab-mosaic --sparse-only --batch 1 --sparse-kv 32768 --retention 7.04
 and with --dense-only the dense read alone at --kv lengths, the Mosaic defaults and the
 --dense-configs, with and without logits.
@@ -829,12 +829,12 @@ def main(argv=None):
     ap.add_argument("--dense-only", action="store_true", help="--ab-mosaic: the dense read only")
     ap.add_argument("--kv", type=int, nargs="+", help="--ab-mosaic: the dense read's cache lengths")
     ap.add_argument("--dense-configs", help="--ab-mosaic: Mosaic dense configs to time (with "
-                    "and without logits) beside the defaults, block_k:stages:programs[:r],...")
+                    "and without logits) beside the defaults, block_k:stages:programs[:r|w|rw],...")
     ap.add_argument("--batch", type=int, help="--ab-mosaic: rows (default 16)")
     ap.add_argument("--sparse-kv", type=int, help="--ab-mosaic: the sparse read's cache length")
     ap.add_argument("--retention", type=float, nargs="+", help="--ab-mosaic: sparse retentions, %%")
     ap.add_argument("--sparse-configs", help="--ab-mosaic: Mosaic sparse configs to time, "
-                    "block_k:stages:programs[:r],...")
+                    "block_k:stages:programs[:r|w|rw],...")
     ap.add_argument("--report-only", metavar="JSON",
                     help="rewrite the .md/.png from a results file")
     args = ap.parse_args(argv)

@@ -52,6 +52,9 @@ class Config:
     # P·V's left operand straight from registers (wgmma takes a register A), no shared-memory
     # copy of p: one store and fence less a block, and 8-16 KiB less a CTA (more CTAs an SM)
     p_regs: bool = False
+    # splits = programs // pairs, not rounded up: a grid of one wave stays one wave (a few
+    # programs past it run alone after it)
+    whole_wave: bool = False
 
 
 DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
@@ -574,7 +577,7 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     _check_inputs("dense_decode", q, k)
     _check_config(cfg, d, return_logits)
     bk = cfg.block_k
-    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs)
+    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs, cfg.whole_wave)
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     # (the logits fill each split's positions past the length with -inf: cache-sized splits)
     by_length = cfg.by_length and n_splits > 1 and not return_logits
@@ -619,7 +622,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     _check_config(cfg, d)
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
-    _, n_splits = decode_splits(keys, n_rows * hkv, cfg.block_k, cfg.programs)
+    _, n_splits = decode_splits(keys, n_rows * hkv, cfg.block_k, cfg.programs,
+                                 cfg.whole_wave)
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,

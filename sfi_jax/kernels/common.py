@@ -125,11 +125,13 @@ def pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def decode_splits(total, pairs, block_k, programs):
+def decode_splits(total, pairs, block_k, programs, at_most=False):
     """Split-K flash decoding's static plan: (keys per split, a multiple of block_k; the split
     count) covering `total` keys per (row, KV head), about `programs` programs for `pairs`
-    (row, KV head) pairs."""
-    want = max(1, -(-programs // max(pairs, 1)))
+    (row, KV head) pairs (at_most: no more than `programs` where pairs allow, so a grid sized
+    to one wave does not spill a few programs into a second)."""
+    pairs = max(pairs, 1)
+    want = max(1, programs // pairs if at_most else -(-programs // pairs))
     split = max(block_k, -(-max(total, 1) // want))
     split = -(-split // block_k) * block_k
     return split, max(1, -(-max(total, 1) // split))

@@ -122,6 +122,23 @@ def test_sweep_points_change_how_not_what():
     assert rel_err(out, reference.sparse_decode(q, ck, cv, c_len, k, v, rs, lens)) <= TOL[dtype]
 
 
+def test_split_plans_cover_every_key():
+    """decode_splits covers `total` keys in whole blocks; at_most keeps the grid within the
+    programs asked for (one wave of 132 at 8 KV heads: 16 splits, not the 17 that spill 8
+    programs into a second wave), and both give at least one split."""
+    from sfi_jax.kernels.common import decode_splits
+
+    for total in (1, 64, 1000, 32768, 131072):
+        for pairs in (1, 8, 128, 300):
+            for at_most in (False, True):
+                split, n = decode_splits(total, pairs, 64, 132, at_most)
+                assert split % 64 == 0 and n >= 1 and split * n >= total
+                assert split * (n - 1) < total  # no split left empty
+                if at_most and pairs <= 132:
+                    assert pairs * n <= 132, (total, pairs)
+    assert decode_splits(131072, 8, 128, 132) == (7808, 17)
+    assert decode_splits(131072, 8, 128, 132, at_most=True) == (8192, 16)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["zero_fill", "p_regs", "one_split"])
 def test_mosaic_variants_match_reference(variant):
