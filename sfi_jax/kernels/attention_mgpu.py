@@ -57,11 +57,14 @@ class Config:
     whole_wave: bool = False
 
 
-DENSE = Config(block_k=128, stages=2, programs=2 * _NUM_SMS)
-DENSE_LOGITS = Config(block_k=64, stages=3, programs=2 * _NUM_SMS)  # the f32 scores block fits
-# 132 programs (fewer splits: each costs a CTA's fixed time and a partial to merge), P·V from
-# registers: the fastest at a batch-1 fast step's read (benchmarks/kernels.md, 2026-12-07)
-SPARSE = Config(block_k=64, stages=2, programs=_NUM_SMS, p_regs=True)
+# One wave of 132 programs (the splits rounded down: 8 KV heads x 16), 64-key blocks two in
+# flight, P·V from registers: the fastest of the H100 sweep for the dense read, with and
+# without logits, at batch 1 and 16, and for the sparse read (benchmarks/kernels.md,
+# 2026-12-07): fewer splits cost fewer CTAs' fixed time and partials to merge, and a grid of
+# a wave and a few programs more takes two waves' time.
+DENSE = Config(block_k=64, stages=2, programs=_NUM_SMS, p_regs=True, whole_wave=True)
+DENSE_LOGITS = DENSE
+SPARSE = DENSE
 
 
 def interpret_params():

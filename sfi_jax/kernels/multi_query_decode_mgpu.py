@@ -22,8 +22,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sfi_jax.kernels import attention_mgpu as base
 from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_end
 
-DEFAULT = base.DENSE
-DEFAULT_LOGITS = base.DENSE_LOGITS
+# One wave of 132 programs with 128-key blocks (P·V through shared memory): the verify
+# kernel's best at batch 1 over 1-8 queries, 32K and 128K (benchmarks/multi_query_kernel.md)
+DEFAULT = base.Config(block_k=128, stages=2, programs=base._NUM_SMS, whole_wave=True)
+DEFAULT_LOGITS = DEFAULT
 
 
 def supported(q, k) -> bool:
