@@ -143,6 +143,15 @@ def rel_err(a, b):
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
+def checked(errs, dtype):
+    """A timed arm's row fields: its errors against the reference at the timed shape, and
+    whether they pass (logged when they do not)."""
+    ok = all(e <= TOL[jnp.dtype(dtype).name] for e in errs.values())
+    if not ok:
+        log("FAIL against the reference:", errs)
+    return {"rel_err": errs, "pass": ok}
+
+
 def check_dense(key, *, b, hq, hkv, s, d, dtype, lengths, layers=None, rows=None, cfg=None,
                 kernels=gpu, pallas_combine=True):
     """kernels: the module under test, attention_gpu (Triton) or attention_mgpu (Mosaic);
@@ -736,16 +745,24 @@ def ab_mosaic(args, on_gpu):
                         tag = "" if c == mgpu.DENSE else f" {c.block_k}/{c.stages}/{c.programs}"
                         tag += "/2buf" if c.score_buffers == 2 else ""
                         arms.append((f"mosaic{'+logits' if lg else ''}{tag}", mgpu, c, lg))
+        r_out, r_lg, _ = reference.dense_decode(q, k, v, lens, return_logits=True)
         for arm, mod, cfg, lg in arms:
             def fn(q, k, v, lens, _m=mod, _c=cfg, _lg=lg):
                 r = _m.dense_decode(q, k, v, lens, return_logits=_lg, config=_c,
                                     interpret=args.smoke)
                 return r[0] if _lg else r
 
+            # every arm, each config its own split plan, against the reference at this shape
+            got = mod.dense_decode(q, k, v, lens, return_logits=lg, config=cfg,
+                                   interpret=args.smoke)
+            errs = ({"out": rel_err(got[0], r_out), "logits": rel_err(got[1], r_lg)} if lg
+                    else {"out": rel_err(got, r_out)})
+            del got
             nbytes = base + lg * lg_bytes
             measure(res["results"], "dense", arm, s, None, fn, q, [(k, v, lens)], nbytes,
-                    nbytes / 3.5e12, bw, args)
+                    nbytes / 3.5e12, bw, args, extra=checked(errs, st.dtype))
             save()
+        del r_out, r_lg
         del q, k, v
     # sparse at KV 16K by retention: Triton and Mosaic (default config, and 128-key blocks)
     rets = [] if args.dense_only else st.retention[:1] if args.smoke else st.retention
@@ -770,14 +787,18 @@ def ab_mosaic(args, on_gpu):
         n_sets = int(min(8, max(1, math.ceil(4 * L2_BYTES / nbytes))))
         sets, c, recent = sparse_sets(st, t_keep, n_sets, jax.random.PRNGKey(int(ret * 100)))
         q = rand(jax.random.PRNGKey(3), (st.b, st.hq, st.d), st.dtype)
+        ref = reference.sparse_decode(q, *sets[0])
         for arm, mod, cfg in sp_arms:
             def fn(q, ck, cv, c_len, k, v, rs, lens, _m=mod, _c=cfg, _w=recent):
                 return _m.sparse_decode(q, ck, cv, c_len, k, v, rs, lens, window=_w, config=_c,
                                         interpret=args.smoke)
 
+            errs = {"out": rel_err(fn(q, *sets[0]), ref)}
             measure(res["results"], "sparse", arm, st.s_sparse, ret, fn, q, sets, nbytes,
-                    nbytes / 3.5e12 + 5e-6, bw, args, extra={"compact": c, "recent": recent})
+                    nbytes / 3.5e12 + 5e-6, bw, args,
+                    extra={"compact": c, "recent": recent, **checked(errs, st.dtype)})
             save()
+        del ref
         del sets
     log("\n== Triton vs Mosaic GPU, sparse decode at KV %d: us per call ==" % st.s_sparse)
     for ret in rets:

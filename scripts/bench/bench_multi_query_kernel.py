@@ -190,8 +190,21 @@ def case(res, b, s, t, *, heads, dtype, interpret, configs, inner, repeats, band
                       f"(two score blocks {row['mosaic_logits_2buf_over_triton']:.3f})",
                       flush=True)
                 row["mosaic_configs"] = {}
-                for text in mosaic_configs:  # block_k:stages:programs[:r]
+                row["mosaic_configs_rel_err"] = {}
+                if mosaic_configs:
+                    r_out, r_lg, _ = reference(q, k, v, q_start, kv_len, return_logits=True)
+                for text in mosaic_configs:  # block_k:stages:programs[:flags]
                     cfg = _common.mosaic_attention_config(text)
+                    # each config its own split plan: checked at this shape before it is timed
+                    out, lg, _ = mq_mgpu.multi_query_decode(
+                        q, k, v, q_start, kv_len, return_logits=True, interpret=interpret,
+                        config=cfg)
+                    errs = {"out": rel_err(out, r_out), "logits": rel_err(lg, r_lg)}
+                    row["mosaic_configs_rel_err"][text] = errs
+                    del out, lg
+                    if max(errs.values()) > 2e-2:
+                        print(f"  mosaic {text}: FAIL against the reference {errs}", flush=True)
+                        continue
                     times = [chained_time(mosaic_step(lg, cfg), q, (k, v), **timed)[0]
                              / row["ours_logits_s" if lg else "ours_s"] for lg in (False, True)]
                     row["mosaic_configs"][text] = times
