@@ -52,8 +52,9 @@ class Config:
     # P·V's left operand straight from registers (wgmma takes a register A), no shared-memory
     # copy of p: one store and fence less a block, and 8-16 KiB less a CTA (more CTAs an SM)
     p_regs: bool = False
-    # splits = programs // pairs, not rounded up: a grid of one wave stays one wave (a few
-    # programs past it run alone after it)
+    # programs = the SM count, and the split plan whose busiest SM finishes first
+    # (`decode_splits` with `fixed_keys`): no few programs left to run after a wave, no SMs
+    # left idle by too few splits
     whole_wave: bool = False
 
 
@@ -144,6 +145,15 @@ def smem_bytes(cfg, d, itemsize=2, logits=False):
             + (not cfg.p_regs) * _M * cfg.block_k * itemsize
             + logits * cfg.score_buffers * _M * cfg.block_k * 4)
     return max(main, _M * d * 4 + 2 * _M * 4)
+
+
+def plan_keys(cfg, d, dtype):
+    """`decode_splits`' fixed_keys for cfg: with whole_wave, a program's fixed cost (its
+    launch, barriers, the query's copy, its partial's store: about 3 us on an H100, the
+    time an SM streams 64 KiB; benchmarks/kernels.md) in keys of head dim d; else None."""
+    if not cfg.whole_wave:
+        return None
+    return max(1, (64 << 10) // (2 * d * jnp.dtype(dtype).itemsize))
 
 
 def fit(cfg, d, logits=False):
@@ -580,7 +590,8 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     _check_inputs("dense_decode", q, k)
     _check_config(cfg, d, return_logits)
     bk = cfg.block_k
-    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs, cfg.whole_wave)
+    split, n_splits = decode_splits(s_len, n_rows * hkv, bk, cfg.programs,
+                                    plan_keys(cfg, d, k.dtype))
     rows = jnp.arange(n_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     # (the logits fill each split's positions past the length with -inf: cache-sized splits)
     by_length = cfg.by_length and n_splits > 1 and not return_logits
@@ -626,7 +637,7 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     bk = cfg.block_k
     keys = -(-c_size // bk) * bk + (s_len if window is None else min(int(window), s_len))
     _, n_splits = decode_splits(keys, n_rows * hkv, cfg.block_k, cfg.programs,
-                                 cfg.whole_wave)
+                                 plan_keys(cfg, d, k.dtype))
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,

@@ -125,16 +125,32 @@ def pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def decode_splits(total, pairs, block_k, programs, at_most=False):
+def decode_splits(total, pairs, block_k, programs, fixed_keys=None):
     """Split-K flash decoding's static plan: (keys per split, a multiple of block_k; the split
     count) covering `total` keys per (row, KV head), about `programs` programs for `pairs`
-    (row, KV head) pairs (at_most: no more than `programs` where pairs allow, so a grid sized
-    to one wave does not spill a few programs into a second)."""
-    pairs = max(pairs, 1)
-    want = max(1, programs // pairs if at_most else -(-programs // pairs))
-    split = max(block_k, -(-max(total, 1) // want))
-    split = -(-split // block_k) * block_k
-    return split, max(1, -(-max(total, 1) // split))
+    (row, KV head) pairs.
+
+    fixed_keys: `programs` is the SM count, and the plan is the one whose busiest SM finishes
+    first, each SM reading at its own bandwidth: ceil(pairs x splits / SMs) programs on it,
+    each costing its split's keys plus `fixed_keys` (a program's fixed cost, in keys read in
+    that time); of plans within 2 % of the best, the fewest splits. So 8 x 17 programs on 132
+    SMs (4 SMs with a second) lose to 8 x 16, and 80 x 1 (52 SMs idle) to 80 x 8."""
+    pairs, total = max(pairs, 1), max(total, 1)
+
+    def plan(n):
+        split = -(-(-(-total // n)) // block_k) * block_k
+        return split, -(-total // split)
+
+    if fixed_keys is None:
+        return plan(-(-programs // pairs))
+
+    def busiest(p):
+        return -(-pairs * p[1] // programs) * (fixed_keys + p[0])
+
+    plans = [plan(n) for n in range(1, min(64, -(-total // block_k)) + 1)]
+    best = min(map(busiest, plans))
+    # (the fewest splits within 2 % of it: each split is a partial more to merge)
+    return min((p for p in plans if busiest(p) <= 1.02 * best), key=lambda p: p[1])
 
 
 def row_split(length, n_splits, block_k):

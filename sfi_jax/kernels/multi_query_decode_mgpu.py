@@ -97,7 +97,7 @@ def multi_query_decode(q, k, v, q_start, kv_len, layer=None, *, return_logits=Fa
     base._check_config(cfg, d, return_logits)
     bk = cfg.block_k
     split, n_splits = decode_splits(s_len, n_rows * hkv, cfg.block_k, cfg.programs,
-                                    cfg.whole_wave)
+                                    base.plan_keys(cfg, d, k.dtype))
     # rows (h, g, t): [B, T, Hkv, G, D] -> [B, Hkv, G * T, D], padded to 64 rows
     qg = q.astype(k.dtype).reshape(n_rows, n_q, hkv, group, d).transpose(0, 2, 3, 1, 4)
     qg = jnp.pad(qg.reshape(n_rows, hkv, gt, d), ((0, 0), (0, 0), (0, base._M - gt), (0, 0)))

@@ -123,21 +123,24 @@ def test_sweep_points_change_how_not_what():
 
 
 def test_split_plans_cover_every_key():
-    """decode_splits covers `total` keys in whole blocks; at_most keeps the grid within the
-    programs asked for (one wave of 132 at 8 KV heads: 16 splits, not the 17 that spill 8
-    programs into a second wave), and both give at least one split."""
+    """decode_splits covers `total` keys in whole blocks, no split left empty; with
+    fixed_keys (programs = the SM count) the plan is the one whose busiest SM finishes first:
+    8 KV heads on 132 SMs take 16 splits (17 leave 4 SMs a second program, 32 double every
+    SM's fixed cost), 128 heads take 1, and 80 take 8 (1 split leaves 52 SMs idle)."""
     from sfi_jax.kernels.common import decode_splits
 
     for total in (1, 64, 1000, 32768, 131072):
-        for pairs in (1, 8, 128, 300):
-            for at_most in (False, True):
-                split, n = decode_splits(total, pairs, 64, 132, at_most)
+        for pairs in (1, 8, 80, 128, 300):
+            for fixed in (None, 128):
+                split, n = decode_splits(total, pairs, 64, 132, fixed)
                 assert split % 64 == 0 and n >= 1 and split * n >= total
-                assert split * (n - 1) < total  # no split left empty
-                if at_most and pairs <= 132:
-                    assert pairs * n <= 132, (total, pairs)
+                assert split * (n - 1) < total, (total, pairs, fixed)
     assert decode_splits(131072, 8, 128, 132) == (7808, 17)
-    assert decode_splits(131072, 8, 128, 132, at_most=True) == (8192, 16)
+    for total in (16384, 32768, 131072):
+        assert decode_splits(total, 8, 64, 132, 128) == (total // 16, 16)
+        assert decode_splits(total, 128, 64, 132, 128) == (total, 1)
+        assert decode_splits(total, 80, 64, 132, 128)[1] == 8
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["zero_fill", "p_regs", "one_split"])
