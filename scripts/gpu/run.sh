@@ -48,9 +48,10 @@
 #                                      at batch 1, Triton against Mosaic GPU configs of one wave
 #                                      of CTAs (and P·V from registers) beside the defaults; the
 #                                      sparse read at batch 32 (one split: no merge after it)
-#   bash scripts/gpu/run.sh splits     the dense, sparse and verify reads with grids of whole waves
-#                                      (Config.whole_wave, "w") against the defaults and Triton,
-#                                      at batch 1 and 16 (6 for verify)
+#   bash scripts/gpu/run.sh splits [batches]  the Mosaic dense and sparse reads' defaults (splits
+#                                      planned by each SM's load) against Triton and the
+#                                      defaults before them, at batch 1, 6, 10 and 16
+#   bash scripts/gpu/run.sh verify [batches]  the same for the verify kernel (batch 1 and 6)
 #   bash scripts/gpu/run.sh topk [batch] the top-k's radix search, Triton against its Mosaic GPU twin
 #                                      (224 x 32K and 288 x 128K rows; the twin's copy size and
 #                                      stages swept), then qwen3-0.6b decode at
@@ -209,21 +210,20 @@ PY
       --contexts 32768 --queries 1 4 8 --mosaic-configs 128:2:132 64:2:264:r 64:2:132:r \
       64:3:132:r --out "$OUT/mq_b1.json" 2>&1 | grep "mosaic" ;;
   splits)
-    cfgs=128:2:132:r,128:2:132:rw,64:2:264:r,64:2:264:rw,64:2:132:rw
-    for b in 1 16; do
+    # the defaults (splits planned by each SM's load) against Triton and the defaults before
+    # them (dense 128:2:264, with logits 64:3:264; sparse 64:2:132:r), mid batches included
+    for b in ${2:-1 6 10 16}; do
       timeout 150 python scripts/bench/bench_kernels.py --ab-mosaic --dense-only --batch $b \
-        --kv 16384 32768 131072 --dense-configs $cfgs --out "$OUT/dense_splits_b$b" 2>&1 \
-        | grep -v "^check" | tail -5
-    done
-    timeout 100 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 1 \
-      --sparse-kv 32768 --retention 7.04 --sparse-configs 64:2:132:r,64:2:132:rw,64:2:264:rw \
-      --out "$OUT/sparse_splits_b1" 2>&1 | grep "ratio"
-    timeout 120 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch 16 \
-      --retention 1.5625 6.25 12.5 --sparse-configs 64:2:132:r,64:2:132:rw,64:2:264:rw \
-      --out "$OUT/sparse_splits_b16" 2>&1 | grep "ratio"
-    timeout 170 python scripts/bench/bench_multi_query_kernel.py --mosaic --batches 1 6 \
-      --contexts 32768 131072 --queries 1 4 8 --mosaic-configs 128:2:132 128:2:132:w \
-      128:2:132:rw 64:2:264:rw --out "$OUT/mq_splits.json" 2>&1 | grep "mosaic" ;;
+        --kv 32768 131072 --dense-configs 128:2:264,64:3:264 --out "$OUT/dense_plan_b$b" 2>&1 \
+        | grep -v "^check" | tail -3
+      timeout 100 python scripts/bench/bench_kernels.py --ab-mosaic --sparse-only --batch $b \
+        --retention 1.5625 6.25 --sparse-configs 64:2:132:r --out "$OUT/sparse_plan_b$b" \
+        2>&1 | grep "ratio"
+    done ;;
+  verify)  # the verify kernel's defaults against Triton and the defaults before them
+    timeout 400 python scripts/bench/bench_multi_query_kernel.py --mosaic --batches ${2:-1 6} \
+      --contexts 32768 131072 --queries 1 4 8 --mosaic-configs 128:2:264 64:3:264 \
+      --out "$OUT/mq_plan.json" 2>&1 | grep "mosaic" ;;
   topk)
     timeout 240 python scripts/bench/bench_selector.py --cases 224x32768,288x131072 --no-select \
       --impls lax,radix/4,radix_kernel/2,radix_mosaic_gpu/2 \
@@ -256,5 +256,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"{us:8.1f} us {n:6.2f}x  {name}")
 PY
     done ;;
-  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|waves|splits|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|waves|splits|verify|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
 esac
