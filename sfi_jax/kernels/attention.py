@@ -140,8 +140,9 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     new_kv: (kn, vn) [B, Hkv, D], this step's key and value: they are first stored at
     position lengths[b] - 1 of k, v (lengths >= 1, recent_start < lengths), and with
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
-    (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention
-    ("mosaic_gpu": an XLA scatter, then the kernel).
+    (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention;
+    "mosaic_gpu"'s kernel stores the key and value before it reads them, the norms by an XLA
+    scatter.
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
     config: an `attention_gpu.Config` for the Triton kernel or an `attention_mgpu.Config` for
     the Mosaic GPU one (the other kernel ignores it); launch_dependents: the Triton kernel's;
@@ -183,19 +184,25 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
                                  interpret=interpret_for(impl),
                                  config=config if isinstance(config, gpu.Config) else None,
                                  launch_dependents=launch_dependents)
+    if impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
+        kw = dict(window=window, interpret=interpret_for(impl), zero_fill=zero_fill,
+                  config=config if isinstance(config, mgpu.Config) else None)
+        if new_kv is None:
+            return mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
+                                      **kw)
+        # the kernel stores the new key and value; only the norms by an XLA scatter
+        out, k, v = mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
+                                       new_kv=new_kv, **kw)
+        if key_norms is not None:
+            key_norms = write_new_token(None, None, key_norms, new_kv, lengths - 1, layer)[2]
+        return out, k, v, key_norms
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
-    c_len_in = c_len
     if c_len.ndim == 3:
         c_len = c_len[layer]
     if impl == "xla":
         out = reference.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
                                       layer=layer, window=window)
-    elif impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
-        out = mgpu.sparse_decode(q, ck, cv, c_len_in, k, v, recent_start, lengths, layer,
-                                 window=window, interpret=interpret_for(impl),
-                                 zero_fill=zero_fill,
-                                 config=config if isinstance(config, mgpu.Config) else None)
     else:
         from sfi_jax.kernels import attention_tpu as tpu
 
@@ -206,12 +213,14 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
 
 def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
     """Store kn, vn [B, Hkv, D] at position pos[b] of k, v [(L,) B, Hkv, S, D] (layer `layer`
-    when stacked) and, when key_norms is given, the keys' float32 L2 norms."""
+    when stacked) and, when key_norms is given, the keys' float32 L2 norms (k, v None: the
+    norms alone)."""
     kn, vn = new_kv
     rows = jnp.arange(kn.shape[0])
     at = (rows, slice(None), pos) if layer is None else (layer, rows, slice(None), pos)
-    k = k.at[at].set(kn.astype(k.dtype))
-    v = v.at[at].set(vn.astype(v.dtype))
+    if k is not None:  # (None: the norms alone, the kernel stored k and v)
+        k = k.at[at].set(kn.astype(k.dtype))
+        v = v.at[at].set(vn.astype(v.dtype))
     if key_norms is not None:
         norms = jnp.linalg.norm(kn.astype(jnp.float32), axis=-1)
         key_norms = key_norms.at[at].set(norms.astype(key_norms.dtype))

@@ -271,6 +271,23 @@ def _flash(q_smem, k_smem, v_smem, p_smem, k_bar, v_bar, *, n, fetch, valid, sta
     return lax.fori_loop(0, n, step, (acc, m, l))
 
 
+def _store_new_token(kn_ref, vn_ref, k_out, v_out, at, src):
+    """kn, vn [B, Hkv, D] at `src` = (r, h) to k_out, v_out at `at` = (layer, r, h, pos),
+    through shared memory; returns once the stores are done (a TMA read issued after them
+    sees the new values)."""
+    d = kn_ref.shape[-1]
+
+    def store(buf, bar):
+        for i, (src_ref, out_ref) in enumerate(((kn_ref, k_out), (vn_ref, v_out))):
+            plgpu.copy_gmem_to_smem(src_ref.at[src], buf.at[i], bar.at[i])
+        for i, out_ref in enumerate((k_out, v_out)):
+            plgpu.barrier_wait(bar.at[i])
+            plgpu.copy_smem_to_gmem(buf.at[i], out_ref.at[at])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((2, d), kn_ref.dtype), plgpu.Barrier(num_barriers=2))
+
+
 def _bounds(valid):
     """(first, end) of a valid(i) result: a count means (None, count)."""
     return valid if isinstance(valid, tuple) else (None, valid)
@@ -285,11 +302,11 @@ def aligned(x, m=8):
     return pl.multiple_of(x, m)
 
 
-def _store_partials(carry, o_ref, m_ref, l_ref, group):
+def _store_partials(carry, o_ref, m_ref, l_ref, group, ids):
     """A split's (acc, m, l): acc's group rows to o [R, n, Hq, D], m, l to [R, n, Hkv, 64],
     through shared memory of its own scope (the main loop's, reused)."""
     acc, m, l = carry
-    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    r, h, j = ids()
 
     def store(o_smem, ml_smem):
         o_smem[...] = acc
@@ -305,13 +322,13 @@ def _store_partials(carry, o_ref, m_ref, l_ref, group):
     pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32), plgpu.SMEM((2, _M), jnp.float32))
 
 
-def _store_output(carry, out_ref, group):
+def _store_output(carry, out_ref, group, ids):
     """A read in one split: its (acc, m, l) normalised (acc / l, 0 where no key counted, NaN
     staying NaN, as `_combine`) and the group's rows stored to out [R, Hq, D] float32 (a
     half-precision store from wgmma's layout finds no layout): no merge of splits after the
     kernel, only the cast."""
     acc, _, l = carry
-    r, h = lax.axis_index("r"), lax.axis_index("h")
+    r, h, _ = ids()
 
     def store(out_smem):
         inv = 1.0 / jnp.where(l != 0, l, 1.0)
@@ -361,7 +378,8 @@ def store_neg_inf(s_smem, store, lo, hi, interpret):
 
 
 def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, *rest, group, split,
-                  n_splits, by_length, s_len, bk, stages, scale, logits, interpret, zero_fill):
+                  n_splits, by_length, s_len, bk, stages, scale, logits, interpret, zero_fill,
+                  ids):
     """Program (r, h, j): keys [j * split, min(+split, length)) of cache row rows[r], KV head h
     (by_length: split = the row's length over n_splits, in whole blocks).
     Returns the split's (acc, m, l) (`_launch` stores them); logits: also stores the scaled
@@ -371,7 +389,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, *rest, grou
     else:
         lg_ref, s_smem, scratch = None, None, rest
     (q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar) = scratch
-    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    r, h, j = ids()
     layer, row = layer_ref[0], rows_ref[r]
     length = jnp.clip(len_ref[r], 0, s_len)
     if by_length:
@@ -382,7 +400,7 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, *rest, grou
     n = lax.div(jnp.maximum(hi - start, 0) + (bk - 1), bk)
     kv = (layer, row, h)
 
-    copy_q(q_ref, r, h, q_smem, q_bar, zero_fill)
+    copy_q(q_ref, r, h, j, q_smem, q_bar, zero_fill)
 
     def fetch(i, slot):
         blk = (*kv, pl.ds(aligned(start + i * bk, bk), bk))
@@ -408,14 +426,21 @@ def _dense_kernel(layer_ref, len_ref, rows_ref, q_ref, k_ref, v_ref, *rest, grou
 
 
 def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref,
-                   q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, *, group, n_splits,
-                   s_len, c_size, bk, stages, scale, clen_stacked, interpret, zero_fill):
+                   *rest, group, n_splits, s_len, c_size, bk, stages, scale, clen_stacked,
+                   interpret, zero_fill, new_kv, ids):
     """Program (r, h, j) over a virtual sequence of key blocks: the compact prefix
     [0, c_len) of ck, cv in whole blocks, then the cache window [rs, length) of k, v (from rs
     on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
     come as [L, B, Hkv * C, D] (a free reshape): head h's keys start at h * C, and a block
-    that runs past them reads the next head's (or zeros), masked."""
-    r, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    that runs past them reads the next head's (or zeros), masked.
+    new_kv: rest starts with kn, vn [B, Hkv, D] and the caches again as outputs (aliased to
+    k, v): the program whose split holds the window's last block first stores the step's
+    key and value at position length - 1, waits for the stores, then reads that block, so
+    no program reads the position before it is written and no XLA scatter runs before."""
+    if new_kv:
+        kn_ref, vn_ref, k_out, v_out, *rest = rest
+    q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar = rest
+    r, h, j = ids()
     layer = layer_ref[0]
     c_len = jnp.clip(clen_ref[layer, r, h] if clen_stacked else clen_ref[r, h], 0, c_size)
     length = jnp.clip(len_ref[r], 0, s_len)
@@ -434,7 +459,10 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     n = jnp.clip(n_all - first, 0, chunk)
     at = (layer, r, h)
 
-    copy_q(q_ref, r, h, q_smem, q_bar, zero_fill)
+    copy_q(q_ref, r, h, j, q_smem, q_bar, zero_fill)
+    if new_kv:  # (the window holds position length - 1: recent_start < length)
+        pl.when((n_w > 0) & (first < n_all) & (first + chunk >= n_all))(functools.partial(
+            _store_new_token, kn_ref, vn_ref, k_out, v_out, (*at, length - 1), (r, h)))
 
     def fetch(i, slot):
         b = first + i
@@ -487,14 +515,14 @@ def _grouped_q(q, hkv, zero_fill):
     return jnp.pad(qg, ((0, 0), (0, 0), (0, _M - hq // hkv), (0, 0)))
 
 
-def copy_q(q_ref, r, h, q_smem, q_bar, zero_fill):
+def copy_q(q_ref, r, h, j, q_smem, q_bar, zero_fill):
     """Start the TMA copy of row r's query group for KV head h into the 64 rows of q_smem.
     zero_fill: q_ref [R, Hkv, G, D] is read from a traced 0, so the rows past G, read past
     the group axis's end, come as TMA's zeros (a static slice past the end fails the static
     bounds check); else q_ref is padded to 64 rows."""
     src = q_ref.at[r, h]
     if zero_fill:
-        src = q_ref.at[r, h, pl.ds(aligned(lax.axis_index("j") * 0), _M)]
+        src = q_ref.at[r, h, pl.ds(aligned(j * 0), _M)]
     plgpu.copy_gmem_to_smem(src, q_smem, q_bar)
 
 
@@ -523,12 +551,15 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            group, extra_out=(), extra_scratch=(), p_regs=False, direct=False):
-    """One program per (row, KV head, split): kernel(*inputs, *extra_out, *scratch) runs the
-    main loop over its scratch (extra_scratch, q, the K/V stages, p (None with p_regs), the
-    TMA barriers) and returns its split's (acc, m, l); these go out as the partials (o, m, l;
-    extra_out after them) through shared memory that reuses the main loop's. direct (one
-    split): the float32 output [R, Hq, D] instead of the partials (`_store_output`)."""
+            group, extra_out=(), extra_scratch=(), p_regs=False, direct=False, aliases=()):
+    """One program per (row, KV head, split): kernel(*inputs, *extra_out, *aliased, *scratch,
+    ids=) runs the main loop over its scratch (extra_scratch, q, the K/V stages, p (None with
+    p_regs), the TMA barriers) and returns its split's (acc, m, l); these go out as the
+    partials (o, m, l; extra_out after them) through shared memory that reuses the main
+    loop's. direct (one split): the float32 output [R, Hq, D] instead of the partials
+    (`_store_output`). aliases: the indices of inputs the kernel also writes in place, as
+    outputs after extra_out (a pallas_call with input_output_aliases: plgpu.kernel has
+    none); ids() gives the program's (r, h, j) in either form."""
     assert not direct or n_splits == 1
     partials = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
@@ -547,6 +578,13 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         plgpu.Barrier(num_barriers=stages),
     ]
 
+    if aliases:
+        def ids():
+            return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        def ids():
+            return lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+
     def body(*refs):
         outs = refs[len(args):len(args) + n_out]
 
@@ -554,23 +592,30 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
             if p_regs:  # (p's place in the kernel's scratch)
                 at = len(extra_scratch) + 3
                 scratch_refs = (*scratch_refs[:at], None, *scratch_refs[at:])
-            carry = kernel(*refs[:len(args)], *refs[len(args) + n_out:], *scratch_refs)
+            carry = kernel(*refs[:len(args)], *refs[len(args) + n_out:], *scratch_refs,
+                           ids=ids)
             # (stores still reading this scope's memory end before it is reused)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return carry
 
         carry = pl.run_scoped(main, *scratch)
         if direct:
-            _store_output(carry, outs[0], group)
+            _store_output(carry, outs[0], group, ids)
         else:
-            _store_partials(carry, *outs, group)
+            _store_partials(carry, *outs, group, ids)
 
-    return plgpu.kernel(
-        body, out_type=out_type,
-        grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
-        compiler_params=compiler_params(),
-        interpret=interpret_params() if interpret else False,
-    )(*args)
+    interpret = interpret_params() if interpret else False
+    if not aliases:
+        return plgpu.kernel(
+            body, out_type=out_type, grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
+            compiler_params=compiler_params(), interpret=interpret)(*args)
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    in_place = [jax.ShapeDtypeStruct(args[i].shape, args[i].dtype) for i in aliases]
+    return pl.pallas_call(
+        body, out_shape=(*out_type, *in_place), grid=(n_rows, hkv, n_splits),
+        in_specs=[gmem] * len(args), out_specs=[gmem] * (len(out_type) + len(in_place)),
+        input_output_aliases={i: len(out_type) + n for n, i in enumerate(aliases)},
+        compiler_params=compiler_params(), interpret=interpret)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "config",
@@ -619,14 +664,28 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
 
 @functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  interpret=False, config=None, zero_fill=False):
+                  interpret=False, config=None, zero_fill=False, new_kv=None):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
     prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way).
-    zero_fill: as in `dense_decode`."""
+    zero_fill: as in `dense_decode`. new_kv: (kn, vn) [B, Hkv, D], stored by the kernel at
+    position lengths - 1 of k, v (layer `layer`) before it is read (lengths >= 1,
+    recent_start < lengths); returns (out, k, v), the caches updated in place inside a jitted
+    caller that donates them."""
     cfg = config or fit(SPARSE, q.shape[-1])
+    if new_kv is not None and interpret:
+        # Mosaic GPU's interpreter keeps only the first program's writes to an aliased
+        # pallas_call output (jax 0.10.2): there the stores are XLA's, before the kernel
+        from sfi_jax.kernels.attention import write_new_token
+
+        k, v, _ = write_new_token(k, v, None, new_kv, lengths - 1, layer)
+        out = sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
+                            window=window, interpret=True, config=config,
+                            zero_fill=zero_fill)
+        return out, k, v
+    cache_shape = k.shape
     ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape
     _, _, hkv, s_len, _ = k.shape
@@ -641,18 +700,24 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     kernel = functools.partial(
         _sparse_kernel, group=group, n_splits=n_splits, s_len=s_len, c_size=c_size, bk=bk,
         stages=cfg.stages, scale=1.0 / math.sqrt(d), clen_stacked=c_len.ndim == 3,
-        interpret=interpret, zero_fill=zero_fill)
+        interpret=interpret, zero_fill=zero_fill, new_kv=new_kv is not None)
     heads_c = ck.shape[:2] + (hkv * c_size, d)  # the heads' buffers as one key axis
-    res = _launch(kernel, (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
-                           lengths.astype(jnp.int32),
-                           _grouped_q(q.astype(k.dtype), hkv, zero_fill),
-                           ck.reshape(heads_c), cv.reshape(heads_c), k, v),
-                  n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
+    args = (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
+            lengths.astype(jnp.int32), _grouped_q(q.astype(k.dtype), hkv, zero_fill),
+            ck.reshape(heads_c), cv.reshape(heads_c), k, v)
+    if new_kv is not None:
+        args += tuple(x.astype(k.dtype) for x in new_kv)
+    res = _launch(kernel, args, n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  p_regs=cfg.p_regs, direct=n_splits == 1)
+                  p_regs=cfg.p_regs, direct=n_splits == 1,
+                  aliases=() if new_kv is None else (7, 8))
     if n_splits == 1:  # (the kernel wrote the output)
-        return res[0].astype(q.dtype)
-    return _combine(res[0], res[1], res[2], group, q.dtype)[0]
+        out = res[0].astype(q.dtype)
+    else:
+        out = _combine(res[0], res[1], res[2], group, q.dtype)[0]
+    if new_kv is None:
+        return out
+    return out, res[-2].reshape(cache_shape), res[-1].reshape(cache_shape)
 
 
 def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, ck_out, cv_out, *, n_rows, n_layers,

@@ -35,13 +35,13 @@ def supported(q, k) -> bool:
 
 
 def _kernel(layer_ref, qs_ref, len_ref, q_ref, k_ref, v_ref, *rest, n_q, gt, split, s_len, bk,
-            stages, scale, logits, interpret):
+            stages, scale, logits, interpret, ids):
     if logits:
         lg_ref, s_smem, *scratch = rest
     else:
         lg_ref, s_smem, scratch = None, None, rest
     (q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar) = scratch
-    b, h, j = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    b, h, j = ids()
     layer = layer_ref[0]
     qs = qs_ref[b]
     kvl = jnp.clip(len_ref[b], 0, s_len)

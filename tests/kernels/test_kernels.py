@@ -843,6 +843,11 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
             q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
                 dataclasses.replace(mgpu.DENSE_LOGITS, p_regs=True), q.shape[-1], True)),
             (q, kv, kv, vec)),
+        # the new token's key and value stored by the kernel, the caches aliased in place
+        "sparse_new_token": (lambda q, ck, cv, cl, k, v, rs, n, kn, vn: mgpu.sparse_decode(
+            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, new_kv=(kn, vn)),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec,
+             sds((b, hkv, d), dtype), sds((b, hkv, d), dtype))),
         "repack": (lambda ck, cv, k, v, p, s: mgpu.repack(ck, cv, k, v, p, s),
                    (ckv, ckv, kv, kv, sds((2, b, hkv, c), jnp.int32), vec)),
         "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
@@ -853,3 +858,5 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
     for name, (f, args) in fns.items():
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "mosaic_gpu" in exp.mlir_module(), name
+        if name == "sparse_new_token":  # the caches written in place, not copied
+            assert "output_operand_aliases" in exp.mlir_module(), name
