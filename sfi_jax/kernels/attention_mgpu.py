@@ -58,7 +58,7 @@ class Config:
     whole_wave: bool = False
 
 
-# One wave of 132 programs (the splits rounded down: 8 KV heads x 16), 64-key blocks two in
+# Splits planned over the 132 SMs (whole_wave: 8 KV heads x 16), 64-key blocks two in
 # flight, P·V from registers: the fastest of the H100 sweep for the dense read, with and
 # without logits, at batch 1 and 16, and for the sparse read (benchmarks/kernels.md,
 # 2026-12-07): fewer splits cost fewer CTAs' fixed time and partials to merge, and a grid of
