@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from sfi_jax.kernels import attention_reference as reference
 from sfi_jax.kernels.common import (gpu_fallback, interpret_for, platform, platform_kernel,
-                                    triton_available)
+                                    triton_available, write_new_token)
 
 IMPLS = ("auto", "xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu")
 REPACK = ("auto", "kernel", "mosaic_gpu", "xla")
@@ -209,22 +209,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
         out = tpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                 window=window, interpret=interpret_for(impl))
     return out if new_kv is None else (out, k, v, key_norms)
-
-
-def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
-    """Store kn, vn [B, Hkv, D] at position pos[b] of k, v [(L,) B, Hkv, S, D] (layer `layer`
-    when stacked) and, when key_norms is given, the keys' float32 L2 norms (k, v None: the
-    norms alone)."""
-    kn, vn = new_kv
-    rows = jnp.arange(kn.shape[0])
-    at = (rows, slice(None), pos) if layer is None else (layer, rows, slice(None), pos)
-    if k is not None:  # (None: the norms alone, the kernel stored k and v)
-        k = k.at[at].set(kn.astype(k.dtype))
-        v = v.at[at].set(vn.astype(v.dtype))
-    if key_norms is not None:
-        norms = jnp.linalg.norm(kn.astype(jnp.float32), axis=-1)
-        key_norms = key_norms.at[at].set(norms.astype(key_norms.dtype))
-    return k, v, key_norms
 
 
 def repack(ck, cv, k, v, positions, slots, *, impl="xla"):

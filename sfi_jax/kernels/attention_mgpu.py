@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split
+from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split, write_new_token
 
 _M = 64  # wgmma's M per warpgroup: a query group is padded to this
 M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
@@ -678,8 +678,6 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     if new_kv is not None and interpret:
         # Mosaic GPU's interpreter keeps only the first program's writes to an aliased
         # pallas_call output (jax 0.10.2): there the stores are XLA's, before the kernel
-        from sfi_jax.kernels.attention import write_new_token
-
         k, v, _ = write_new_token(k, v, None, new_kv, lengths - 1, layer)
         out = sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                             window=window, interpret=True, config=config,

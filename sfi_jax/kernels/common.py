@@ -211,3 +211,19 @@ def swiglu_rounded(gate, up, dtype):
     sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
     silu = (g * sig).astype(dtype).astype(jnp.float32)
     return (silu * up.astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def write_new_token(k, v, key_norms, new_kv, pos, layer=None):
+    """Store kn, vn [B, Hkv, D] at position pos[b] of k, v [(L,) B, Hkv, S, D] (layer `layer`
+    when stacked) and, when key_norms is given, the keys' float32 L2 norms (k, v None: the
+    norms alone)."""
+    kn, vn = new_kv
+    rows = jnp.arange(kn.shape[0])
+    at = (rows, slice(None), pos) if layer is None else (layer, rows, slice(None), pos)
+    if k is not None:  # (None: the norms alone, the kernel stored k and v)
+        k = k.at[at].set(kn.astype(k.dtype))
+        v = v.at[at].set(vn.astype(v.dtype))
+    if key_norms is not None:
+        norms = jnp.linalg.norm(kn.astype(jnp.float32), axis=-1)
+        key_norms = key_norms.at[at].set(norms.astype(key_norms.dtype))
+    return k, v, key_norms

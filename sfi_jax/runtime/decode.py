@@ -28,7 +28,7 @@ import numpy as np
 
 from sfi_jax.config import SFIConfig
 from sfi_jax.kernels import dense_decode, sparse_decode
-from sfi_jax.kernels.attention import write_new_token
+from sfi_jax.kernels.common import write_new_token
 from sfi_jax.kernels.skinny_matmul import new_sync
 from sfi_jax.models.config import ModelConfig
 from sfi_jax.models.modeling import (WeightLayout, attention_inputs, attention_output_and_mlp,
