@@ -703,12 +703,13 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     args = (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
             lengths.astype(jnp.int32), _grouped_q(q.astype(k.dtype), hkv, zero_fill),
             ck.reshape(heads_c), cv.reshape(heads_c), k, v)
+    caches = (len(args) - 2, len(args) - 1)  # (k, v: written in place with new_kv)
     if new_kv is not None:
         args += tuple(x.astype(k.dtype) for x in new_kv)
     res = _launch(kernel, args, n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
                   stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
                   p_regs=cfg.p_regs, direct=n_splits == 1,
-                  aliases=() if new_kv is None else (7, 8))
+                  aliases=() if new_kv is None else caches)
     if n_splits == 1:  # (the kernel wrote the output)
         out = res[0].astype(q.dtype)
     else:
