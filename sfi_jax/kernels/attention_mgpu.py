@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import math
 
@@ -28,6 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+# pl.pallas_call finds Mosaic GPU's lowering rule only once this module registered it, and jax
+# 0.11 imports it only while lowering a plgpu.kernel: a process whose first Mosaic kernel is the
+# aliased launch below would otherwise fail with an AssertionError (GPU suite, run 29)
+importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
 
 from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split, write_new_token
 
