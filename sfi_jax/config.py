@@ -99,10 +99,6 @@ class SFIConfig:
     # its own score, so positions an earlier query wanted (a multi-value needle's values) stay
     # unless the new query's evidence outbids them. The default, 0, never decays.
     selection_memory: float | None = 0.0
-    # An extension (off by default: 0, the paper's rule): 1 moves a trigger's slow step one
-    # step later, to the first token after the trigger, so the selection is made from a query
-    # of the new sentence rather than the trigger's own (same count of slow steps).
-    trigger_delay: int = 0
     # Exact mode (generate(..., mode="exact")): fast steps drafted per row before one dense
     # verify step of draft_len + 1 queries (at most 15: the verify kernel takes 16 queries).
     # With adaptive_draft the batch drafts 0..draft_len tokens per round, the length that the
@@ -122,8 +118,6 @@ class SFIConfig:
         _int_field(self, "successor_radius", 0)
         _int_field(self, "warmup_steps", 0)
         _int_field(self, "warmup_t_max", 1)
-        if self.trigger_delay not in (0, 1):
-            raise ValueError(f"SFIConfig.trigger_delay must be 0 or 1, got {self.trigger_delay!r}")
         _int_field(self, "draft_len", 1)
         if not isinstance(self.adaptive_draft, bool):
             raise ValueError(f"SFIConfig.adaptive_draft must be True or False, got "

@@ -437,9 +437,7 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
         live = ~state.done
         carry = _record(carry, i, token, live, logits, inputs.refreshed, ys, return_logits)
         if variant != "dense":
-            # (trigger_delay 1: the step fed the trigger asks, so the next step is slow)
-            trig_token = state.token if sfi.trigger_delay else token
-            triggered = trigger_mask[trig_token] if sfi.uses_triggers else False
+            triggered = trigger_mask[token] if sfi.uses_triggers else False
             sfi_state = count_step(sfi_state, refreshed=inputs.refreshed, live=live, advanced=1,
                                    restart=1, wants=triggered, fast=~inputs.refreshed & live,
                                    t_max=refresh_interval(state.sfi, sfi))

@@ -21,17 +21,16 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
 
 
 def expected_timeline(fed, triggers, t_max, use_triggers=True, warmup_steps=0,
-                      warmup_t_max=None, trigger_delay=0):
+                      warmup_t_max=None):
     """Slow flags per decode step from SFI_METHOD.md §3 (and §8's warm-up: the interval that
-    step s - 1 ends with is warmup_t_max while s - 1 < warmup_steps; trigger_delay 1: the step
-    after the one fed a trigger is slow). fed[s] is the token decode step s feeds (the token
-    generated at the previous step; fed[0] comes from the prefill)."""
+    step s - 1 ends with is warmup_t_max while s - 1 < warmup_steps). fed[s] is the token
+    decode step s feeds (the token generated at the previous step; fed[0] comes from the
+    prefill)."""
     out, last = np.zeros(len(fed), bool), None
-    for s in range(len(fed)):
+    for s, tok in enumerate(fed):
         interval = warmup_t_max if s - 1 < warmup_steps else t_max
-        at = s - trigger_delay
-        triggered = use_triggers and at >= 0 and int(fed[at]) in triggers
-        out[s] = s == 0 or triggered or s - last >= min(interval, t_max)
+        out[s] = (s == 0 or (use_triggers and int(tok) in triggers)
+                  or s - last >= min(interval, t_max))
         if out[s]:
             last = s
     return out
@@ -61,7 +60,6 @@ POLICY_RUNS = {"sfi": SMALL, "t_max=1": dataclasses.replace(SMALL, t_max=1),
                "warmup": dataclasses.replace(SMALL, warmup_steps=6, warmup_t_max=2)}
 # the warm-up's refreshes, remembering what the selection in force was chosen with
 POLICY_RUNS["memory"] = dataclasses.replace(POLICY_RUNS["warmup"], selection_memory=0.5)
-POLICY_RUNS["delay"] = dataclasses.replace(SMALL, trigger_delay=1)
 POLICY_RUNS.update({policy: dataclasses.replace(SMALL, policy=policy,
                                                 refresh_rows=1 if policy == "tmax" else None)
                     for policy in ("tmax", "streaming", "prefill_only", "oracle")})
@@ -195,12 +193,6 @@ def test_per_row_timeline_follows_the_rules(per_row_runs):
                                  warmup_t_max=2)
         np.testing.assert_array_equal(warm[b], want, err_msg=f"warm-up, row {b}")
         assert want[:7].sum() >= 4 and not np.array_equal(want, timeline[b])
-    # trigger_delay 1: each trigger's slow step one step later, as many slow steps
-    delayed = runs["delay"].stats["slow_timeline"]
-    for b in range(3):
-        want = expected_timeline(forced[b, :NEW - 1], {TRIGGER}, SMALL.t_max, trigger_delay=1)
-        np.testing.assert_array_equal(delayed[b], want, err_msg=f"trigger_delay, row {b}")
-        assert not np.array_equal(want, timeline[b])
 
 
 def test_per_row_equals_row_alone(tiny_qwen3, per_row_runs, xla_fast_compile):
