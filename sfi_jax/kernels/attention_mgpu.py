@@ -29,10 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-# pl.pallas_call finds Mosaic GPU's lowering rule only once this module registered it, and jax
-# 0.11 imports it only while lowering a plgpu.kernel: a process whose first Mosaic kernel is the
-# aliased launch below would otherwise fail with an AssertionError (GPU suite, run 29)
-importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
 
 from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split, write_new_token
 
@@ -89,6 +85,20 @@ def compiler_params(approx_math=False, lane=False):
     epilogues, whose layouts Warpgroup inference finds no solution for)."""
     semantics = plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup
     return plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=semantics)
+
+
+@functools.cache
+def aliased_launch() -> bool:
+    """Whether this jax lowers a Mosaic GPU `pl.pallas_call` (the only launch here that writes
+    an input in place: `plgpu.kernel` aliases nothing): jax 0.10 does once its registration
+    module is imported; jax 0.11.2 has no such rule (GPU suite, run 29), and there the sparse
+    read's new-token stores stay XLA's."""
+    try:
+        importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
+        from jax._src.pallas import core as pallas_core
+        return pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu") is not None
+    except (ImportError, AttributeError):
+        return False
 
 
 # jax 0.10's plgpu.load takes the index as its second argument; 0.11 deprecates it (the ref
@@ -680,12 +690,13 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     recent_start < lengths); returns (out, k, v), the caches updated in place inside a jitted
     caller that donates them."""
     cfg = config or fit(SPARSE, q.shape[-1])
-    if new_kv is not None and interpret:
+    if new_kv is not None and (interpret or not aliased_launch()):
         # Mosaic GPU's interpreter keeps only the first program's writes to an aliased
-        # pallas_call output (jax 0.10.2): there the stores are XLA's, before the kernel
+        # pallas_call output (jax 0.10.2), and jax 0.11.2 lowers no Mosaic GPU pallas_call:
+        # there the stores are XLA's, before the kernel
         k, v, _ = write_new_token(k, v, None, new_kv, lengths - 1, layer)
         out = sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                            window=window, interpret=True, config=config,
+                            window=window, interpret=interpret, config=config,
                             zero_fill=zero_fill)
         return out, k, v
     cache_shape = k.shape

@@ -858,5 +858,5 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
     for name, (f, args) in fns.items():
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
         assert "mosaic_gpu" in exp.mlir_module(), name
-        if name == "sparse_new_token":  # the caches written in place, not copied
+        if name == "sparse_new_token" and mgpu.aliased_launch():  # written in place
             assert "output_operand_aliases" in exp.mlir_module(), name
