@@ -12,11 +12,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sfi_jax
-from sfi_jax.kernels import common
+from sfi_jax.kernels import attention_mgpu as mgpu, common
 from conftest import (TINY_EOS, assert_same_greedy, fast_compile, make_hf_checkpoint, on_gpu,
                       rel_err)
 from sfi_jax.options import EngineOptions
@@ -187,6 +188,35 @@ def test_mosaic_gpu_matmuls_in_generate(tmp_path, batch):
             assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b], rel=1e-2,
                                what=f"{epilogue} row {b}")
             assert rel_err(got.stats["logits"][b][0], ref.stats["logits"][b][0]) < 2e-2
+
+
+def test_mosaic_gpu_attention_in_generate(tmp_path):
+    """attention="mosaic_gpu" compiled: a bfloat16 model's SFI decode (the dense read with
+    logits at slow steps, the sparse read with the step's new token at fast ones) gives the XLA
+    attention's greedy tokens and logits up to bfloat16 rounding, prompts far longer than the
+    budget and one within it."""
+    _, d = make_hf_checkpoint(tmp_path, "qwen3", seed=17, eos_token_id=TINY_EOS,
+                              hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=64)
+    model = sfi_jax.load_model(d, dtype="bfloat16")
+    rng = np.random.default_rng(18)
+    prompts = [rng.integers(0, TINY_EOS, n).tolist() for n in (150, 13, 97)]
+    # (2 KV heads x 12 compact positions: a multiple of 8, as the Mosaic sparse read takes)
+    sfi = dataclasses.replace(SFI, k_select=10)
+    assert mgpu.supported(jnp.zeros((1, 8, 64), jnp.bfloat16),
+                          jnp.zeros((1, 2, 256, 64), jnp.bfloat16),
+                          jnp.zeros((1, 2, sfi.n_sink + sfi.k_select, 64), jnp.bfloat16))
+    out = {}
+    for attention in ("xla", "mosaic_gpu"):
+        out[attention] = sfi_jax.generate(
+            model, prompts, mode="sfi", sfi=sfi, max_new_tokens=NEW, return_logits=True,
+            stop_at_eos=False, options=EngineOptions(attention=attention))
+    ref, got = out["xla"], out["mosaic_gpu"]
+    assert got.stats["fast_steps"] and sum(got.stats["fast_steps"]) > 0
+    for b in range(len(prompts)):
+        assert_same_greedy(got.tokens[b], ref.tokens[b], ref.stats["logits"][b], rel=1e-2,
+                           what=f"row {b}")
+        assert rel_err(got.stats["logits"][b][0], ref.stats["logits"][b][0]) < 2e-2
 
 
 def test_mosaic_gpu_moe_in_generate(tmp_path):
