@@ -60,6 +60,9 @@ class KernelTuning:
         groups, the matmul twin's rows) unpadded, TMA filling the rows past an array's end
         with zeros, instead of after an XLA pad to the tile (64 and 8 rows): fewer launches a
         step. Off: correct on the H100 but no faster there (docs/findings.md).
+    kernel_stores: the Mosaic GPU sparse read stores the step's key and value itself (jax 0.11
+        on: its caches as `jax.new_ref`s, written in place), not by two XLA scatters before
+        it: two launches a layer fewer. Off until it has run compiled (benchmarks/gpu_tests.md).
     """
 
     dense_attention: object = None
@@ -68,6 +71,7 @@ class KernelTuning:
     kmajor: object = None
     launch_dependents: bool | None = None
     zero_fill: bool = False
+    kernel_stores: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

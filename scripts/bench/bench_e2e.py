@@ -180,15 +180,15 @@ def engine_options(args) -> EngineOptions:
 
 def kernel_tuning(args) -> KernelTuning:
     """The GPU kernels' sweep points of this run (`--sparse-config`, `--dense-config`,
-    `--fused-programs`, `--kmajor-config`, `--no-launch-dependents`, `--zero-fill`; absent: the
-    tuned kernels)."""
+    `--fused-programs`, `--kmajor-config`, `--no-launch-dependents`, `--zero-fill`,
+    `--kernel-stores`; absent: the tuned kernels)."""
     return KernelTuning(
         dense_attention=attention_config(args.dense_config) if args.dense_config else None,
         sparse_attention=attention_config(args.sparse_config) if args.sparse_config else None,
         fused_programs_per_sm=args.fused_programs or None,
         kmajor=_common.kmajor_config(args.kmajor_config) if args.kmajor_config else None,
         launch_dependents=False if args.no_launch_dependents else None,
-        zero_fill=args.zero_fill)
+        zero_fill=args.zero_fill, kernel_stores=args.kernel_stores)
 
 
 def sfi_fields(pairs):
@@ -698,6 +698,9 @@ def main(argv=None):
     p.add_argument("--zero-fill", action="store_true",
                    help="an A/B point: the Mosaic GPU kernels read their rows unpadded, TMA "
                         "filling those past an array's end with zeros (KernelTuning.zero_fill)")
+    p.add_argument("--kernel-stores", action="store_true",
+                   help="an A/B point: the Mosaic GPU sparse read stores the step's key and "
+                        "value itself (KernelTuning.kernel_stores)")
     args = p.parse_args(argv)
     from sfi_jax.kernels.common import signals_dependents
 

@@ -29,6 +29,8 @@
 #                                      no_triton_scores (the selector scores' twin),
 #                                      no_triton_repack (the repack's twin),
 #                                      mosaic_attention, xla_matmul, xla_small (one at a time);
+#                                      mosaic_attention_ks (and the sparse read's own new-token
+#                                      stores), mosaic_attention_ks_zf (and unpadded queries);
 #                                      ARM@BK:STAGES:PER_SM[:r]: ARM with that Mosaic sparse
 #                                      config (r: P·V from registers); MODEL=qwen3-0.6b for
 #                                      another model
@@ -112,6 +114,9 @@ arm_opts() {
     # the top-k's radix searches in the Triton kernel (the default: its Mosaic GPU twin)
     triton_topk) extra=(--opt selector_topk=radix_kernel) ;;
     mosaic_attention) extra=(--opt attention=mosaic_gpu) ;;
+    # and the sparse read's own new-token stores; and its query groups unpadded too
+    mosaic_attention_ks) extra=(--opt attention=mosaic_gpu --kernel-stores) ;;
+    mosaic_attention_ks_zf) extra=(--opt attention=mosaic_gpu --kernel-stores --zero-fill) ;;
     xla_matmul) extra=(--opt matmul=xla --opt epilogue=xla) ;;
     xla_small) extra=(--opt selector_scores=xla --opt selector_topk=radix --opt heads=xla
                       --opt repack=xla) ;;

@@ -129,7 +129,7 @@ def dense_decode(q, k, v, lengths, *, return_logits=False, impl="auto", layer=No
 
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto", layer=None,
                   window=None, new_kv=None, key_norms=None, config=None,
-                  launch_dependents=None, zero_fill=False):
+                  launch_dependents=None, zero_fill=False, kernel_stores=False):
     """Attention over the compact buffer prefix [0, c_len[b, h]) of ck, cv [B, Hkv, C, D]
     and the cache window [recent_start[b], lengths[b]) of k, v [B, Hkv, S, D], read in place.
 
@@ -141,12 +141,13 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     position lengths[b] - 1 of k, v (lengths >= 1, recent_start < lengths), and with
     key_norms [B, Hkv, S] (stacked like the caches) the key's L2 norm too; returns
     (out, k, v, key_norms). With "pallas_gpu" one launch does the stores and the attention;
-    "mosaic_gpu"'s kernel stores the key and value before it reads them, the norms by an XLA
+    "mosaic_gpu" stores them by XLA scatters before its kernel, or with kernel_stores (jax 0.11
+    on) its kernel stores the key and value before it reads them, the norms by an XLA
     scatter.
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
     config: an `attention_gpu.Config` for the Triton kernel or an `attention_mgpu.Config` for
     the Mosaic GPU one (the other kernel ignores it); launch_dependents: the Triton kernel's;
-    zero_fill: the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
+    zero_fill, kernel_stores: the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -190,9 +191,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
         if new_kv is None:
             return mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                                       **kw)
-        # the kernel stores the new key and value; only the norms by an XLA scatter
         out, k, v = mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                                       new_kv=new_kv, **kw)
+                                       new_kv=new_kv, kernel_stores=kernel_stores, **kw)
         if key_norms is not None:
             key_norms = write_new_token(None, None, key_norms, new_kv, lengths - 1, layer)[2]
         return out, k, v, key_norms

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import math
 
@@ -87,18 +86,9 @@ def compiler_params(approx_math=False, lane=False):
     return plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=semantics)
 
 
-@functools.cache
-def aliased_launch() -> bool:
-    """Whether this jax lowers a Mosaic GPU `pl.pallas_call` (the only launch here that writes
-    an input in place: `plgpu.kernel` aliases nothing): jax 0.10 does once its registration
-    module is imported; jax 0.11.2 has no such rule (GPU suite, run 29), and there the sparse
-    read's new-token stores stay XLA's."""
-    try:
-        importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
-        from jax._src.pallas import core as pallas_core
-        return pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu") is not None
-    except (ImportError, AttributeError):
-        return False
+# jax 0.11's plgpu.kernel writes a `jax.new_ref` operand in place, with no copy; jax 0.10.2 fails
+# to trace one (docs/findings.md). The sparse read's in-kernel new-token stores need it.
+KERNEL_REFS = jax.__version_info__ >= (0, 11)
 
 
 # jax 0.10's plgpu.load takes the index as its second argument; 0.11 deprecates it (the ref
@@ -448,12 +438,13 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     on, in place); the row's blocks are shared out evenly over the n_splits splits. ck, cv
     come as [L, B, Hkv * C, D] (a free reshape): head h's keys start at h * C, and a block
     that runs past them reads the next head's (or zeros), masked.
-    new_kv: rest starts with kn, vn [B, Hkv, D] and the caches again as outputs (aliased to
-    k, v): the program whose split holds the window's last block first stores the step's
+    new_kv: rest starts with kn, vn [B, Hkv, D], and k_ref, v_ref are `jax.new_ref` caches
+    (written in place): the program whose split holds the window's last block first stores the step's
     key and value at position length - 1, waits for the stores, then reads that block, so
     no program reads the position before it is written and no XLA scatter runs before."""
-    if new_kv:
-        kn_ref, vn_ref, k_out, v_out, *rest = rest
+    if new_kv:  # (k_ref, v_ref: `jax.new_ref` caches, written in place)
+        kn_ref, vn_ref, *rest = rest
+        k_out, v_out = k_ref, v_ref
     q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar = rest
     r, h, j = ids()
     layer = layer_ref[0]
@@ -566,15 +557,13 @@ def _check_inputs(name, q, k, ck=None):
 
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
-            group, extra_out=(), extra_scratch=(), p_regs=False, direct=False, aliases=()):
+            group, extra_out=(), extra_scratch=(), p_regs=False, direct=False):
     """One program per (row, KV head, split): kernel(*inputs, *extra_out, *aliased, *scratch,
     ids=) runs the main loop over its scratch (extra_scratch, q, the K/V stages, p (None with
     p_regs), the TMA barriers) and returns its split's (acc, m, l); these go out as the
     partials (o, m, l; extra_out after them) through shared memory that reuses the main
     loop's. direct (one split): the float32 output [R, Hq, D] instead of the partials
-    (`_store_output`). aliases: the indices of inputs the kernel also writes in place, as
-    outputs after extra_out (a pallas_call with input_output_aliases: plgpu.kernel has
-    none); ids() gives the program's (r, h, j) in either form."""
+    (`_store_output`). ids() gives the program's (r, h, j)."""
     assert not direct or n_splits == 1
     partials = [jax.ShapeDtypeStruct((n_rows, n_splits, hq, d), jnp.float32),
                 jax.ShapeDtypeStruct((n_rows, n_splits, hkv, _M), jnp.float32),
@@ -593,12 +582,8 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
         plgpu.Barrier(num_barriers=stages),
     ]
 
-    if aliases:
-        def ids():
-            return pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        def ids():
-            return lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
+    def ids():
+        return lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("j")
 
     def body(*refs):
         outs = refs[len(args):len(args) + n_out]
@@ -620,16 +605,8 @@ def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, in
             _store_partials(carry, *outs, group, ids)
 
     interpret = interpret_params() if interpret else False
-    if not aliases:
-        return plgpu.kernel(
-            body, out_type=out_type, grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
-            compiler_params=compiler_params(), interpret=interpret)(*args)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    in_place = [jax.ShapeDtypeStruct(args[i].shape, args[i].dtype) for i in aliases]
-    return pl.pallas_call(
-        body, out_shape=(*out_type, *in_place), grid=(n_rows, hkv, n_splits),
-        in_specs=[gmem] * len(args), out_specs=[gmem] * (len(out_type) + len(in_place)),
-        input_output_aliases={i: len(out_type) + n for n, i in enumerate(aliases)},
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(n_rows, hkv, n_splits), grid_names=("r", "h", "j"),
         compiler_params=compiler_params(), interpret=interpret)(*args)
 
 
@@ -677,23 +654,23 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill",
+                                             "kernel_stores"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  interpret=False, config=None, zero_fill=False, new_kv=None):
+                  interpret=False, config=None, zero_fill=False, new_kv=None,
+                  kernel_stores=False):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
     prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way).
-    zero_fill: as in `dense_decode`. new_kv: (kn, vn) [B, Hkv, D], stored by the kernel at
-    position lengths - 1 of k, v (layer `layer`) before it is read (lengths >= 1,
-    recent_start < lengths); returns (out, k, v), the caches updated in place inside a jitted
-    caller that donates them."""
+    zero_fill: as in `dense_decode`. new_kv: (kn, vn) [B, Hkv, D], stored at position
+    lengths - 1 of k, v (layer `layer`) before it is read (lengths >= 1, recent_start <
+    lengths); returns (out, k, v). kernel_stores: the kernel stores them itself, into
+    `jax.new_ref` caches (in place inside a jitted caller that donates them; jax 0.11 on, not
+    in interpret mode: `KERNEL_REFS`), else XLA scatters before the kernel."""
     cfg = config or fit(SPARSE, q.shape[-1])
-    if new_kv is not None and (interpret or not aliased_launch()):
-        # Mosaic GPU's interpreter keeps only the first program's writes to an aliased
-        # pallas_call output (jax 0.10.2), and jax 0.11.2 lowers no Mosaic GPU pallas_call:
-        # there the stores are XLA's, before the kernel
+    if new_kv is not None and not (kernel_stores and KERNEL_REFS and not interpret):
         k, v, _ = write_new_token(k, v, None, new_kv, lengths - 1, layer)
         out = sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
                             window=window, interpret=interpret, config=config,
@@ -719,20 +696,19 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, 
     args = (layer_arr, c_len.astype(jnp.int32), recent_start.astype(jnp.int32),
             lengths.astype(jnp.int32), _grouped_q(q.astype(k.dtype), hkv, zero_fill),
             ck.reshape(heads_c), cv.reshape(heads_c), k, v)
-    caches = (len(args) - 2, len(args) - 1)  # (k, v: written in place with new_kv)
-    if new_kv is not None:
-        args += tuple(x.astype(k.dtype) for x in new_kv)
+    if new_kv is not None:  # (the kernel writes the caches: refs, not values)
+        k, v = jax.new_ref(k), jax.new_ref(v)
+        args = args[:-2] + (k, v) + tuple(x.astype(ck.dtype) for x in new_kv)
     res = _launch(kernel, args, n_rows=n_rows, hq=hq, hkv=hkv, d=d, n_splits=n_splits, bk=bk,
-                  stages=cfg.stages, dtype=k.dtype, interpret=interpret, group=group,
-                  p_regs=cfg.p_regs, direct=n_splits == 1,
-                  aliases=() if new_kv is None else caches)
+                  stages=cfg.stages, dtype=ck.dtype, interpret=interpret, group=group,
+                  p_regs=cfg.p_regs, direct=n_splits == 1)
     if n_splits == 1:  # (the kernel wrote the output)
         out = res[0].astype(q.dtype)
     else:
         out = _combine(res[0], res[1], res[2], group, q.dtype)[0]
     if new_kv is None:
         return out
-    return out, res[-2].reshape(cache_shape), res[-1].reshape(cache_shape)
+    return out, k[...].reshape(cache_shape), v[...].reshape(cache_shape)
 
 
 def _repack_kernel(slots_ref, pos_ref, k_ref, v_ref, ck_out, cv_out, *, n_rows, n_layers,

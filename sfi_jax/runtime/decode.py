@@ -108,12 +108,14 @@ def _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi, impl, **write):
 
 def _tuned(options, kind=None) -> dict:
     """The GPU kernels' sweep points from `options.tuning` (defaults: the tuned kernels): the
-    dense ("dense") or sparse ("sparse") kernel's config, dependent launches and the Mosaic
-    kernels' unpadded query rows."""
+    dense ("dense") or sparse ("sparse") kernel's config, dependent launches, the Mosaic
+    kernels' unpadded query rows (and the sparse one's own new-token stores)."""
     t = options.tuning
     kw = dict(launch_dependents=t.launch_dependents, zero_fill=t.zero_fill)
     if kind is not None:
         kw["config"] = t.dense_attention if kind == "dense" else t.sparse_attention
+    if kind == "sparse":
+        kw["kernel_stores"] = t.kernel_stores
     return kw
 
 

@@ -20,7 +20,7 @@ import sfi_jax
 from sfi_jax.kernels import attention_mgpu as mgpu, common
 from conftest import (TINY_EOS, assert_same_greedy, fast_compile, make_hf_checkpoint, on_gpu,
                       rel_err)
-from sfi_jax.options import EngineOptions
+from sfi_jax.options import EngineOptions, KernelTuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -210,14 +210,17 @@ def test_mosaic_gpu_attention_in_generate(tmp_path):
                           jnp.zeros((1, 2, sfi.n_sink + sfi.k_select, 64), jnp.bfloat16))
     kw = dict(mode="sfi", sfi=sfi, max_new_tokens=NEW, return_logits=True, stop_at_eos=False)
     ref = sfi_jax.generate(model, prompts, options=EngineOptions(attention="xla"), **kw)
-    got = sfi_jax.generate(model, prompts, options=EngineOptions(attention="mosaic_gpu"),
-                           forced_tokens=np.asarray(ref.tokens, np.int32), **kw)
-    assert sum(got.stats["fast_steps"]) > 0
-    assert got.tokens == ref.tokens  # (the forced tokens)
-    for b in range(len(prompts)):
-        for t in range(NEW):
-            err = rel_err(got.stats["logits"][b][t], ref.stats["logits"][b][t])
-            assert err < 2e-2, f"row {b} step {t}: logits rel err {err:.2e}"
+    for stores in (False, True):  # (True: the sparse read's own new-token stores)
+        got = sfi_jax.generate(
+            model, prompts, options=EngineOptions(
+                attention="mosaic_gpu", tuning=KernelTuning(kernel_stores=stores)),
+            forced_tokens=np.asarray(ref.tokens, np.int32), **kw)
+        assert sum(got.stats["fast_steps"]) > 0
+        assert got.tokens == ref.tokens  # (the forced tokens)
+        for b in range(len(prompts)):
+            for t in range(NEW):
+                err = rel_err(got.stats["logits"][b][t], ref.stats["logits"][b][t])
+                assert err < 2e-2, f"kernel_stores={stores} row {b} step {t}: {err:.2e}"
 
 
 def test_mosaic_gpu_moe_in_generate(tmp_path):
