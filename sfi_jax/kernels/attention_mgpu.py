@@ -439,9 +439,10 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
     come as [L, B, Hkv * C, D] (a free reshape): head h's keys start at h * C, and a block
     that runs past them reads the next head's (or zeros), masked.
     new_kv: rest starts with kn, vn [B, Hkv, D], and k_ref, v_ref are `jax.new_ref` caches
-    (written in place): the program whose split holds the window's last block first stores the step's
-    key and value at position length - 1, waits for the stores, then reads that block, so
-    no program reads the position before it is written and no XLA scatter runs before."""
+    (written in place): the program whose split holds the window's last block first stores
+    the step's key and value at position length - 1, waits for the stores, then reads that
+    block, so no program reads the position before it is written and no XLA scatter runs
+    before."""
     if new_kv:  # (k_ref, v_ref: `jax.new_ref` caches, written in place)
         kn_ref, vn_ref, *rest = rest
         k_out, v_out = k_ref, v_ref
@@ -558,8 +559,8 @@ def _check_inputs(name, q, k, ck=None):
 
 def _launch(kernel, args, *, n_rows, hq, hkv, d, n_splits, bk, stages, dtype, interpret,
             group, extra_out=(), extra_scratch=(), p_regs=False, direct=False):
-    """One program per (row, KV head, split): kernel(*inputs, *extra_out, *aliased, *scratch,
-    ids=) runs the main loop over its scratch (extra_scratch, q, the K/V stages, p (None with
+    """One program per (row, KV head, split): kernel(*inputs, *extra_out, *scratch, ids=)
+    runs the main loop over its scratch (extra_scratch, q, the K/V stages, p (None with
     p_regs), the TMA barriers) and returns its split's (acc, m, l); these go out as the
     partials (o, m, l; extra_out after them) through shared memory that reuses the main
     loop's. direct (one split): the float32 output [R, Hq, D] instead of the partials
