@@ -70,7 +70,7 @@ def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, tri
                profile=None):
     """Time `chunks` decode chunks of n_steps after one warm-up chunk. Returns (state, times,
     slow shares, the compiled chunk). profile: a dict that receives the kernel breakdown of one
-    more chunk (GPU)."""
+    more chunk (GPU), with each kernel's source lines."""
     eos = jnp.zeros((cfg.vocab_size,), bool)
     kw = dict(cfg=cfg, sfi=sfi, sampling=SamplingConfig(), n_steps=n_steps, options=options)
     fn = decode.decode_chunk.lower(params, state, eos, trig, jnp.asarray(forced_fn(0)),
@@ -92,7 +92,9 @@ def run_chunks(params, state, cfg, sfi, options, n_steps, chunks, forced_fn, tri
         with jax.profiler.trace(d):
             state, toks, *_ = fn(params, state, eos, trig, jnp.asarray(forced_fn(chunks + 1)))
             jax.block_until_ready(toks)
-        profile.update(_common.kernel_stats(d, n_steps, top=30) or {})
+        # (60 kernels, each with the source lines of its ops: which XLA fusions sit around
+        # a kernel, e.g. the Mosaic attention's, mosaic_ab.json `mosaic_attention_h100_1207g`)
+        profile.update(_common.profile_summary(d, n_steps, 60, fn.as_text()) or {})
     return state, times, slow, fn
 
 

@@ -257,8 +257,10 @@ for r in json.load(open(sys.argv[1]))["results"]:
     p = r.get("sfi_profile") or {}
     print(f"== {sys.argv[2]}: busy {p.get('busy_ms_per_step', 0):.3f} ms/step, "
           f"{p.get('kernels_per_step', 0):.1f} kernels/step")
+    src = p.get("sources", {})
     for name, us, n in p.get("top_us_per_step", []):
-        print(f"{us:8.1f} us {n:6.2f}x  {name}")
+        where = (src.get(name) or {}).get("sources") or [""]
+        print(f"{us:8.1f} us {n:6.2f}x  {name:34s} {where[0][-60:]}")
 PY
     done ;;
   *) echo "usage: bash scripts/gpu/run.sh wheels|suite|prefill|decode|sparse|waves|splits|verify|moe|ttft|serve128|serve32|fused|topk|scores|notriton|profile|cost" >&2; exit 2 ;;
