@@ -147,7 +147,8 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
     With `layer`, c_len may be stacked too ([L, B, Hkv]); layer `layer` is read.
     config: an `attention_gpu.Config` for the Triton kernel or an `attention_mgpu.Config` for
     the Mosaic GPU one (the other kernel ignores it); launch_dependents: the Triton kernel's;
-    zero_fill, kernel_stores: the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`).
+    zero_fill: the Mosaic GPU kernel's (`attention_mgpu.sparse_decode`); kernel_stores: its
+    kernel stores the new token where it can (`attention_mgpu.stores_in_kernel`).
     """
     _check(q, k, v, lengths, layer)
     _check_cache("ck", ck, layer)
@@ -185,19 +186,21 @@ def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, *, impl="auto",
                                  interpret=interpret_for(impl),
                                  config=config if isinstance(config, gpu.Config) else None,
                                  launch_dependents=launch_dependents)
-    if impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
+    if impl == "mosaic_gpu":
         kw = dict(window=window, interpret=interpret_for(impl), zero_fill=zero_fill,
                   config=config if isinstance(config, mgpu.Config) else None)
-        if new_kv is None:
-            return mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                                      **kw)
-        out, k, v = mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                                       new_kv=new_kv, kernel_stores=kernel_stores, **kw)
-        if key_norms is not None:
-            key_norms = write_new_token(None, None, key_norms, new_kv, lengths - 1, layer)[2]
-        return out, k, v, key_norms
+        if new_kv is not None and kernel_stores and mgpu.stores_in_kernel(kw["interpret"]):
+            out, k, v = mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths,
+                                           layer, new_kv=new_kv, **kw)
+            if key_norms is not None:  # (the norms alone by XLA)
+                key_norms = write_new_token(None, None, key_norms, new_kv, lengths - 1,
+                                            layer)[2]
+            return out, k, v, key_norms
     if new_kv is not None:
         k, v, key_norms = write_new_token(k, v, key_norms, new_kv, lengths - 1, layer)
+    if impl == "mosaic_gpu":  # c_len stacked or not: the kernel reads layer `layer`
+        out = mgpu.sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer, **kw)
+        return out if new_kv is None else (out, k, v, key_norms)
     if c_len.ndim == 3:
         c_len = c_len[layer]
     if impl == "xla":

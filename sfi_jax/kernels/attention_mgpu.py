@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split, write_new_token
+from sfi_jax.kernels.common import as_layer_stacks, decode_splits, row_split
 
 _M = 64  # wgmma's M per warpgroup: a query group is padded to this
 M_INIT = -1e30  # the running max's start: finite, so exp(m_old - m_new) is never NaN
@@ -89,6 +89,12 @@ def compiler_params(approx_math=False, lane=False):
 # jax 0.11's plgpu.kernel writes a `jax.new_ref` operand in place, with no copy; jax 0.10.2 fails
 # to trace one (docs/findings.md). The sparse read's in-kernel new-token stores need it.
 KERNEL_REFS = jax.__version_info__ >= (0, 11)
+
+
+def stores_in_kernel(interpret) -> bool:
+    """Whether `sparse_decode(new_kv=...)` can run: jax 0.11 on, compiled (interpret mode's
+    kernel is given no refs)."""
+    return KERNEL_REFS and not interpret
 
 
 # jax 0.10's plgpu.load takes the index as its second argument; 0.11 deprecates it (the ref
@@ -655,28 +661,23 @@ def dense_decode(q, k, v, lengths, layer=None, rows=None, *, return_logits=False
     return out, res[3] if s_lg == s_len else res[3][..., :s_len], lse
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill",
-                                             "kernel_stores"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "config", "zero_fill"))
 def sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer=None, *, window=None,
-                  interpret=False, config=None, zero_fill=False, new_kv=None,
-                  kernel_stores=False):
+                  interpret=False, config=None, zero_fill=False, new_kv=None):
     """Compact + recent-window decode attention (see kernels.attention.sparse_decode): the
     prefix [0, c_len[b, h]) of ck, cv [(L,) B, Hkv, C, D] and the positions
     [recent_start[b], lengths[b]) of k, v [(L,) B, Hkv, S, D], read in place; half precision.
     c_len may be stacked [L, B, Hkv] like the caches. window: a bound on lengths -
     recent_start that sizes the splits (the kernel reads only the window either way).
-    zero_fill: as in `dense_decode`. new_kv: (kn, vn) [B, Hkv, D], stored at position
-    lengths - 1 of k, v (layer `layer`) before it is read (lengths >= 1, recent_start <
-    lengths); returns (out, k, v). kernel_stores: the kernel stores them itself, into
-    `jax.new_ref` caches (in place inside a jitted caller that donates them; jax 0.11 on, not
-    in interpret mode: `KERNEL_REFS`), else XLA scatters before the kernel."""
+    zero_fill: as in `dense_decode`. new_kv: (kn, vn) [B, Hkv, D], stored by the kernel at
+    position lengths - 1 of k, v (layer `layer`) before it is read (lengths >= 1,
+    recent_start < lengths), into `jax.new_ref` caches (in place inside a jitted caller that
+    donates them; only where `stores_in_kernel`); returns (out, k, v)."""
     cfg = config or fit(SPARSE, q.shape[-1])
-    if new_kv is not None and not (kernel_stores and KERNEL_REFS and not interpret):
-        k, v, _ = write_new_token(k, v, None, new_kv, lengths - 1, layer)
-        out = sparse_decode(q, ck, cv, c_len, k, v, recent_start, lengths, layer,
-                            window=window, interpret=interpret, config=config,
-                            zero_fill=zero_fill)
-        return out, k, v
+    if new_kv is not None and not stores_in_kernel(interpret):
+        raise ValueError(f"sparse_decode(new_kv=...) needs jax >= 0.11 and a compiled kernel "
+                         f"(jax {jax.__version__}, interpret={interpret}): store the token "
+                         "first (kernels.common.write_new_token)")
     cache_shape = k.shape
     ck, cv, k, v, layer_arr = as_layer_stacks(layer, ck, cv, k, v)
     n_rows, hq, d = q.shape

@@ -338,23 +338,19 @@ def test_sparse_writes_the_new_token(impl, dtype):
     rs = jnp.asarray([150, 0, 96], jnp.int32)  # row 2: an empty cached window
     layer = jnp.int32(1)
     if impl == "pallas_gpu":
-        out, k2, v2, n2 = jax.jit(lambda k, v, n: gpu.sparse_decode(
+        runs = {"": jax.jit(lambda k, v, n: gpu.sparse_decode(
             q, ck, cv, c_len, k, v, rs, lens, layer, window=64, new_kv=(kn, vn), key_norms=n,
-            config=GPU_CFG, interpret=gpu_interpret()))(k, v, norms)
+            config=GPU_CFG, interpret=gpu_interpret()))(k, v, norms)}
     else:  # (the Mosaic kernel with and without its own stores: jax 0.11 on, compiled)
-        for kernel_stores in ((False, True) if impl == "mosaic_gpu" else (False,)):
-            out, k2, v2, n2 = jax.jit(lambda k, v, n: sparse_decode(
-                q, ck, cv, c_len, k, v, rs, lens, layer=layer, window=64, new_kv=(kn, vn),
-                key_norms=n, impl=impl, kernel_stores=kernel_stores))(k, v, norms)
-            want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
-            ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
-                                          jnp.asarray(want_v[1]), rs, lens)
-            assert rel_err(out, ref) <= TOL[dtype], f"kernel_stores={kernel_stores}"
-        return
-    want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
-    ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
-                                  jnp.asarray(want_v[1]), rs, lens)
-    assert rel_err(out, ref) <= TOL[dtype]
+        runs = {f"kernel_stores={ks}": jax.jit(lambda k, v, n, ks=ks: sparse_decode(
+            q, ck, cv, c_len, k, v, rs, lens, layer=layer, window=64, new_kv=(kn, vn),
+            key_norms=n, impl=impl, kernel_stores=ks))(k, v, norms)
+                for ks in ((False, True) if impl == "mosaic_gpu" else (False,))}
+    for what, (out, k2, v2, n2) in runs.items():
+        want_k, want_v = _check_new_token_stored(k, v, norms, kn, vn, lens, k2, v2, n2)
+        ref = reference.sparse_decode(q, ck[1], cv[1], c_len, jnp.asarray(want_k[1]),
+                                      jnp.asarray(want_v[1]), rs, lens)
+        assert rel_err(out, ref) <= TOL[dtype], what
 
 
 @pytest.mark.parametrize("impl", [GPU_IMPL, "xla"])
@@ -850,19 +846,18 @@ def test_mosaic_kernels_lower_for_cuda(b, hq, hkv, d, s, c, dtype):
             q, k, v, n, jnp.int32(0), return_logits=True, config=mgpu.fit(
                 dataclasses.replace(mgpu.DENSE_LOGITS, p_regs=True), q.shape[-1], True)),
             (q, kv, kv, vec)),
-        # the new token's key and value stored by the kernel into `jax.new_ref` caches (jax
-        # 0.11 on; before, XLA's scatters and the kernel without them)
-        "sparse_new_token": (lambda q, ck, cv, cl, k, v, rs, n, kn, vn: mgpu.sparse_decode(
-            q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, new_kv=(kn, vn),
-            kernel_stores=True),
-            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec,
-             sds((b, hkv, d), dtype), sds((b, hkv, d), dtype))),
         "repack": (lambda ck, cv, k, v, p, s: mgpu.repack(ck, cv, k, v, p, s),
                    (ckv, ckv, kv, kv, sds((2, b, hkv, c), jnp.int32), vec)),
         "verify_logits": (lambda q, k, v, a, n: mq_mgpu.multi_query_decode(
             q, k, v, a, n, jnp.int32(1), return_logits=True),
             (sds((b, 64 * hkv // hq, hq, d), dtype), kv, kv, vec, vec)),
     }
+    if mgpu.KERNEL_REFS:  # the new token stored by the kernel into `jax.new_ref` caches
+        fns["sparse_new_token"] = (
+            lambda q, ck, cv, cl, k, v, rs, n, kn, vn: mgpu.sparse_decode(
+                q, ck, cv, cl, k, v, rs, n, jnp.int32(1), window=64, new_kv=(kn, vn)),
+            (q, ckv, ckv, sds((2, b, hkv), jnp.int32), kv, kv, vec, vec,
+             sds((b, hkv, d), dtype), sds((b, hkv, d), dtype)))
     checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
     for name, (f, args) in fns.items():
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
