@@ -503,20 +503,14 @@ def _sparse_kernel(layer_ref, clen_ref, rs_ref, len_ref, q_ref, ck_ref, cv_ref, 
 
 
 def _combine(o, m, l, group, dtype):
-    """Exact merge of the splits: o [R, n, Hq, D], m, l [R, n, Hkv, 64] -> (out, lse).
-    Written split by split, elementwise (no reductions over the split axis), so XLA fuses the
-    merge into one launch, not a reduction launch per sum and one after them (the split
-    count is static and small)."""
+    """Exact merge of the splits: o [R, n, Hq, D], m, l [R, n, Hkv, 64] -> (out, lse)."""
     n_rows, n_splits, hq, _ = o.shape
     m = m[..., :group].reshape(n_rows, n_splits, hq)
     l = l[..., :group].reshape(n_rows, n_splits, hq)
-    mx = functools.reduce(jnp.maximum, [m[:, j] for j in range(n_splits)])
-    base = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    lsum, acc = 0.0, 0.0
-    for j in range(n_splits):
-        w = jnp.exp(m[:, j] - base)
-        lsum = lsum + l[:, j] * w
-        acc = acc + o[:, j] * w[..., None]
+    mx = jnp.max(m, axis=1)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None])
+    lsum = jnp.sum(l * w, axis=1)
+    acc = jnp.sum(o * w[..., None], axis=1)
     ok = lsum != 0  # no valid key: 0; NaN inputs stay NaN
     out = jnp.where(ok[..., None], acc / jnp.where(ok, lsum, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, lsum, 1.0)), -jnp.inf)
