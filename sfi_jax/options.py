@@ -62,7 +62,8 @@ class KernelTuning:
         step. Off: correct on the H100 but no faster there (docs/findings.md).
     kernel_stores: the Mosaic GPU sparse read stores the step's key and value itself (jax 0.11
         on: its caches as `jax.new_ref`s, written in place), not by two XLA scatters before
-        it: two launches a layer fewer. Off until it has run compiled (benchmarks/gpu_tests.md).
+        it: two launches a layer fewer. Off: correct compiled (benchmarks/gpu_tests.md run 31),
+        not yet timed against the scatters on one machine (docs/findings.md).
     """
 
     dense_attention: object = None
