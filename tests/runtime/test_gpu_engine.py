@@ -21,6 +21,7 @@ from sfi_jax.kernels import attention_mgpu as mgpu, common
 from conftest import (TINY_EOS, assert_same_greedy, fast_compile, make_hf_checkpoint, on_gpu,
                       rel_err)
 from sfi_jax.options import EngineOptions, KernelTuning
+from sfi_jax.runtime.state import cache_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -210,6 +211,9 @@ def test_mosaic_gpu_attention_in_generate(tmp_path):
     prompts = [rng.integers(0, TINY_EOS, n).tolist() for n in (150, 13, 97, 131, 112, 88)]
     # (2 KV heads x 12 compact positions: a multiple of 8, as the Mosaic sparse read takes)
     base = dataclasses.replace(SFI, k_select=10, warmup_steps=0)
+    # (the caches are bfloat16 here, as the Mosaic read takes: a CPU keeps float32 ones, whose
+    # reads take the Triton kernels)
+    assert cache_dtype(jnp.bfloat16) == jnp.bfloat16
     assert mgpu.supported(jnp.zeros((1, 8, 64), jnp.bfloat16),
                           jnp.zeros((1, 2, 256, 64), jnp.bfloat16),
                           jnp.zeros((1, 2, base.n_sink + base.k_select, 64), jnp.bfloat16))
