@@ -21,7 +21,7 @@ from sfi_jax.kernels import attention_mgpu as mgpu, common
 from conftest import (TINY_EOS, assert_same_greedy, fast_compile, make_hf_checkpoint, on_gpu,
                       rel_err)
 from sfi_jax.options import EngineOptions, KernelTuning
-from sfi_jax.runtime.state import cache_dtype
+from sfi_jax.runtime import state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -192,7 +192,12 @@ def test_mosaic_gpu_matmuls_in_generate(tmp_path, batch):
 
 
 def test_mosaic_gpu_attention_in_generate(tmp_path):
-    """attention="mosaic_gpu" compiled: a bfloat16 model's SFI decode, fed the XLA attention's
+    check_mosaic_attention_in_generate(tmp_path)
+
+
+def check_mosaic_attention_in_generate(tmp_path):
+    """attention="mosaic_gpu" (compiled on a GPU; test_mosaic_interpret.py runs it in
+    interpret mode on a CPU): a bfloat16 model's SFI decode, fed the XLA attention's
     tokens, gives its logits up to bfloat16 rounding at every step it can be compared at,
     prompts far longer than the budget and one within it, with the kernel's own new-token
     stores and without. Two runs, so that no step's output hangs on a near-tie: the kernels
@@ -213,7 +218,7 @@ def test_mosaic_gpu_attention_in_generate(tmp_path):
     base = dataclasses.replace(SFI, k_select=10, warmup_steps=0)
     # (the caches are bfloat16 here, as the Mosaic read takes: a CPU keeps float32 ones, whose
     # reads take the Triton kernels)
-    assert cache_dtype(jnp.bfloat16) == jnp.bfloat16
+    assert state.cache_dtype(jnp.bfloat16) == jnp.bfloat16
     assert mgpu.supported(jnp.zeros((1, 8, 64), jnp.bfloat16),
                           jnp.zeros((1, 2, 256, 64), jnp.bfloat16),
                           jnp.zeros((1, 2, base.n_sink + base.k_select, 64), jnp.bfloat16))
