@@ -173,7 +173,17 @@ def child_cold(args):
     from sfi_jax.cache import enable_compilation_cache
 
     enable_compilation_cache(args.cache_dir)
+    import jax
     import sfi_jax
+
+    cache_events = {"hits": 0, "misses": 0}  # the persistent cache's own count, not a timing
+
+    def count(event, **_):
+        kind = event.rsplit("_", 1)[-1]
+        if event.startswith("/jax/compilation_cache/cache_") and kind in cache_events:
+            cache_events[kind] += 1
+
+    jax.monitoring.register_event_listener(count)
 
     t_import = time.perf_counter() - T_START
     model = _make_model(args.model)
@@ -186,6 +196,7 @@ def child_cold(args):
            "cache": args.cache_state, "import_s": round(t_import, 2),
            "model_ready_s": round(t_model, 2),
            "process_to_first_token_s": round(time.perf_counter() - T_START, 2),
+           "cache_hits": cache_events["hits"], "cache_misses": cache_events["misses"],
            **_row(st, ("ttft_with_compile_s", "ttft_s", "prefill_compile_s"))}
     print("RESULT " + json.dumps([rec]), flush=True)
 
@@ -372,12 +383,13 @@ def write_markdown(data, out_dir):
     if cold:
         lines += ["## Cold start (a fresh process; persistent compilation cache empty, then "
                   "filled)", "", "| model | batch | prompt | cache | process start to first "
-                  "token s | of which import s | model ready s | compile s |",
-                  "|" + "---|" * 8]
+                  "token s | of which import s | model ready s | compile s | cache hits / misses |",
+                  "|" + "---|" * 9]
         for r in cold:
             lines.append(f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['cache']} | "
                          f"{_fmt(r['process_to_first_token_s'])} | {_fmt(r['import_s'])} | "
-                         f"{_fmt(r['model_ready_s'])} | {_fmt(r['prefill_compile_s'])} |")
+                         f"{_fmt(r['model_ready_s'])} | {_fmt(r['prefill_compile_s'])} | "
+                         f"{r.get('cache_hits', '-')} / {r.get('cache_misses', '-')} |")
         lines.append("")
     req = [r for r in rows if r["part"] == "requests"]
     hf = {(r["model"], r["batch"], r["prompt"]): r for r in rows if r["part"] == "hf"}

@@ -68,7 +68,9 @@ def test_smoke(tmp_path, parts, monkeypatch):
         assert "Whole requests" in md
     else:
         cold = {r["cache"]: r for r in data["rows"] if r["part"] == "cold"}
-        assert cold["filled"]["prefill_compile_s"] < cold["empty"]["prefill_compile_s"]
+        # the second process reads what the first wrote (counted by jax, not raced in time)
+        assert cold["empty"]["cache_hits"] == 0 and cold["empty"]["cache_misses"] > 0
+        assert cold["filled"]["cache_hits"] > 0
         assert "Cold start" in md
 
 
