@@ -319,14 +319,14 @@ def test_generate_stops_on_non_finite_decode_logits(untied_qwen3, mode):
     bad = ref[0][0]
     if bad in p or bad in q or bad == ref[1][0]:
         pytest.skip("the probe token occurs in the other row")
-    embed = model.embed.value
-    model.embed.value = embed.at[bad].set(jnp.nan)
+    embed = model.embed[...]
+    model.embed[...] = embed.at[bad].set(jnp.nan)
     try:
         step = r"\d" if mode == "exact" else "1"  # (a round's drafts come out together)
         with pytest.raises(FloatingPointError, match=rf"row 0: non-finite.*step {step} .*'{mode}'"):
             sfi_jax.generate(model, [p, q], max_new_tokens=6, mode=mode, sfi=SMALL)
     finally:
-        model.embed.value = embed
+        model.embed[...] = embed
 
 
 @pytest.mark.parametrize("mode", ["dense", "sfi", "exact"])
@@ -336,14 +336,14 @@ def test_nan_in_one_layers_query_weight_is_reported(untied_qwen3, mode):
     import jax.numpy as jnp
 
     model = untied_qwen3
-    wq = model.layers.wq.value
-    model.layers.wq.value = wq.at[1, 0, 0].set(jnp.nan)
+    wq = model.layers.wq[...]
+    model.layers.wq[...] = wq.at[1, 0, 0].set(jnp.nan)
     try:
         assert np.isnan(np.asarray(sfi_jax.forward(model, [[1, 2, 3]]))).all()
         with pytest.raises(FloatingPointError, match="non-finite"):
             sfi_jax.generate(model, [[1, 2, 3]], max_new_tokens=3, mode=mode, sfi=SMALL)
     finally:
-        model.layers.wq.value = wq
+        model.layers.wq[...] = wq
 
 
 def test_a_row_that_turns_non_finite_fails_alone(untied_qwen3):
