@@ -116,8 +116,6 @@ class SFIConfig:
     # ... or by positions ranked by q.k over the query's `topup_channels` largest |q| channels
     # (0: all, the exact scores).
     topup_channels: int = 0
-    # ... the channels fixed per KV head (the largest mean k^2 over the context), not per query
-    topup_fixed: bool = False
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)

@@ -220,14 +220,7 @@ def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
     keep = held | recent[:, None] | (at < sfi.n_sink) | dense_rows[:, None, None]
     if sfi.topup_channels:  # scores from the largest |q| channels only
         qf = q.astype(jnp.float32)
-        if sfi.topup_fixed:  # per KV head: the channels with the largest mean k^2
-            kk = k[l].astype(jnp.float32)
-            ok = (jnp.arange(S) <= pos[:, None])[:, None, :, None]
-            energy = jnp.where(ok, kk * kk, 0.0).sum(2)  # [B, Hkv, D]
-            _, ch = jax.lax.top_k(energy, sfi.topup_channels)
-            ch = jnp.repeat(ch, G, axis=1)  # [B, Hq, r]
-        else:
-            _, ch = jax.lax.top_k(jnp.abs(qf), sfi.topup_channels)  # [B, Hq, r]
+        _, ch = jax.lax.top_k(jnp.abs(qf), sfi.topup_channels)  # [B, Hq, r]
         cut = jnp.zeros(qf.shape, bool).at[jnp.arange(B)[:, None, None],
                                            jnp.arange(Hq)[None, :, None], ch].set(True)
         s_approx, _ = _approx_scores(jnp.where(cut, qf, 0.0), k[l], pos, S)
