@@ -113,9 +113,6 @@ class SFIConfig:
     # ... chosen by pages of `topup_page` positions ranked by an upper bound of q.k from each
     # page's per-channel key min and max (0: by the exact scores).
     topup_page: int = 0
-    # ... or by positions ranked by q.k over the query's `topup_channels` largest |q| channels
-    # (0: all, the exact scores).
-    topup_channels: int = 0
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)

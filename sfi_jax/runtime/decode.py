@@ -218,16 +218,7 @@ def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
     start = jnp.maximum(sfi.n_sink, pos - sfi.n_recent)
     recent = (at[None] >= start[:, None]) & (at[None] <= pos[:, None])
     keep = held | recent[:, None] | (at < sfi.n_sink) | dense_rows[:, None, None]
-    if sfi.topup_channels:  # scores from the largest |q| channels only
-        qf = q.astype(jnp.float32)
-        _, ch = jax.lax.top_k(jnp.abs(qf), sfi.topup_channels)  # [B, Hq, r]
-        cut = jnp.zeros(qf.shape, bool).at[jnp.arange(B)[:, None, None],
-                                           jnp.arange(Hq)[None, :, None], ch].set(True)
-        s_approx, _ = _approx_scores(jnp.where(cut, qf, 0.0), k[l], pos, S)
-        s_rank = s_approx.reshape(B, Hkv, G, S)
-    else:
-        s_rank = s
-    prob = jax.nn.softmax(s_rank, axis=-1).max(axis=2)  # [B, Hkv, S]
+    prob = jax.nn.softmax(s, axis=-1).max(axis=2)  # [B, Hkv, S]
     prob = jnp.where(keep | ~jnp.isfinite(s[:, :, 0]), -1.0, prob)
     if sfi.topup_page:
         extra = _topup_pages(q, k[l], keep, jnp.isfinite(s[:, :, 0]), sfi.topup // sfi.topup_page,
@@ -239,13 +230,6 @@ def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
     mask = (keep | extra)[:, :, None, :]
     out, _ = ref._softmax_out(jnp.where(mask, s, -jnp.inf), v[l], q.dtype)
     return out
-
-
-def _approx_scores(q, k, pos, S):
-    from sfi_jax.kernels import attention_reference as ref
-    s = ref._scores(q, k)
-    valid = jnp.arange(S)[None, :] <= pos[:, None]
-    return jnp.where(valid[:, None, None, :], s, -jnp.inf), None
 
 
 def _topup_pages(q, k, keep, valid, n_pages, page):
