@@ -110,9 +110,6 @@ class SFIConfig:
     # the `topup` positions per KV head that its own dense scores rank highest outside what
     # it holds (sink, selection, recent).
     topup: int = 0
-    # ... chosen by pages of `topup_page` positions ranked by an upper bound of q.k from each
-    # page's per-channel key min and max (0: by the exact scores).
-    topup_page: int = 0
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)

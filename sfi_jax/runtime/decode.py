@@ -220,39 +220,12 @@ def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
     keep = held | recent[:, None] | (at < sfi.n_sink) | dense_rows[:, None, None]
     prob = jax.nn.softmax(s, axis=-1).max(axis=2)  # [B, Hkv, S]
     prob = jnp.where(keep | ~jnp.isfinite(s[:, :, 0]), -1.0, prob)
-    if sfi.topup_page:
-        extra = _topup_pages(q, k[l], keep, jnp.isfinite(s[:, :, 0]), sfi.topup // sfi.topup_page,
-                             sfi.topup_page)
-    else:
-        _, top = jax.lax.top_k(prob, abs(sfi.topup))
-        picked = (jnp.take_along_axis(prob, top, -1) >= 0) & (sfi.topup > 0)  # DEBUG <0: none
-        extra = jnp.zeros((B, Hkv, S), bool).at[bi, hi, top].set(picked)
+    _, top = jax.lax.top_k(prob, abs(sfi.topup))
+    picked = (jnp.take_along_axis(prob, top, -1) >= 0) & (sfi.topup > 0)  # DEBUG <0: none
+    extra = jnp.zeros((B, Hkv, S), bool).at[bi, hi, top].set(picked)
     mask = (keep | extra)[:, :, None, :]
     out, _ = ref._softmax_out(jnp.where(mask, s, -jnp.inf), v[l], q.dtype)
     return out
-
-
-def _topup_pages(q, k, keep, valid, n_pages, page):
-    """The `n_pages` pages per KV head with the largest bound max_g sum_d max(q_d min_d,
-    q_d max_d) (each page's per-channel key min and max over its valid positions), among pages
-    with a valid position not kept; their valid positions."""
-    B, Hq, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    n = S // page
-    kp = k[:, :, :n * page].reshape(B, Hkv, n, page, D).astype(jnp.float32)
-    vp = valid[..., :n * page].reshape(B, Hkv, n, page)
-    lo = jnp.where(vp[..., None], kp, jnp.inf).min(3)
-    hi = jnp.where(vp[..., None], kp, -jnp.inf).max(3)
-    qg = q.reshape(B, Hkv, Hq // Hkv, D).astype(jnp.float32)[:, :, :, None]  # [B,Hkv,G,1,D]
-    bound = jnp.maximum(qg * lo[:, :, None], qg * hi[:, :, None]).sum(-1).max(2)  # [B,Hkv,n]
-    open_ = (vp & ~keep[..., :n * page].reshape(B, Hkv, n, page)).any(-1)
-    bound = jnp.where(open_, bound, -jnp.inf)
-    val, top = jax.lax.top_k(bound, n_pages)
-    pick = jnp.zeros((B, Hkv, n), bool).at[jnp.arange(B)[:, None, None],
-                                           jnp.arange(Hkv)[None, :, None], top].set(
-        jnp.isfinite(val))
-    extra = jnp.repeat(pick, page, axis=-1) & vp.reshape(B, Hkv, n * page)
-    return jnp.pad(extra, ((0, 0), (0, 0), (0, S - n * page)))
 
 
 def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
