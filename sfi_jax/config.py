@@ -106,10 +106,6 @@ class SFIConfig:
     # fastest (0: a plain dense step), so drafts that miss cost next to nothing.
     draft_len: int = 3
     adaptive_draft: bool = True
-    # An experiment (an upper bound, reads the whole cache every step): a fast step also reads
-    # the `topup` positions per KV head that its own dense scores rank highest outside what
-    # it holds (sink, selection, recent).
-    topup: int = 0
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)

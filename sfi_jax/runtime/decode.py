@@ -186,8 +186,6 @@ def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense
                                       options.attention, new_kv=(k_new, v_new),
                                       key_norms=sfi_state.key_norms, **_tuned(options, "sparse"))
     sfi_state = sfi_state._replace(key_norms=norms)
-    if sfi.topup:
-        attn = _topup_read(q, k, v, sfi_state, l, pos, dense_rows, sfi)
     if q_hist is not None:  # evidence_window > 1: remember this step's query
         q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))
     if slots is not None:
@@ -195,37 +193,6 @@ def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense
             attn, slow_logits = _refresh(q, k, v, attn, slow_logits, l, pos, slots, options,
                                          q_hist, step)
     return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
-
-
-def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
-    """The experiment `SFIConfig.topup`: attention over sink + held selection + recent, plus
-    the top `topup` other positions per KV head by this step's dense probabilities (max over
-    the group), as one masked dense read."""
-    from sfi_jax.kernels import attention_reference as ref
-
-    B, Hq, D = q.shape
-    Hkv, S = k.shape[2], k.shape[3]
-    G = Hq // Hkv
-    _, s, _ = ref.dense_decode(q, k, v, pos + 1, return_logits=True, layer=l)
-    s = s.reshape(B, Hkv, G, S)
-    at = jnp.arange(S)
-    held_pos = st.positions[l]  # [B, Hkv, C]
-    ok = jnp.arange(held_pos.shape[-1]) < st.c_len[l][..., None]
-    idx = jnp.where(ok & (held_pos >= 0), held_pos, S)
-    bi = jnp.arange(B)[:, None, None]
-    hi = jnp.arange(Hkv)[None, :, None]
-    held = jnp.zeros((B, Hkv, S + 1), bool).at[bi, hi, idx].set(True)[..., :S]
-    start = jnp.maximum(sfi.n_sink, pos - sfi.n_recent)
-    recent = (at[None] >= start[:, None]) & (at[None] <= pos[:, None])
-    keep = held | recent[:, None] | (at < sfi.n_sink) | dense_rows[:, None, None]
-    prob = jax.nn.softmax(s, axis=-1).max(axis=2)  # [B, Hkv, S]
-    prob = jnp.where(keep | ~jnp.isfinite(s[:, :, 0]), -1.0, prob)
-    _, top = jax.lax.top_k(prob, abs(sfi.topup))
-    picked = (jnp.take_along_axis(prob, top, -1) >= 0) & (sfi.topup > 0)  # DEBUG <0: none
-    extra = jnp.zeros((B, Hkv, S), bool).at[bi, hi, top].set(picked)
-    mask = (keep | extra)[:, :, None, :]
-    out, _ = ref._softmax_out(jnp.where(mask, s, -jnp.inf), v[l], q.dtype)
-    return out
 
 
 def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
