@@ -177,11 +177,11 @@ def child_cold(args):
     import sfi_jax
 
     cache_events = {"hits": 0, "misses": 0}  # the persistent cache's own count, not a timing
+    names = {f"/jax/compilation_cache/cache_{kind}": kind for kind in cache_events}
 
     def count(event, **_):
-        kind = event.rsplit("_", 1)[-1]
-        if event.startswith("/jax/compilation_cache/cache_") and kind in cache_events:
-            cache_events[kind] += 1
+        if event in names:
+            cache_events[names[event]] += 1
 
     jax.monitoring.register_event_listener(count)
 
