@@ -176,16 +176,20 @@ def attend_oracle(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_r
 def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense_rows, slots, *,
                     sfi, options, head_axis=None, q_hist=None, step=None,
                     live=None) -> LayerAttention:
-    """Every row reads sparsely (the kernel also stores this step's key, value and key norm;
-    the dense rows' compact counts are 0 for the whole step, see `decode_chunk`); the rows in
+    """Every row reads sparsely (the kernel also stores this step's key and value, and the key
+    norm where its launch can, see `norms_in_sparse_read`; the dense rows' compact counts are 0
+    for the whole step, see `decode_chunk`); the rows in
     `slots` also attend densely, their output replacing the sparse one and their logits kept
     in `slow_logits` [L, n_slots, Hkv, G, S] for the selection at the step's end
     (`select_all_layers`: all layers at once, not per layer, as the selector is ~30 small
     kernels). slots None (the fast loop's steps): no dense launch."""
     attn, k, v, norms = _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi,
                                       options.attention, new_kv=(k_new, v_new),
-                                      key_norms=sfi_state.key_norms, **_tuned(options, "sparse"))
-    sfi_state = sfi_state._replace(key_norms=norms)
+                                      key_norms=sfi_state.key_norms
+                                      if norms_in_sparse_read(options) else None,
+                                      **_tuned(options, "sparse"))
+    if norms_in_sparse_read(options):
+        sfi_state = sfi_state._replace(key_norms=norms)
     if q_hist is not None:  # evidence_window > 1: remember this step's query
         q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))
     if slots is not None:
@@ -193,6 +197,22 @@ def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense
             attn, slow_logits = _refresh(q, k, v, attn, slow_logits, l, pos, slots, options,
                                          q_hist, step)
     return LayerAttention(attn, k, v, sfi_state, slow_logits, q_hist)
+
+
+def norms_in_sparse_read(options) -> bool:
+    """Whether the deferred variant's sparse read stores the new key's norm in its own launch
+    (the Triton kernel). Elsewhere the step stores every layer's at once after its layers
+    (`store_key_norms`): one gather, reduce and scatter a step, where a per-layer store took
+    two launches a layer."""
+    return options.attention == "pallas_gpu"
+
+
+def store_key_norms(key_norms, k, pos):
+    """key_norms [L, B, Hkv, S] with every layer's float32 L2 norm of the key each row stored
+    at position pos[b] this step (k [L, B, Hkv, S, D])."""
+    rows = jnp.arange(pos.shape[0])
+    norms = jnp.linalg.norm(k[:, rows, :, pos].astype(jnp.float32), axis=-1)  # [B, L, Hkv]
+    return key_norms.at[:, rows, :, pos].set(norms.astype(key_norms.dtype))
 
 
 def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
@@ -431,6 +451,10 @@ def decode_chunk(params, state: DecodeState, eos_mask, trigger_mask, forced, *, 
                                     state.diag, carry.slow_logits, state.q_hist, carry.sync),
                          inputs)
         sfi_state = out.sfi if variant != "deferred" else out.sfi._replace(c_len=state.sfi.c_len)
+        if variant == "deferred" and not norms_in_sparse_read(options):
+            with jax.named_scope("key_norms"):  # (before the selections read them)
+                sfi_state = sfi_state._replace(key_norms=store_key_norms(
+                    sfi_state.key_norms, out.k, inputs.pos))
         with jax.named_scope("logits"):
             logits = output_logits(params, cfg, out.x[:, 0])
         with jax.named_scope("sample"):

@@ -532,3 +532,44 @@ def test_memory_check_counts_the_held_scores():
     assert state_bytes(cfg, 3, 64, 4, on)["sfi_held_scores"] == st.scores.nbytes
     assert "sfi_held_scores" not in state_bytes(cfg, 3, 64, 4, SMALL)
     assert empty_sfi_state(cfg, SMALL, 3, 64, jnp.float32).scores is None
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas_gpu"])
+def test_decode_keeps_every_key_norm(attention, xla_fast_compile):
+    """After decode steps the state's key norms equal the cache's keys' L2 norms at every
+    position a row holds, every layer: stored in the sparse read's launch (the Triton kernel,
+    interpreted here) or by the step after its layers (`decode.store_key_norms`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sfi_jax.models.config import PRESETS
+    from sfi_jax.models.params import random_params
+    from sfi_jax.runtime import decode
+    from sfi_jax.runtime.sampling import SamplingConfig
+    from sfi_jax.runtime.state import DecodeState, empty_sfi_state
+
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
+                              intermediate_size=128, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                              vocab_size=300)
+    B, S, steps = 3, 128, 5
+    sfi = sfi_jax.SFIConfig(n_sink=2, k_select=16, n_recent=8, t_max=3)
+    lengths = jnp.array([40, 77, 100], jnp.int32)
+    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
+    k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32) for i in (1, 2))
+    held = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
+    norms = jnp.where(held[None, :, None], jnp.linalg.norm(k, axis=-1), 0.0)
+    st = empty_sfi_state(cfg, sfi, B, S, jnp.float32)._replace(key_norms=norms)
+    state = DecodeState(k=k, v=v, lengths=lengths, token=jnp.array([5, 6, 7], jnp.int32),
+                        done=jnp.zeros((B,), bool), step=jnp.int32(0),
+                        key=jax.random.key_data(jax.random.key(0)), sfi=st)
+    mask = jnp.zeros((cfg.vocab_size,), bool)
+    options = sfi_jax.EngineOptions(attention=attention).resolved()
+    out = decode.decode_chunk(random_params(cfg, "float32", 0), state, mask, mask,
+                              jnp.full((B, steps), -1, jnp.int32), cfg=cfg, sfi=sfi,
+                              sampling=SamplingConfig(), n_steps=steps, options=options)[0]
+    assert (np.asarray(out.lengths) == np.array([40, 77, 100]) + steps).all()
+    want = np.linalg.norm(np.asarray(out.k, np.float64), axis=-1)  # [L, B, Hkv, S]
+    held = np.arange(S)[None, :] < np.asarray(out.lengths)[:, None]  # [B, S]
+    held = np.broadcast_to(held[None, :, None], want.shape)
+    err = np.abs(np.asarray(out.sfi.key_norms) - want)[held]
+    assert err.max() < 1e-5 * want[held].max()
