@@ -190,6 +190,12 @@ def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense
                                       **_tuned(options, "sparse"))
     if norms_in_sparse_read(options):
         sfi_state = sfi_state._replace(key_norms=norms)
+    if sfi.topup:
+        attn, tq, thr = _topup_read(q, k, v, sfi_state, l, pos, dense_rows, sfi)
+        if tq is not None:
+            sfi_state = sfi_state._replace(topup_q=sfi_state.topup_q.at[l].set(tq))
+        if thr is not None:
+            sfi_state = sfi_state._replace(topup_thr=sfi_state.topup_thr.at[l].set(thr))
     if q_hist is not None:  # evidence_window > 1: remember this step's query
         q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))
     if slots is not None:
@@ -213,6 +219,140 @@ def store_key_norms(key_norms, k, pos):
     rows = jnp.arange(pos.shape[0])
     norms = jnp.linalg.norm(k[:, rows, :, pos].astype(jnp.float32), axis=-1)  # [B, L, Hkv]
     return key_norms.at[:, rows, :, pos].set(norms.astype(key_norms.dtype))
+
+
+def _topup_read(q, k, v, st, l, pos, dense_rows, sfi):
+    """The experiment `SFIConfig.topup`: attention over sink + held selection + recent, plus
+    the top `topup` other positions per KV head by this step's dense probabilities (max over
+    the group), as one masked dense read."""
+    from sfi_jax.kernels import attention_reference as ref
+
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[2], k.shape[3]
+    G = Hq // Hkv
+    _, s, _ = ref.dense_decode(q, k, v, pos + 1, return_logits=True, layer=l)
+    s = s.reshape(B, Hkv, G, S)
+    at = jnp.arange(S)
+    held_pos = st.positions[l]  # [B, Hkv, C]
+    ok = jnp.arange(held_pos.shape[-1]) < st.c_len[l][..., None]
+    idx = jnp.where(ok & (held_pos >= 0), held_pos, S)
+    bi = jnp.arange(B)[:, None, None]
+    hi = jnp.arange(Hkv)[None, :, None]
+    held = jnp.zeros((B, Hkv, S + 1), bool).at[bi, hi, idx].set(True)[..., :S]
+    start = jnp.maximum(sfi.n_sink, pos - sfi.n_recent)
+    recent = (at[None] >= start[:, None]) & (at[None] <= pos[:, None])
+    keep = held | recent[:, None] | (at < sfi.n_sink) | dense_rows[:, None, None]
+    qf = q.astype(jnp.float32)
+    tq = None
+    if sfi.topup_every > 1:
+        fresh = (st.since_slow % sfi.topup_every) == (1 % sfi.topup_every)  # 1: after a slow step
+        qf = jnp.where(fresh[:, None, None], qf, st.topup_q[l])
+        tq = qf
+    if sfi.topup_sign:  # q . (sign(k) * mean |k| per channel and KV head)
+        kk = k[l].astype(jnp.float32)
+        okp = (jnp.arange(S) <= pos[:, None])[:, None, :, None]
+        scale = jnp.where(okp, jnp.abs(kk), 0.0).sum(2, keepdims=True) / (pos[:, None, None, None] + 1)
+        sk = jnp.sign(kk) * scale
+        s_rank = _approx_scores(qf, sk, pos, S)[0].reshape(B, Hkv, G, S)
+    elif sfi.topup_pca:  # q.k in the keys' top principal directions (per KV head)
+        kk = k[l].astype(jnp.float32)  # [B, Hkv, S, D]
+        okp = (jnp.arange(S) <= pos[:, None])[:, None, :, None]
+        kk = jnp.where(okp, kk, 0.0)
+        cov = jnp.einsum("bhsd,bhse->bhde", kk, kk)
+        _, vecs = jnp.linalg.eigh(cov)  # ascending
+        basis = vecs[..., -sfi.topup_pca:]  # [B, Hkv, D, r]
+        kp = jnp.einsum("bhsd,bhdr->bhsr", kk, basis)
+        qg = qf.reshape(B, Hkv, G, D)
+        qp = jnp.einsum("bhgd,bhdr->bhgr", qg, basis)
+        sp = jnp.einsum("bhgr,bhsr->bhgs", qp, kp) / jnp.sqrt(D)
+        s_rank = jnp.where(okp[..., 0][:, :, None, :], sp, -jnp.inf)
+    elif sfi.topup_channels:  # scores from the largest |q| channels only
+        if sfi.topup_fixed:  # per KV head: the channels with the largest mean k^2
+            kk = k[l].astype(jnp.float32)
+            ok = (jnp.arange(S) <= pos[:, None])[:, None, :, None]
+            energy = jnp.where(ok, kk * kk, 0.0).sum(2)  # [B, Hkv, D]
+            _, ch = jax.lax.top_k(energy, sfi.topup_channels)
+            ch = jnp.repeat(ch, G, axis=1)  # [B, Hq, r]
+        else:
+            _, ch = jax.lax.top_k(jnp.abs(qf), sfi.topup_channels)  # [B, Hq, r]
+        cut = jnp.zeros(qf.shape, bool).at[jnp.arange(B)[:, None, None],
+                                           jnp.arange(Hq)[None, :, None], ch].set(True)
+        s_approx, _ = _approx_scores(jnp.where(cut, qf, 0.0), k[l], pos, S)
+        s_rank = s_approx.reshape(B, Hkv, G, S)
+    elif tq is not None:
+        s_rank = _approx_scores(qf, k[l], pos, S)[0].reshape(B, Hkv, G, S)
+    else:
+        s_rank = s
+    thr = None
+    if sfi.topup_raw or sfi.topup_thr:
+        raw = jnp.where(keep | ~jnp.isfinite(s[:, :, 0]), -jnp.inf, s_rank.max(axis=2))
+        if sfi.topup_thr:  # above the last step's threshold, the first m by position
+            cand = raw > st.topup_thr[l][..., None]
+            key = jnp.where(cand, -at.astype(jnp.float32)[None, None], -jnp.inf)
+            m = sfi.topup * (1 if sfi.topup_thr == 1 else 2 * sfi.topup_thr)
+            kv, top = jax.lax.top_k(key, m)  # the first m above the threshold
+            if m > sfi.topup:  # then the top T of those by their scores
+                sc = jnp.where(jnp.isfinite(kv), jnp.take_along_axis(raw, top, -1), -jnp.inf)
+                kv, j = jax.lax.top_k(sc, sfi.topup)
+                top = jnp.take_along_axis(top, j, -1)
+            picked = jnp.isfinite(kv)
+            thr = jax.lax.top_k(raw, sfi.topup * sfi.topup_thr)[0][..., -1]
+            thr = jnp.where(jnp.isfinite(thr), thr, jnp.inf)
+        else:
+            kv, top = jax.lax.top_k(raw, sfi.topup)
+            picked = jnp.isfinite(kv)
+        extra = jnp.zeros((B, Hkv, S), bool).at[bi, hi, top].set(picked)
+        mask = (keep | extra)[:, :, None, :]
+        out, _ = ref._softmax_out(jnp.where(mask, s, -jnp.inf), v[l], q.dtype)
+        return out, tq, thr
+    prob = jax.nn.softmax(s_rank, axis=-1).max(axis=2)  # [B, Hkv, S]
+    prob = jnp.where(keep | ~jnp.isfinite(s[:, :, 0]), -1.0, prob)
+    if sfi.topup_page:
+        extra = _topup_pages(q, k[l], keep, jnp.isfinite(s[:, :, 0]), sfi.topup // sfi.topup_page,
+                             sfi.topup_page)
+    else:
+        if sfi.topup_pool:  # the stale ranking's pool, then this step's exact scores in it
+            _, ptop = jax.lax.top_k(prob, sfi.topup_pool)
+            pool = jnp.zeros((B, Hkv, S), bool).at[bi, hi, ptop].set(
+                jnp.take_along_axis(prob, ptop, -1) >= 0)
+            cur = jax.nn.softmax(s.reshape(B, Hkv, G, S), axis=-1).max(axis=2)
+            prob = jnp.where(pool, cur, -1.0)
+        _, top = jax.lax.top_k(prob, abs(sfi.topup))
+        picked = (jnp.take_along_axis(prob, top, -1) >= 0) & (sfi.topup > 0)  # DEBUG <0: none
+        extra = jnp.zeros((B, Hkv, S), bool).at[bi, hi, top].set(picked)
+    mask = (keep | extra)[:, :, None, :]
+    out, _ = ref._softmax_out(jnp.where(mask, s, -jnp.inf), v[l], q.dtype)
+    return out, tq, None
+
+
+def _approx_scores(q, k, pos, S):
+    from sfi_jax.kernels import attention_reference as ref
+    s = ref._scores(q, k)
+    valid = jnp.arange(S)[None, :] <= pos[:, None]
+    return jnp.where(valid[:, None, None, :], s, -jnp.inf), None
+
+
+def _topup_pages(q, k, keep, valid, n_pages, page):
+    """The `n_pages` pages per KV head with the largest bound max_g sum_d max(q_d min_d,
+    q_d max_d) (each page's per-channel key min and max over its valid positions), among pages
+    with a valid position not kept; their valid positions."""
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n = S // page
+    kp = k[:, :, :n * page].reshape(B, Hkv, n, page, D).astype(jnp.float32)
+    vp = valid[..., :n * page].reshape(B, Hkv, n, page)
+    lo = jnp.where(vp[..., None], kp, jnp.inf).min(3)
+    hi = jnp.where(vp[..., None], kp, -jnp.inf).max(3)
+    qg = q.reshape(B, Hkv, Hq // Hkv, D).astype(jnp.float32)[:, :, :, None]  # [B,Hkv,G,1,D]
+    bound = jnp.maximum(qg * lo[:, :, None], qg * hi[:, :, None]).sum(-1).max(2)  # [B,Hkv,n]
+    open_ = (vp & ~keep[..., :n * page].reshape(B, Hkv, n, page)).any(-1)
+    bound = jnp.where(open_, bound, -jnp.inf)
+    val, top = jax.lax.top_k(bound, n_pages)
+    pick = jnp.zeros((B, Hkv, n), bool).at[jnp.arange(B)[:, None, None],
+                                           jnp.arange(Hkv)[None, :, None], top].set(
+        jnp.isfinite(val))
+    extra = jnp.repeat(pick, page, axis=-1) & vp.reshape(B, Hkv, n * page)
+    return jnp.pad(extra, ((0, 0), (0, 0), (0, S - n * page)))
 
 
 def _refresh(q, k, v, attn, slow_logits, l, pos, slots, options, q_hist, step):
