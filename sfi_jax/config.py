@@ -106,31 +106,6 @@ class SFIConfig:
     # fastest (0: a plain dense step), so drafts that miss cost next to nothing.
     draft_len: int = 3
     adaptive_draft: bool = True
-    # An experiment (an upper bound, reads the whole cache every step): a fast step also reads
-    # the `topup` positions per KV head that its own dense scores rank highest outside what
-    # it holds (sink, selection, recent).
-    topup: int = 0
-    # ... chosen by pages of `topup_page` positions ranked by an upper bound of q.k from each
-    # page's per-channel key min and max (0: by the exact scores).
-    topup_page: int = 0
-    # ... or by positions ranked by q.k over the query's `topup_channels` largest |q| channels
-    # (0: all, the exact scores).
-    topup_channels: int = 0
-    # ... the channels fixed per KV head (the largest mean k^2 over the context), not per query
-    topup_fixed: bool = False
-    # ... ranked by the query of the row's last step with since_slow % topup_every == 0
-    topup_every: int = 1
-    # ... ranked by q.k in the top `topup_pca` principal directions of the head's keys
-    topup_pca: int = 0
-    # ... picked by this step's exact scores among a pool of `topup_pool` positions ranked by
-    # the query of the row's last step with since_slow % topup_every == 0
-    topup_pool: int = 0
-    # ... ranked by q . (sign(k) * the channel's mean |k|): a 1-bit key sketch
-    topup_sign: int = 0
-    # ... ranked by the raw scores' max over the group (no softmax); with topup_thr the positions
-    # above the previous step's T-th largest raw score, the first T by position
-    topup_raw: int = 0
-    topup_thr: int = 0
 
     def __post_init__(self):
         _int_field(self, "n_sink", 0)

@@ -51,12 +51,6 @@ ARMS = {
     "sfi+succ7+warm32+mem0+recent50pct": ("sfi", {**_PAPER, "successor_radius": 7,
                                                   "warmup_steps": 32, "selection_memory": 0.0,
                                                   "n_recent": 1 << 30}),
-    "sfi+succ7+warm32+mem0+topup32": ("sfi", {**_PAPER, "successor_radius": 7,
-                                              "warmup_steps": 32, "selection_memory": 0.0,
-                                              "topup": 32}),
-    "sfi+succ7+warm32+mem0+topup32ch8": ("sfi", {**_PAPER, "successor_radius": 7,
-                                                 "warmup_steps": 32, "selection_memory": 0.0,
-                                                 "topup": 32, "topup_channels": 8}),
     "streaming": ("streaming", {}),
     "prefill_only": ("prefill_only", {}),
     "oracle": ("oracle", {}),
@@ -112,11 +106,10 @@ def budget_config(policy: str, retention: float, context: int, t_max: int = 64, 
         return SFIConfig(n_sink=N_SINK, k_select=1, n_recent=budget - N_SINK - 1, t_max=t_max,
                          policy=policy)
     share = overrides.pop("recent_share", None)
-    topup = overrides.get("topup", 0)
     n_recent = min(overrides.pop("n_recent", 256), budget // 2)
     if share is not None:
         n_recent = min(256, int(round(share * budget)))
-    return SFIConfig(n_sink=N_SINK, k_select=budget - N_SINK - n_recent - topup, n_recent=n_recent,
+    return SFIConfig(n_sink=N_SINK, k_select=budget - N_SINK - n_recent, n_recent=n_recent,
                      t_max=t_max, policy=policy, **overrides)
 
 

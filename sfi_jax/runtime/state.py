@@ -28,8 +28,6 @@ class SFIState(NamedTuple):
     # selection memory's decay since (-inf: a sink or an empty slot); None unless
     # SFIConfig.remembers
     scores: jax.Array | None = None
-    topup_q: jax.Array | None = None  # experiment: [L, B, Hq, D] the top-up's ranking query
-    topup_thr: jax.Array | None = None  # experiment: [L, B, Hkv] the last step's threshold
 
 
 def refresh_interval(st: SFIState, sfi):
@@ -119,9 +117,7 @@ def empty_sfi_state(cfg: ModelConfig, sfi: SFIConfig, batch: int, max_len: int, 
         key_norms=jnp.zeros((L, batch, Hkv, max_len), jnp.float32),
         since_slow=jnp.zeros((batch,), jnp.int32), pending=jnp.ones((batch,), bool),
         slow_steps=jnp.zeros((batch,), jnp.int32), fast_steps=jnp.zeros((batch,), jnp.int32),
-        scores=jnp.full((L, batch, Hkv, C), -jnp.inf, jnp.float32) if sfi.remembers else None,
-        topup_q=jnp.zeros((L, batch, cfg.num_q_heads, D), jnp.float32) if sfi.topup_every > 1 else None,
-        topup_thr=jnp.full((L, batch, Hkv), jnp.inf, jnp.float32) if sfi.topup_thr else None)
+        scores=jnp.full((L, batch, Hkv, C), -jnp.inf, jnp.float32) if sfi.remembers else None)
 
 
 def state_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype_bytes: int,
