@@ -183,12 +183,12 @@ def attend_deferred(q, k_new, v_new, k, v, sfi_state, slow_logits, l, pos, dense
     in `slow_logits` [L, n_slots, Hkv, G, S] for the selection at the step's end
     (`select_all_layers`: all layers at once, not per layer, as the selector is ~30 small
     kernels). slots None (the fast loop's steps): no dense launch."""
+    in_read = norms_in_sparse_read(options)
     attn, k, v, norms = _read_compact(q, k, v, sfi_state, l, pos, dense_rows, sfi,
                                       options.attention, new_kv=(k_new, v_new),
-                                      key_norms=sfi_state.key_norms
-                                      if norms_in_sparse_read(options) else None,
+                                      key_norms=sfi_state.key_norms if in_read else None,
                                       **_tuned(options, "sparse"))
-    if norms_in_sparse_read(options):
+    if in_read:
         sfi_state = sfi_state._replace(key_norms=norms)
     if q_hist is not None:  # evidence_window > 1: remember this step's query
         q_hist = q_hist.at[l, :, :, step % q_hist.shape[3]].set(q.astype(q_hist.dtype))

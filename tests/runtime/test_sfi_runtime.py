@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sfi_jax
 from conftest import TINY_EOS, assert_same_greedy, fast_compile, hf_masked_logits, rel_err
 from sfi_reference import assert_positions, sfi_reference
+from sfi_jax.models.config import PRESETS
+from sfi_jax.models.params import random_params
+from sfi_jax.runtime import decode
+from sfi_jax.runtime.sampling import SamplingConfig
+from sfi_jax.runtime.state import DecodeState, empty_sfi_state
 from sfi_jax.selector import trigger_token_ids
 
 SMALL = sfi_jax.SFIConfig.paper(n_sink=2, k_select=8, n_recent=8, t_max=8)  # the reference's method
@@ -521,10 +528,7 @@ def test_evidence_window(tiny_qwen3, per_row_runs, xla_fast_compile):
 def test_memory_check_counts_the_held_scores():
     """The memory check's SFI state bytes include the selection memory's held scores, as big
     as the array the state holds, and nothing for them when the memory is off."""
-    import jax.numpy as jnp
-
-    from sfi_jax.models.config import PRESETS
-    from sfi_jax.runtime.state import empty_sfi_state, state_bytes
+    from sfi_jax.runtime.state import state_bytes
 
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=2, num_kv_heads=2, head_dim=16)
     on = dataclasses.replace(SMALL, selection_memory=0.5)
@@ -539,15 +543,6 @@ def test_decode_keeps_every_key_norm(attention, xla_fast_compile):
     """After decode steps the state's key norms equal the cache's keys' L2 norms at every
     position a row holds, every layer: stored in the sparse read's launch (the Triton kernel,
     interpreted here) or by the step after its layers (`decode.store_key_norms`)."""
-    import jax
-    import jax.numpy as jnp
-
-    from sfi_jax.models.config import PRESETS
-    from sfi_jax.models.params import random_params
-    from sfi_jax.runtime import decode
-    from sfi_jax.runtime.sampling import SamplingConfig
-    from sfi_jax.runtime.state import DecodeState, empty_sfi_state
-
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=3, hidden_size=64,
                               intermediate_size=128, num_q_heads=4, num_kv_heads=2, head_dim=16,
                               vocab_size=300)
